@@ -1,0 +1,113 @@
+"""The KV-cache I/O contract: the one place that names every graph input and output.
+
+Names follow the convention Optimum and onnxruntime-genai use, so artifacts are
+understood by those tools too. torch.export dynamic shapes, the ONNX graph I/O, the
+runner's feeds and the manifest's `io` section all derive from `DecoderIO`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Protocol
+
+from runners.errors import ArtifactError
+
+# `concat`: past and present are separate tensors; present = concat(past, new) along
+# the sequence axis. The runner feeds each step's present back as the next past.
+KV_MODES = ("concat",)
+
+
+class _SpecLike(Protocol):
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # numpy dtype name: "int64", "float32", ...
+    dims: tuple[str | int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "dims": list(self.dims)}
+
+
+@dataclass(frozen=True)
+class DecoderIO:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    kv_dtype: str = "float32"
+    logits_dtype: str = "float32"
+    kv_mode: str = "concat"
+
+    @classmethod
+    def for_spec(cls, spec: _SpecLike, kv_dtype: str = "float32") -> DecoderIO:
+        return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.vocab_size, kv_dtype, kv_dtype)
+
+    def past_name(self, layer: int, kind: str) -> str:
+        return f"past_key_values.{layer}.{kind}"
+
+    def present_name(self, layer: int, kind: str) -> str:
+        return f"present.{layer}.{kind}"
+
+    @property
+    def past_names(self) -> list[str]:
+        return [self.past_name(i, k) for i in range(self.num_layers) for k in ("key", "value")]
+
+    @property
+    def present_names(self) -> list[str]:
+        return [self.present_name(i, k) for i in range(self.num_layers) for k in ("key", "value")]
+
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        kv = ("batch", self.num_kv_heads, "past", self.head_dim)
+        return (
+            TensorSpec("input_ids", "int64", ("batch", "seq")),
+            TensorSpec("attention_mask", "int64", ("batch", "total")),
+            TensorSpec("position_ids", "int64", ("batch", "seq")),
+            *(TensorSpec(n, self.kv_dtype, kv) for n in self.past_names),
+        )
+
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        kv = ("batch", self.num_kv_heads, "total", self.head_dim)
+        return (
+            TensorSpec("logits", self.logits_dtype, ("batch", "seq", self.vocab_size)),
+            *(TensorSpec(n, self.kv_dtype, kv) for n in self.present_names),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "kv_dtype": self.kv_dtype,
+            "logits_dtype": self.logits_dtype,
+            "kv_mode": self.kv_mode,
+            "inputs": [t.to_dict() for t in self.inputs],
+            "outputs": [t.to_dict() for t in self.outputs],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DecoderIO:
+        try:
+            io = cls(
+                int(data["num_layers"]), int(data["num_kv_heads"]), int(data["head_dim"]),
+                int(data["vocab_size"]), str(data["kv_dtype"]), str(data["logits_dtype"]),
+                str(data["kv_mode"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ArtifactError(f"manifest.json: field io is incomplete or malformed ({e!r}); rebuild the artifact") from e
+        if io.kv_mode not in KV_MODES:
+            raise ArtifactError(
+                f"manifest.json: io.kv_mode {io.kv_mode!r} is not one this runner knows ({', '.join(KV_MODES)}); "
+                "upgrade kvforge or rebuild the artifact"
+            )
+        if io.to_dict() != dict(data):
+            raise ArtifactError("manifest.json: io section does not match the contract it declares; rebuild the artifact")
+        return io

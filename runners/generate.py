@@ -1,0 +1,113 @@
+"""The generation loop: one prefill, then one-token decode steps over a `Session`.
+
+Prompts of different lengths are left-padded into one batch; the attention mask marks
+padding, and position ids count only real tokens, so each row sees exactly what it would
+see alone. The KV cache is the contract's `concat` mode: each step's present tensors are
+fed back as the next step's past.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from runners.contract import DecoderIO
+from runners.errors import GenerationError
+from runners.sampling import SamplingParams, sample
+from runners.session import Session
+
+
+@dataclass(frozen=True)
+class Step:
+    """One generated position: the token chosen per row and the logits it came from."""
+
+    tokens: np.ndarray  # int64 [batch]; pad id for rows that had already finished
+    logits: np.ndarray  # [batch, vocab], before sampling
+    active: np.ndarray  # bool [batch]: rows still generating when this step was taken
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Input ids and attention mask for a left-padded batch."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise GenerationError("every prompt must encode to at least one token; got an empty prompt")
+    width = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(prompts), width), dtype=np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = prompt
+        mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+def position_ids(mask: np.ndarray, seq: int) -> np.ndarray:
+    """Positions of the last `seq` columns: the count of real tokens before each (pads get 0)."""
+    positions = np.cumsum(mask, axis=1) - 1
+    return np.maximum(positions[:, -seq:], 0).astype(np.int64)
+
+
+def empty_cache(io: DecoderIO, batch: int) -> dict[str, np.ndarray]:
+    shape = (batch, io.num_kv_heads, 0, io.head_dim)
+    return {name: np.zeros(shape, dtype=io.kv_dtype) for name in io.past_names}
+
+
+def forward(
+    session: Session, input_ids: np.ndarray, mask: np.ndarray, cache: dict[str, np.ndarray]
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Run one step; returns the logits and the cache for the next step."""
+    io = session.io
+    feeds = {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids(mask, input_ids.shape[1])}
+    feeds.update(cache)
+    outputs = session.run(feeds)
+    next_cache = {past: outputs[present] for past, present in zip(io.past_names, io.present_names)}
+    return outputs["logits"], next_cache
+
+
+def check_length(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_positions: int) -> None:
+    if max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > max_positions:
+        raise GenerationError(
+            f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} = {longest + max_new_tokens} exceeds the "
+            f"model's context of {max_positions} positions; shorten the prompt or lower --max-new-tokens"
+        )
+
+
+def generate_steps(
+    session: Session,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    max_positions: int,
+    params: SamplingParams,
+    rng: np.random.Generator,
+    eos_ids: Sequence[int] = (),
+    pad_id: int = 0,
+    done: np.ndarray | None = None,
+) -> Iterator[Step]:
+    """Yield one `Step` per generated position until every row is done or the budget is spent.
+
+    A row is done after it samples an eos id. The caller may also mark rows done by
+    setting `done[row] = True` between steps (a stop string, a cancelled request); the
+    loop ends as soon as every row is done.
+    """
+    params.validate()
+    check_length(prompts, max_new_tokens, max_positions)
+    ids, mask = left_pad(prompts, pad_id)
+    done = np.zeros(len(prompts), dtype=bool) if done is None else done
+    seen = [np.asarray(p, dtype=np.int64) for p in prompts]
+    logits, cache = forward(session, ids, mask, empty_cache(session.io, len(prompts)))
+    eos = np.asarray(list(eos_ids), dtype=np.int64)
+    for step in range(max_new_tokens):
+        last = logits[:, -1, :]
+        active = ~done
+        tokens = np.where(active, sample(last, params, rng, seen), pad_id).astype(np.int64)
+        yield Step(tokens, last, active)
+        done |= np.isin(tokens, eos) & active
+        if done.all() or step == max_new_tokens - 1:
+            return
+        seen = [np.append(s, t) if a else s for s, t, a in zip(seen, tokens, active)]
+        mask = np.concatenate([mask, active[:, None].astype(np.int64)], axis=1)
+        logits, cache = forward(session, tokens[:, None], mask, cache)

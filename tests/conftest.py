@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from tests.tiny import make_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Tiny checkpoints by model type (and dtype), made once per test session."""
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(model_type: str = "llama", dtype: str = "float32") -> Path:
+        key = (model_type, dtype)
+        if key not in made:
+            made[key] = make_checkpoint(tmp_path_factory.mktemp(f"ckpt-{model_type}-{dtype}"), model_type, dtype)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def built_artifact(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Artifacts built from the tiny checkpoints, once per test session."""
+    from toolchain.build import build
+
+    built: dict[tuple[str, str], Path] = {}
+
+    def get(model_type: str = "llama", dtype: str = "float32") -> Path:
+        key = (model_type, dtype)
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"art-{model_type}-{dtype}") / "out"
+            built[key] = build(tiny_checkpoint(model_type, dtype), out).output
+        return built[key]
+
+    return get

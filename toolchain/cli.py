@@ -1,0 +1,129 @@
+"""The `kvforge` command line: build, generate, verify, inspect.
+
+Every KvforgeError is printed as one line on stderr, with exit status 2 and no traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from runners.errors import KvforgeError
+
+_CHECKPOINT = click.Path(exists=False, file_okay=False, path_type=Path)
+
+
+def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except KvforgeError as e:
+            click.echo(f"kvforge: error: {e}", err=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True, help="Log each stage to stderr.")
+def main(verbose: bool) -> None:
+    """kvforge: compile Hugging Face decoder-only models to verified ONNX artifacts and run them."""
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    if not verbose:  # the tracing libraries warn about their own deprecations; not the user's business
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+    for ours in ("toolchain", "runners", "passes"):
+        logging.getLogger(ours).setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+@main.command()
+@click.argument("checkpoint", type=_CHECKPOINT)
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Artifact directory to create.")
+@click.option("--force", is_flag=True, help="Replace an existing artifact at --output.")
+@click.option("--allow-pickle", is_flag=True, help="Accept pytorch_model.bin (read with torch.load(weights_only=True)).")
+@click.option("--decode-steps", default=8, show_default=True, type=click.IntRange(1, 256),
+              help="Greedy decode steps the verification gate compares.")
+@_guarded
+def build(checkpoint: Path, output: Path, force: bool, allow_pickle: bool, decode_steps: int) -> None:
+    """Export CHECKPOINT, lower it to ONNX, verify it against the eager model, publish it to -o."""
+    from toolchain.build import BuildOptions
+    from toolchain.build import build as run_build
+
+    result = run_build(checkpoint, output, BuildOptions(force=force, allow_pickle=allow_pickle, decode_steps=decode_steps))
+    stages = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items())
+    click.echo(f"built {result.output} ({stages})", err=True)
+    click.echo(result.parity.summary(), err=True)
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.argument("prompts", nargs=-1, required=True)
+@click.option("--max-new-tokens", type=click.IntRange(1), default=None, help="Default: the artifact's, else 128.")
+@click.option("--temperature", type=float, default=None, help="0 is greedy. Default: the artifact's generation config.")
+@click.option("--top-k", type=int, default=None, help="Keep the k most likely tokens (0: off).")
+@click.option("--top-p", type=float, default=None, help="Keep the smallest set of tokens with this total probability.")
+@click.option("--min-p", type=float, default=None, help="Drop tokens below this fraction of the top probability.")
+@click.option("--repetition-penalty", type=float, default=None, help="Penalize tokens already seen (1: off).")
+@click.option("--seed", type=int, default=None, help="Same seed, same text.")
+@click.option("--stop", multiple=True, help="Stop before this string (repeatable); it is not printed.")
+@click.option("--chat", is_flag=True, help="Format the prompt with the tokenizer's chat template.")
+@_guarded
+def generate(artifact: Path, prompts: tuple[str, ...], max_new_tokens: int | None, stop: tuple[str, ...],
+             chat: bool, **sampling: Any) -> None:
+    """Generate from ARTIFACT. One prompt streams to stdout; several run as one batch."""
+    from runners.engine import Engine
+
+    engine = Engine.load(artifact)
+    if len(prompts) > 1:
+        for text in engine.generate(list(prompts), max_new_tokens=max_new_tokens, stop=stop, chat=chat, **sampling):
+            click.echo(json.dumps(text, ensure_ascii=False))
+        return
+    stream = engine.stream(prompts[0], max_new_tokens=max_new_tokens, stop=stop, chat=chat, **sampling)
+    for chunk in stream:
+        click.echo(chunk, nl=False)
+        sys.stdout.flush()
+    click.echo()
+    s = stream.stats
+    click.echo(
+        f"[{s.prompt_tokens} prompt tokens, {s.new_tokens} new tokens, first token {s.first_token_s * 1000:.0f} ms, "
+        f"{s.decode_tokens_per_s:.1f} tokens/s, finish: {s.finish_reason}]",
+        err=True,
+    )
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--checkpoint", required=True, type=_CHECKPOINT, help="The checkpoint the artifact was built from.")
+@click.option("--allow-pickle", is_flag=True, help="Accept pytorch_model.bin (read with torch.load(weights_only=True)).")
+@_guarded
+def verify(artifact: Path, checkpoint: Path, allow_pickle: bool) -> None:
+    """Re-run the parity check of ARTIFACT against the eager model of CHECKPOINT."""
+    from toolchain.build import verify as run_verify
+
+    click.echo(run_verify(artifact, checkpoint, allow_pickle=allow_pickle).summary())
+
+
+@main.command()
+@click.argument("checkpoint", type=_CHECKPOINT)
+@click.option("--batch", default=1, show_default=True, type=click.IntRange(1), help="Sequences held at once.")
+@click.option("--seq", default=None, type=click.IntRange(1), help="Tokens per sequence. Default: the model's context.")
+@click.option("--allow-pickle", is_flag=True, help="Accept pytorch_model.bin (read with torch.load(weights_only=True)).")
+@_guarded
+def inspect(checkpoint: Path, batch: int, seq: int | None, allow_pickle: bool) -> None:
+    """Parameters, weight bytes per precision and KV-cache bytes of CHECKPOINT."""
+    from toolchain import checkpoint as checkpoints
+    from toolchain.footprint import footprint, format_footprint
+    from toolchain.spec import DecoderSpec
+
+    ckpt = checkpoints.load(checkpoint, allow_pickle=allow_pickle)
+    spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
+    click.echo(format_footprint(footprint(ckpt, spec, batch=batch, seq=seq or spec.max_positions), spec))

@@ -1,0 +1,121 @@
+"""The eager model from a checkpoint, and its torch.export with a flat KV cache.
+
+`DecoderWrapper` turns the HF model's `Cache` object into flat tensors in the order of
+the contract (`past_key_values.{i}.key|value` in, `logits, present.{i}.key|value` out),
+which is what both torch.export and the runner's sessions need.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+from torch.export import Dim, ExportedProgram
+
+from runners.contract import DecoderIO
+from runners.errors import CheckpointError, ExportError
+from toolchain.checkpoint import Checkpoint
+from toolchain.spec import DecoderSpec
+
+log = logging.getLogger(__name__)
+
+# Example sizes for tracing: distinct and >= 2, so no dimension is specialized to 0/1
+# or confused with another. The gate then runs the graph at past = 0 and seq = 1.
+_EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_PAST = 2, 3, 5
+
+
+def eager_model(checkpoint: Checkpoint, spec: DecoderSpec, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The HF model with the checkpoint's weights, in eval mode, computing in `dtype`.
+
+    The architecture comes from transformers' own classes (never remote code); weights
+    come from our checkpoint loader, so only safetensors or weights-only pickle are read.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    fields = {k: v for k, v in checkpoint.config.items() if k not in ("model_type", "auto_map")}
+    config = AutoConfig.for_model(spec.model_type, **fields)
+    config._attn_implementation = "eager"  # plain ops: exact, traceable, and softcapping-aware
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = {k: v.to(dtype) for k, v in checkpoint.state_dict().items()}
+    state = _strip_prefix(state, model)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        what = f"missing tensors {missing[:5]}" if missing else f"unexpected tensors {unexpected[:5]}"
+        raise CheckpointError(
+            f"{checkpoint.path}: weights do not match the {spec.model_type} architecture in config.json: {what}; "
+            "check that config.json belongs to these weights"
+        )
+    model.tie_weights()
+    return model.eval()
+
+
+def _strip_prefix(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Bare base-model checkpoints (`layers.0...` instead of `model.layers.0...`) load too."""
+    expected = set(model.state_dict())
+    if set(state) & expected:
+        return state
+    prefix = getattr(model, "base_model_prefix", "model") + "."
+    return {prefix + k if prefix + k in expected else k: v for k, v in state.items()}
+
+
+class DecoderWrapper(torch.nn.Module):
+    """HF causal LM with flat KV-cache tensors in and out, in contract order."""
+
+    def __init__(self, model: torch.nn.Module, num_layers: int) -> None:
+        super().__init__()
+        self.model = model
+        self.num_layers = num_layers
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        past: Sequence[torch.Tensor],
+    ) -> tuple[torch.Tensor, ...]:
+        from transformers import DynamicCache
+
+        # No config: every layer keeps its full history. Sliding-window layers still get
+        # their windowed mask from the model, so results match, and the contract stays uniform.
+        cache = DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(self.num_layers)])
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            cache=cache, use_cache=True,
+        )
+        present = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        return (out.logits, *present)
+
+
+def example_inputs(io: DecoderIO, dtype: torch.dtype = torch.float32) -> tuple[Any, ...]:
+    b, s, p = _EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_PAST
+    input_ids = torch.randint(0, io.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(b, p + s, dtype=torch.int64)
+    positions = torch.arange(p, p + s, dtype=torch.int64).expand(b, s).contiguous()
+    past = [torch.zeros(b, io.num_kv_heads, p, io.head_dim, dtype=dtype) for _ in io.past_names]
+    return input_ids, mask, positions, past
+
+
+def export_decoder(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO) -> ExportedProgram:
+    """torch.export the wrapped decoder with dynamic batch, sequence, past and total length."""
+    wrapper = DecoderWrapper(model, spec.num_layers).eval()
+    dyn = Dim.DYNAMIC
+    dynamic_shapes = {
+        "input_ids": {0: dyn, 1: dyn},
+        "attention_mask": {0: dyn, 1: dyn},
+        "position_ids": {0: dyn, 1: dyn},
+        "past": [{0: dyn, 2: dyn} for _ in io.past_names],
+    }
+    dtype = next(model.parameters()).dtype
+    try:
+        with torch.no_grad():
+            return torch.export.export(wrapper, example_inputs(io, dtype), dynamic_shapes=dynamic_shapes, strict=False)
+    except Exception as e:  # torch.export raises many unrelated types; all mean the same to the user
+        raise ExportError(
+            f"torch.export failed for {spec.model_type}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
+            "this architecture/transformers version combination is not traceable, please report it"
+        ) from e

@@ -1,0 +1,53 @@
+"""Writing manifest.json, the last file of every artifact.
+
+It records what went in (source hashes, flags, tool versions), what the graph is (spec,
+I/O contract), how it was checked (parity report) and the sha256 of every file.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Mapping
+
+from runners.contract import DecoderIO
+from runners.manifest import MANIFEST, SCHEMA_VERSION, sha256_file
+from toolchain.emit import write_json
+from toolchain.spec import DecoderSpec
+
+_TOOLS = ("kvforge", "torch", "transformers", "onnx", "onnx-ir", "onnxscript", "onnxruntime", "safetensors", "tokenizers")
+
+
+def tool_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {}
+    for name in _TOOLS:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def write(
+    directory: Path,
+    *,
+    spec: DecoderSpec,
+    io: DecoderIO,
+    sources: Mapping[str, str],
+    flags: Mapping[str, Any],
+    parity: Mapping[str, Any],
+) -> dict[str, Any]:
+    files = {p.name: sha256_file(p) for p in sorted(directory.iterdir()) if p.name != MANIFEST}
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "target": flags["target"],
+        "flags": dict(flags),
+        "sources": dict(sources),
+        "tools": tool_versions(),
+        "spec": spec.to_dict(),
+        "io": io.to_dict(),
+        "parity": dict(parity),
+        "files": files,
+    }
+    write_json(directory / MANIFEST, manifest)
+    return manifest
