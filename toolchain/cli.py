@@ -127,3 +127,7 @@ def inspect(checkpoint: Path, batch: int, seq: int | None, allow_pickle: bool) -
     ckpt = checkpoints.load(checkpoint, allow_pickle=allow_pickle)
     spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
     click.echo(format_footprint(footprint(ckpt, spec, batch=batch, seq=seq or spec.max_positions), spec))
+
+
+if __name__ == "__main__":
+    main()

@@ -8,7 +8,8 @@ which is what both torch.export and the runner's sessions need.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch.export import Dim, ExportedProgram
@@ -28,39 +29,42 @@ _EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_PAST = 2, 3, 5
 def eager_model(checkpoint: Checkpoint, spec: DecoderSpec, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The HF model with the checkpoint's weights, in eval mode, computing in `dtype`.
 
-    The architecture comes from transformers' own classes (never remote code); weights
-    come from our checkpoint loader, so only safetensors or weights-only pickle are read.
+    The architecture comes from transformers' own classes (never remote code). Weights come
+    from our checkpoint loader, so only safetensors or weights-only pickle are ever read;
+    transformers maps them onto the model (renamed keys, tied embeddings, bare base models).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     fields = {k: v for k, v in checkpoint.config.items() if k not in ("model_type", "auto_map")}
     config = AutoConfig.for_model(spec.model_type, **fields)
-    config._attn_implementation = "eager"  # plain ops: exact, traceable, and softcapping-aware
-    with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = {k: v.to(dtype) for k, v in checkpoint.state_dict().items()}
-    state = _strip_prefix(state, model)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
-    missing = [k for k in missing if k not in tied]
-    if missing or unexpected:
-        what = f"missing tensors {missing[:5]}" if missing else f"unexpected tensors {unexpected[:5]}"
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    with _quiet_transformers():  # its load report goes to the log; we raise our own error below
+        model, info = model_class.from_pretrained(
+            None, config=config, state_dict=checkpoint.state_dict(), dtype=dtype,
+            attn_implementation="eager",  # plain ops: exact, traceable, and softcapping-aware
+            output_loading_info=True, ignore_mismatched_sizes=True,
+        )
+    problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if problems:
+        what = "; ".join(f"{k.replace('_', ' ')}: {sorted(map(str, v))[:5]}" for k, v in problems.items())
         raise CheckpointError(
-            f"{checkpoint.path}: weights do not match the {spec.model_type} architecture in config.json: {what}; "
+            f"{checkpoint.path}: weights do not match the {spec.model_type} architecture in config.json ({what}); "
             "check that config.json belongs to these weights"
         )
-    model.tie_weights()
     return model.eval()
 
 
-def _strip_prefix(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Bare base-model checkpoints (`layers.0...` instead of `model.layers.0...`) load too."""
-    expected = set(model.state_dict())
-    if set(state) & expected:
-        return state
-    prefix = getattr(model, "base_model_prefix", "model") + "."
-    return {prefix + k if prefix + k in expected else k: v for k, v in state.items()}
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 class DecoderWrapper(torch.nn.Module):
