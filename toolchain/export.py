@@ -59,12 +59,15 @@ def eager_model(checkpoint: Checkpoint, spec: DecoderSpec, dtype: torch.dtype = 
 def _quiet_transformers() -> Iterator[None]:
     from transformers.utils import logging as hf_logging
 
-    level = hf_logging.get_verbosity()
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     try:
         yield
     finally:
         hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 class DecoderWrapper(torch.nn.Module):

@@ -22,8 +22,12 @@ _WRAPPER_PREFIX = "model."
 
 def to_onnx(program: ExportedProgram, io: DecoderIO) -> ir.Model:
     """torch.onnx (dynamo) lowering; graph I/O renamed and shaped per the contract."""
+    # It warns once per torchvision op that torchvision is missing; decoders use none of them.
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     try:
-        onnx_program = torch.onnx.export(program, dynamo=True, optimize=True, opset_version=OPSET, verbose=False)
+        # optimize=False: the exporter's optimizer folds Transpose(weight) into anonymous
+        # constants, losing the checkpoint's tensor names that later passes and reports use.
+        onnx_program = torch.onnx.export(program, dynamo=True, optimize=False, opset_version=OPSET, verbose=False)
     except Exception as e:  # the exporter raises many unrelated types; all mean the same to the user
         raise ExportError(f"ONNX lowering failed: {type(e).__name__}: {e}; please report it") from e
     model = onnx_program.model

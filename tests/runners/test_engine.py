@@ -1,0 +1,144 @@
+"""The runner over a real artifact: streaming, stop strings, sampling, limits, tampering, no torch."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from runners.engine import Engine
+from runners.errors import ArtifactError, GenerationError
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def artifact(built_artifact: Callable[..., Path]) -> Path:
+    return built_artifact("llama")
+
+
+@pytest.fixture()
+def engine(artifact: Path) -> Engine:
+    e = Engine.load(artifact)
+    e.eos_ids = ()  # random weights may sample eos at any point; these tests want full lengths
+    return e
+
+
+def test_stream_chunks_concatenate_to_generate(engine: Engine) -> None:
+    stream = engine.stream(PROMPT, max_new_tokens=40, temperature=0.0)
+    chunks = list(stream)
+    assert "".join(chunks) == engine.generate(PROMPT, max_new_tokens=40, temperature=0.0)
+    ids = engine.generate_tokens([engine.encode(PROMPT)], max_new_tokens=40, temperature=0.0)[0]
+    assert "".join(chunks) == engine.tokenizer.decode(ids)
+    assert stream.stats.new_tokens == 40 and stream.stats.prompt_tokens == len(engine.encode(PROMPT))
+    assert stream.stats.finish_reason == "length" and stream.stats.first_token_s > 0
+
+
+def test_stop_string_ends_text_before_it(engine: Engine) -> None:
+    full = engine.generate(PROMPT, max_new_tokens=40, temperature=0.0)
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    expected = full[: full.index(stop)]
+    stream = engine.stream(PROMPT, max_new_tokens=40, temperature=0.0, stop=[stop])
+    assert "".join(stream) == expected
+    assert stream.stats.finish_reason == "stop"
+    assert engine.generate(PROMPT, max_new_tokens=40, temperature=0.0, stop=[stop]) == expected
+
+
+def test_eos_ends_generation(artifact: Path) -> None:
+    engine = Engine.load(artifact)
+    free = engine.generate_tokens([engine.encode(PROMPT)], max_new_tokens=30, temperature=0.0)[0]
+    engine.eos_ids = (free[5],)  # pretend the sixth token is the end of text
+    first = free.index(free[5])
+    assert engine.generate_tokens([engine.encode(PROMPT)], max_new_tokens=30, temperature=0.0)[0] == free[: first + 1]
+    stream = engine.stream(PROMPT, max_new_tokens=30, temperature=0.0)
+    assert "".join(stream) == engine.tokenizer.decode(free[:first]) and stream.stats.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(engine: Engine) -> None:
+    def run(seed: int) -> str:
+        return engine.generate(PROMPT, max_new_tokens=30, temperature=0.9, top_p=0.95, top_k=50, seed=seed)
+
+    assert run(1) == run(1)
+    assert len({run(1), run(2), run(3)}) > 1
+
+
+def test_batch_generation_matches_single_prompts(engine: Engine) -> None:
+    prompts = ["import os", PROMPT, "x"]
+    assert engine.generate(prompts, max_new_tokens=12, temperature=0.0) == [
+        engine.generate(p, max_new_tokens=12, temperature=0.0) for p in prompts
+    ]
+
+
+def test_prompt_beyond_context_is_refused_before_any_work(engine: Engine) -> None:
+    calls = []
+    run = engine.session.run
+    engine.session.run = lambda feeds: calls.append(1) or run(feeds)  # type: ignore[method-assign]
+    with pytest.raises(GenerationError, match="exceeds the model's context of 256"):
+        engine.stream(PROMPT, max_new_tokens=256)
+    with pytest.raises(GenerationError, match="exceeds"):
+        engine.generate([PROMPT, "x"], max_new_tokens=255)
+    assert calls == []
+
+
+def test_invalid_sampling_values_are_refused(engine: Engine) -> None:
+    with pytest.raises(GenerationError, match="top_p"):
+        engine.stream(PROMPT, top_p=1.5)
+
+
+def test_chat_prompt_uses_the_template(engine: Engine) -> None:
+    ids = engine.encode("hi", chat=True)
+    assert engine.tokenizer.decode(ids, skip_special_tokens=False) == "<s>user: hi\nassistant:"
+
+
+def test_tampered_or_incomplete_artifacts_are_refused(artifact: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "a"
+    shutil.copytree(artifact, copy)
+    data = bytearray((copy / "model.onnx.data").read_bytes())
+    data[100] ^= 0xFF
+    (copy / "model.onnx.data").write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=r"model\.onnx\.data: sha256 does not match"):
+        Engine.load(copy)
+    shutil.rmtree(copy)
+    shutil.copytree(artifact, copy)
+    (copy / "extra.bin").write_bytes(b"x")
+    with pytest.raises(ArtifactError, match="extra.bin: not listed"):
+        Engine.load(copy)
+    (copy / "extra.bin").unlink()
+    (copy / "manifest.json").unlink()
+    with pytest.raises(ArtifactError, match="manifest.json: missing"):
+        Engine.load(copy)
+
+
+def test_runner_works_without_torch(artifact: Path, engine: Engine) -> None:
+    script = (
+        "import sys, json\n"
+        "sys.modules['torch'] = None; sys.modules['transformers'] = None  # import of either now fails\n"
+        "from runners import Engine\n"
+        f"e = Engine.load({str(artifact)!r}); e.eos_ids = ()\n"
+        f"print(json.dumps(e.generate({PROMPT!r}, max_new_tokens=10, temperature=0.0)))\n"
+        "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == engine.generate(PROMPT, max_new_tokens=10, temperature=0.0)
+
+
+def test_greedy_logits_match_session_directly(engine: Engine) -> None:
+    """generate_tokens' first token is the argmax of one plain session call."""
+    ids = engine.encode(PROMPT)
+    feeds = {
+        "input_ids": np.array([ids]), "attention_mask": np.ones((1, len(ids)), np.int64),
+        "position_ids": np.arange(len(ids))[None],
+    }
+    io = engine.session.io
+    feeds.update({n: np.zeros((1, io.num_kv_heads, 0, io.head_dim), np.float32) for n in io.past_names})
+    first = int(engine.session.run(feeds)["logits"][0, -1].argmax())
+    assert engine.generate_tokens([ids], max_new_tokens=1, temperature=0.0)[0] == [first]

@@ -1,0 +1,72 @@
+"""The command line: output streams, errors are one line with exit status 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from click.testing import CliRunner
+
+from runners.engine import Engine
+from toolchain.cli import main
+
+
+def kvforge(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "toolchain.cli", *args], capture_output=True, text=True, check=False,
+    )
+
+
+def test_missing_checkpoint_is_one_line_error(tmp_path: Path) -> None:
+    result = kvforge("build", str(tmp_path / "nope"), "-o", str(tmp_path / "out"))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvforge: error: ") and "nope" in lines[0]
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_unsupported_architecture_lists_supported(tmp_path: Path, tiny_checkpoint: Callable[..., Path]) -> None:
+    import json
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint("llama"), ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
+    result = CliRunner().invoke(main, ["build", str(ckpt), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert "mamba" in result.output and "gpt_neox" in result.output and "llama" in result.output
+
+
+@pytest.mark.slow
+def test_generate_streams_only_the_new_text_and_reports_timing(built_artifact: Callable[..., Path]) -> None:
+    artifact = built_artifact("llama")
+    result = kvforge("generate", str(artifact), "def f(", "--max-new-tokens", "12", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    engine = Engine.load(artifact)
+    assert result.stdout == engine.generate("def f(", max_new_tokens=12, temperature=0.0) + "\n"
+    assert "first token" in result.stderr and "tokens/s" in result.stderr
+
+
+@pytest.mark.slow
+def test_generate_several_prompts_prints_one_json_line_each(built_artifact: Callable[..., Path]) -> None:
+    import json
+
+    artifact = built_artifact("llama")
+    result = CliRunner().invoke(main, ["generate", str(artifact), "a", "bcd", "--max-new-tokens", "5", "--temperature", "0"])
+    assert result.exit_code == 0, result.output
+    engine = Engine.load(artifact)
+    assert [json.loads(line) for line in result.stdout.splitlines()] == engine.generate(
+        ["a", "bcd"], max_new_tokens=5, temperature=0.0
+    )
+
+
+@pytest.mark.slow
+def test_inspect_prints_exact_kv_bytes(tiny_checkpoint: Callable[..., Path]) -> None:
+    result = CliRunner().invoke(main, ["inspect", str(tiny_checkpoint("llama")), "--batch", "8", "--seq", "200"])
+    assert result.exit_code == 0, result.output
+    # 2 (K and V) * 2 layers * 2 kv heads * 16 head dim * 4 bytes * 8 * 200 tokens
+    assert f"{2 * 2 * 2 * 16 * 4 * 8 * 200:,}" in result.output
