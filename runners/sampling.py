@@ -1,0 +1,258 @@
+"""Token samplers as pure functions over numpy logits.
+
+Every step takes logits of shape ``[batch, vocab]`` and returns a new array, so the
+generation loop can compose them, tests can check each one alone, and nothing here
+depends on the session that produced the logits. The order of the steps follows
+Hugging Face and vLLM (repetition penalty, temperature, top-k, top-p, min-p, draw) so
+that the same settings give the same distribution as there.
+
+Filtered-out tokens get ``-inf`` logits; the final draw turns the survivors into
+probabilities. Work is done in float64: logits arrive as float16/float32 from the
+session, and cumulative sums over a 100k+ vocabulary need the headroom.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from runners.errors import GenerationError
+
+FloatArray = npt.NDArray[np.float64]
+IdArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen; the neutral value of each field turns it off.
+
+    ``temperature == 0`` means greedy decoding (argmax after the repetition penalty).
+    ``repetition_penalty`` follows Hugging Face: for every token already seen (prompt and
+    generated), a positive logit is divided by the penalty and a negative one multiplied.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def validate(self) -> None:
+        """Raise GenerationError naming the first field whose value is out of range."""
+        _check_real("temperature", self.temperature)
+        if self.temperature < 0:
+            raise GenerationError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < 0:
+            raise GenerationError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
+        _check_real("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise GenerationError(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p}")
+        _check_real("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise GenerationError(f"min_p must be in [0, 1] (0 turns it off), got {self.min_p}")
+        _check_real("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise GenerationError(f"repetition_penalty must be > 0 (1 turns it off), got {self.repetition_penalty}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+            if self.seed < 0:
+                raise GenerationError(f"seed must be >= 0 or None, got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the token is the argmax: top-k/top-p/min-p never remove the argmax."""
+        return self.temperature == 0
+
+
+def _check_real(field: str, value: object) -> None:
+    """Reject non-numbers, bools and NaN/inf before range checks compare them."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise GenerationError(f"{field} must be a number, got {value!r}")
+    if not math.isfinite(float(value)):
+        raise GenerationError(f"{field} must be finite, got {value}")
+
+
+def _check_int(field: str, value: object) -> None:
+    """Reject floats and bools where a count or seed is expected."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise GenerationError(f"{field} must be an integer, got {value!r}")
+
+
+def make_rng(seed: int | None) -> np.random.Generator:
+    """The generator every draw uses: the same seed gives the same tokens."""
+    if seed is not None:
+        _check_int("seed", seed)
+        if seed < 0:
+            raise GenerationError(f"seed must be >= 0 or None, got {seed}")
+    return np.random.default_rng(seed)
+
+
+def as_logits(logits: npt.ArrayLike) -> FloatArray:
+    """Check the shape and values of session logits and return a float64 copy."""
+    array = np.asarray(logits)
+    if array.ndim != 2:
+        raise GenerationError(
+            f"logits must have shape [batch, vocab], got shape {array.shape}; "
+            "take the last position of the session's [batch, seq, vocab] logits"
+        )
+    if array.shape[1] == 0:
+        raise GenerationError(f"logits have an empty vocabulary axis (shape {array.shape})")
+    if not np.issubdtype(array.dtype, np.floating):
+        raise GenerationError(f"logits must be a float array, got dtype {array.dtype}")
+    result = array.astype(np.float64, copy=True)
+    if np.isnan(result).any():
+        raise GenerationError("logits contain NaN; the model or session produced invalid output")
+    if np.isposinf(result).any():
+        raise GenerationError("logits contain +inf; the model or session overflowed")
+    if (result.max(axis=-1) == -np.inf).any():
+        raise GenerationError("a row of logits is all -inf: no token can be chosen")
+    return result
+
+
+def apply_repetition_penalty(logits: FloatArray, seen: Sequence[npt.ArrayLike], penalty: float) -> FloatArray:
+    """Make already-seen tokens less likely, dividing positive and multiplying negative logits.
+
+    Each token counts once however often it was seen, as in Hugging Face.
+    """
+    result = np.array(logits, dtype=np.float64, copy=True)
+    if penalty == 1.0:
+        return result
+    batch, vocab = result.shape
+    if len(seen) != batch:
+        raise GenerationError(f"seen has {len(seen)} rows but logits have batch {batch}; pass one id list per row")
+    for row, ids in enumerate(seen):
+        tokens = _seen_tokens(ids, vocab, row)
+        picked = result[row, tokens]
+        result[row, tokens] = np.where(picked > 0, picked / penalty, picked * penalty)
+    return result
+
+
+def _seen_tokens(ids: npt.ArrayLike, vocab: int, row: int) -> IdArray:
+    """Unique, range-checked token ids of one row of ``seen``."""
+    tokens = np.unique(np.asarray(ids, dtype=np.int64).reshape(-1))
+    if tokens.size and (tokens[0] < 0 or tokens[-1] >= vocab):
+        bad = tokens[0] if tokens[0] < 0 else tokens[-1]
+        raise GenerationError(f"seen[{row}] holds token id {bad}, outside the vocabulary [0, {vocab})")
+    return tokens
+
+
+def apply_temperature(logits: FloatArray, temperature: float) -> FloatArray:
+    """Sharpen (T < 1) or flatten (T > 1) the distribution; T must be > 0 here."""
+    if temperature <= 0:
+        raise GenerationError(f"temperature must be > 0 to scale logits, got {temperature}; use greedy() for 0")
+    return np.asarray(logits, dtype=np.float64) / temperature
+
+
+def apply_top_k(logits: FloatArray, top_k: int) -> FloatArray:
+    """Keep the ``top_k`` largest logits per row; ties with the k-th value are kept too.
+
+    Keeping ties follows Hugging Face and avoids an arbitrary choice between tokens of
+    equal probability.
+    """
+    result = np.array(logits, dtype=np.float64, copy=True)
+    vocab = result.shape[-1]
+    if top_k <= 0 or top_k >= vocab:
+        return result
+    kth_largest = np.partition(result, vocab - top_k, axis=-1)[:, vocab - top_k]
+    result[result < kth_largest[:, None]] = -np.inf
+    return result
+
+
+def apply_top_p(logits: FloatArray, top_p: float) -> FloatArray:
+    """Keep the smallest set of most likely tokens whose probability mass reaches ``top_p``.
+
+    A token is kept when the mass of the tokens ranked above it is still below
+    ``top_p``, so the most likely token always survives. Equal logits are ranked by
+    lower token id first, which makes the cut deterministic.
+    """
+    result = np.array(logits, dtype=np.float64, copy=True)
+    if top_p >= 1.0:
+        return result
+    order = np.argsort(-result, axis=-1, kind="stable")
+    sorted_probs = np.take_along_axis(softmax(result), order, axis=-1)
+    mass_above = np.cumsum(sorted_probs, axis=-1) - sorted_probs
+    drop_sorted = mass_above >= top_p
+    drop = np.zeros_like(drop_sorted)
+    np.put_along_axis(drop, order, drop_sorted, axis=-1)
+    result[drop] = -np.inf
+    return result
+
+
+def apply_min_p(logits: FloatArray, min_p: float) -> FloatArray:
+    """Drop tokens whose probability is below ``min_p`` times the most likely token's.
+
+    Compared in log space (logit >= max + log(min_p)), which needs no softmax and
+    always keeps the maximum.
+    """
+    result = np.array(logits, dtype=np.float64, copy=True)
+    if min_p <= 0.0:
+        return result
+    threshold = result.max(axis=-1, keepdims=True) + math.log(min_p)
+    result[result < threshold] = -np.inf
+    return result
+
+
+def greedy(logits: npt.ArrayLike) -> IdArray:
+    """The most likely token per row; ties go to the lowest id."""
+    tokens: IdArray = np.argmax(np.asarray(logits), axis=-1).astype(np.int64)
+    return tokens
+
+
+def softmax(logits: FloatArray) -> FloatArray:
+    """Row-wise probabilities; ``-inf`` logits get exactly zero probability."""
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    weights = np.exp(shifted)
+    probs: FloatArray = weights / weights.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def draw(logits: FloatArray, rng: np.random.Generator) -> IdArray:
+    """Sample one token per row by inverting the CDF with one uniform per row.
+
+    One uniform per row (rather than Gumbel noise per vocabulary entry) keeps a step
+    cheap for large vocabularies. Tokens with zero probability can never be chosen: the
+    CDF does not rise at them, and the index is clamped to the last token with mass in
+    case rounding puts the uniform at the very top.
+    """
+    probs = softmax(logits)
+    cdf = np.cumsum(probs, axis=-1)
+    uniforms = rng.random(probs.shape[0]) * cdf[:, -1]
+    chosen = (cdf <= uniforms[:, None]).sum(axis=-1)
+    last_with_mass = probs.shape[-1] - 1 - np.argmax(probs[:, ::-1] > 0, axis=-1)
+    tokens: IdArray = np.minimum(chosen, last_with_mass).astype(np.int64)
+    return tokens
+
+
+def sample(
+    logits: npt.ArrayLike,
+    params: SamplingParams,
+    rng: np.random.Generator,
+    seen: Sequence[npt.ArrayLike] | None = None,
+) -> IdArray:
+    """Choose the next token of every row of ``logits`` ([batch, vocab]) -> int64 [batch].
+
+    ``seen`` holds, per row, the ids the repetition penalty applies to (prompt and
+    generated so far); it is required only when the penalty is on.
+    """
+    params.validate()
+    scores = as_logits(logits)
+    if params.repetition_penalty != 1.0:
+        if seen is None:
+            raise GenerationError(
+                "repetition_penalty is set but seen is None; pass the prompt and generated ids of each row"
+            )
+        scores = apply_repetition_penalty(scores, seen, params.repetition_penalty)
+    if params.greedy:
+        return greedy(scores)
+    scores = apply_temperature(scores, params.temperature)
+    scores = apply_top_k(scores, params.top_k)
+    scores = apply_top_p(scores, params.top_p)
+    scores = apply_min_p(scores, params.min_p)
+    return draw(scores, rng)
