@@ -1,0 +1,201 @@
+"""How much memory a model needs: its weights at each precision, and the KV cache.
+
+Feeds `kvforge inspect`. Everything is computed from safetensors headers and the spec;
+no weight data is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from runners.errors import CheckpointError, GenerationError, KvforgeError
+from toolchain.checkpoint import Checkpoint
+from toolchain.spec import DecoderSpec
+
+logger = logging.getLogger(__name__)
+
+QUANT_BLOCK = 32  # weights per quantization block, along the input (reduction) dimension
+SCALE_BYTES = 2  # one fp16 scale per block
+WEIGHT_PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
+KV_PRECISIONS: dict[str, int] = {"fp32": 4, "fp16": 2}
+_BITS = {"int8": 8, "int4": 4}
+
+DTYPE_BYTES: dict[str, int] = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+}
+
+# Tensors some checkpoints store that are buffers, not parameters: causal-mask constants
+# (old gpt2 / gpt_neox files) and precomputed RoPE frequencies.
+_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias", "inv_freq")
+# The output projection; when embeddings are tied it is the embedding matrix, counted once.
+_HEAD_NAMES = ("lm_head.weight", "embed_out.weight")
+# Embedding tables (token and learned position): looked up, not multiplied, so never quantized.
+_EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "wpe.weight", "embed_in.weight")
+# Architectures whose 2-D matmul weights are stored [in_features, out_features] (Conv1D).
+_INPUT_FIRST = frozenset({"gpt2"})
+
+GIB = 1 << 30
+
+TensorMeta = tuple[str, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Weight and KV-cache memory of one model, in bytes.
+
+    `weight_bytes_at` gives exact bytes at each precision. "fp32" / "fp16" store every
+    parameter at that width. "int8" / "int4" use block-wise symmetric quantization as
+    onnxruntime's MatMulNBits stores it: each 2-D matmul weight is cut along its input
+    dimension into blocks of 32 (the last block padded to 32) holding 8- or 4-bit values
+    plus one fp16 scale per block, no zero points; embeddings (token and position
+    tables, and the output head when it is tied to them), norms and biases stay fp16.
+    """
+
+    parameters_by_dtype: dict[str, int]  # stored dtype name ("F32", "BF16", ...) -> count
+    weight_bytes: int  # the parameters as stored in the checkpoint (tied weights once)
+    weight_bytes_at: dict[str, int]  # "fp32", "fp16", "int8", "int4"
+    kv_bytes_per_token: dict[str, int]  # "fp32", "fp16"
+    kv_bytes_total: dict[str, int]  # per_token × batch × seq
+    batch: int
+    seq: int
+
+    @property
+    def parameters(self) -> int:
+        return sum(self.parameters_by_dtype.values())
+
+    def total_bytes(self, weights: str, kv: str) -> int:
+        """Weights at precision `weights` plus the whole KV cache at precision `kv`."""
+        if weights not in self.weight_bytes_at:
+            raise KvforgeError(f"unknown weight precision {weights!r}; choose one of {', '.join(self.weight_bytes_at)}")
+        if kv not in self.kv_bytes_total:
+            raise KvforgeError(f"unknown KV-cache precision {kv!r}; choose one of {', '.join(self.kv_bytes_total)}")
+        return self.weight_bytes_at[weights] + self.kv_bytes_total[kv]
+
+
+def footprint(checkpoint: Checkpoint, spec: DecoderSpec, *, batch: int, seq: int) -> Footprint:
+    """Memory for `checkpoint` running `batch` sequences of `seq` tokens (prompt + generated)."""
+    _check_request(spec, batch, seq)
+    params = parameter_metadata(checkpoint, spec)
+    by_dtype: dict[str, int] = {}
+    for dtype, shape in params.values():
+        by_dtype[dtype] = by_dtype.get(dtype, 0) + math.prod(shape)
+    per_token = {name: spec.kv_bytes_per_token(size) for name, size in KV_PRECISIONS.items()}
+    return Footprint(
+        parameters_by_dtype=dict(sorted(by_dtype.items())),
+        weight_bytes=sum(_stored_bytes(name, meta, checkpoint) for name, meta in params.items()),
+        weight_bytes_at={p: _bytes_at(p, params, spec) for p in WEIGHT_PRECISIONS},
+        kv_bytes_per_token=per_token,
+        kv_bytes_total={name: b * batch * seq for name, b in per_token.items()},
+        batch=batch,
+        seq=seq,
+    )
+
+
+def parameter_metadata(checkpoint: Checkpoint, spec: DecoderSpec) -> dict[str, TensorMeta]:
+    """The checkpoint's parameters: buffers dropped, a tied output head dropped (counted once)."""
+    params = {}
+    for name, meta in checkpoint.tensor_metadata().items():
+        if name.endswith(_BUFFER_SUFFIXES):
+            logger.debug("%s: %s is a buffer, not a parameter", checkpoint.path, name)
+        elif spec.tied_embeddings and _is_head(name):
+            logger.debug("%s: %s is tied to the embeddings; counted once", checkpoint.path, name)
+        else:
+            params[name] = meta
+    if not params:
+        raise CheckpointError(f"{checkpoint.path}: the weight files hold no parameters; re-save the checkpoint")
+    return params
+
+
+def _check_request(spec: DecoderSpec, batch: int, seq: int) -> None:
+    for name, value in (("batch", batch), ("seq", seq)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise GenerationError(f"footprint: {name} must be a positive integer, got {value!r}")
+    if seq > spec.max_positions:  # still worth a number: planning a context extension, say
+        logger.warning(
+            "seq %d exceeds the model's %d positions (max_position_embeddings in config.json)",
+            seq, spec.max_positions,
+        )
+
+
+def _is_head(name: str) -> bool:
+    return any(name == head or name.endswith("." + head) for head in _HEAD_NAMES)
+
+
+def _stored_bytes(name: str, meta: TensorMeta, checkpoint: Checkpoint) -> int:
+    dtype, shape = meta
+    if dtype not in DTYPE_BYTES:
+        raise CheckpointError(f"{checkpoint.path}: tensor {name!r} has unsupported dtype {dtype}")
+    return DTYPE_BYTES[dtype] * math.prod(shape)
+
+
+def _bytes_at(precision: str, params: Mapping[str, TensorMeta], spec: DecoderSpec) -> int:
+    if precision == "fp32":
+        return sum(4 * math.prod(shape) for _, shape in params.values())
+    if precision == "fp16":
+        return sum(2 * math.prod(shape) for _, shape in params.values())
+    total = 0
+    for name, (_, shape) in params.items():
+        if len(shape) == 2 and not name.endswith(_EMBEDDING_SUFFIXES):
+            total += quantized_bytes(_out_in(name, shape, spec), _BITS[precision])
+        else:
+            total += 2 * math.prod(shape)
+    return total
+
+
+def _out_in(name: str, shape: tuple[int, ...], spec: DecoderSpec) -> tuple[int, int]:
+    """(out_features, in_features) of a 2-D matmul weight."""
+    rows, cols = shape
+    if spec.model_type in _INPUT_FIRST and not _is_head(name):
+        return cols, rows
+    return rows, cols
+
+
+def quantized_bytes(out_in: tuple[int, int], bits: int, block: int = QUANT_BLOCK) -> int:
+    """Bytes of an [out, in] weight quantized in blocks of `block` inputs, one fp16 scale each."""
+    out_features, in_features = out_in
+    blocks = out_features * math.ceil(in_features / block)
+    return blocks * (block * bits // 8 + SCALE_BYTES)
+
+
+# --- the CLI's table ----------------------------------------------------------------------
+
+def format_footprint(fp: Footprint, spec: DecoderSpec) -> str:
+    """A human-readable table (bytes and GiB) for `kvforge inspect`."""
+    heads = f"{spec.num_heads} heads ({spec.num_kv_heads} KV) × {spec.head_dim}"
+    shape = f"hidden {spec.hidden_size}, vocab {spec.vocab_size:,}, max positions {spec.max_positions:,}"
+    counts = ", ".join(f"{n:,} {d}" for d, n in fp.parameters_by_dtype.items())
+    lines = [
+        f"{spec.model_type}: {spec.num_layers} layers, {heads}, {shape}",
+        f"parameters: {counts} (total {fp.parameters:,})",
+        "",
+        _row("weights", "bytes", "GiB"),
+        _size_row(f"as stored ({'/'.join(fp.parameters_by_dtype)})", fp.weight_bytes),
+    ]
+    lines += [_size_row(_precision_label(p), b) for p, b in fp.weight_bytes_at.items()]
+    lines += ["", _row(f"KV cache, batch {fp.batch} × seq {fp.seq:,}", "per token", "total", "GiB")]
+    for name, total in fp.kv_bytes_total.items():
+        lines.append(_row(f"  {name}", f"{fp.kv_bytes_per_token[name]:,}", f"{total:,}", _gib(total)))
+    lines += ["", _row("weights + KV cache", "bytes", "GiB")]
+    for weights, kv in (("fp32", "fp32"), ("fp16", "fp16"), ("int8", "fp16"), ("int4", "fp16")):
+        lines.append(_size_row(f"{weights} weights, {kv} KV", fp.total_bytes(weights, kv)))
+    return "\n".join(lines)
+
+
+def _precision_label(precision: str) -> str:
+    return precision if precision not in _BITS else f"{precision} (block {QUANT_BLOCK}, fp16 scales)"
+
+
+def _size_row(label: str, nbytes: int) -> str:
+    return _row(f"  {label}", f"{nbytes:,}", _gib(nbytes))
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:.3f}"
+
+
+def _row(label: str, *cells: str) -> str:
+    return f"{label:<40}" + "".join(f"{c:>18}" for c in cells)
