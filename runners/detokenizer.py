@@ -26,6 +26,8 @@ import tokenizers
 from runners.errors import GenerationError
 
 REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens kept as decoding context: enough for any decoder's look-behind.
+_CONTEXT_TOKENS = 6
 
 
 class _IncrementalDecoder:
@@ -42,12 +44,16 @@ class _IncrementalDecoder:
     affected; matching it would mean holding back every run of byte tokens until it ends.
     """
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, skip_special_tokens: bool) -> None:
+    def __init__(
+        self, tokenizer: tokenizers.Tokenizer, skip_special_tokens: bool, context_ids: Sequence[int] = ()
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._ids: list[int] = []
+        # Context ids start the window as if already emitted, so the first generated
+        # token decodes as a continuation (its leading space kept), not as a text start.
+        self._ids: list[int] = [int(i) for i in context_ids]
         self._prefix_offset = 0
-        self._read_offset = 0
+        self._read_offset = len(self._ids)
 
     def add(self, token_id: int) -> str:
         """Text that ``token_id`` completes; "" while a character is still partial."""
@@ -136,7 +142,9 @@ class StreamingDetokenizer:
     """Feeds generated ids one at a time and returns the text that is safe to show.
 
     Without a stop string hit, the chunks returned by ``add`` plus ``finish()`` equal
-    ``tokenizer.decode(ids)`` of all ids added. Once a stop string is found, ``stopped``
+    ``tokenizer.decode(ids)`` of all ids added. With ``context_ids`` (the prompt), they
+    equal ``decode(context + ids)`` minus ``decode(context)``: the continuation as it
+    reads after the prompt, so SentencePiece-style decoders keep the first word's space. Once a stop string is found, ``stopped``
     is True and nothing more is emitted.
     """
 
@@ -145,8 +153,9 @@ class StreamingDetokenizer:
         tokenizer: tokenizers.Tokenizer,
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        context_ids: Sequence[int] = (),
     ) -> None:
-        self._decoder = _IncrementalDecoder(tokenizer, skip_special_tokens)
+        self._decoder = _IncrementalDecoder(tokenizer, skip_special_tokens, context_ids[-_CONTEXT_TOKENS:])
         self._matcher = _StopMatcher(stop)
         self._chunks: list[str] = []
         self._finished = False

@@ -122,7 +122,7 @@ class Engine:
         self, ids: list[int], budget: int, stop: Sequence[str], params: SamplingParams, stats: GenerationStats
     ) -> Iterator[str]:
         start = time.perf_counter()
-        detok = self.tokenizer.detokenizer(stop)
+        detok = self.tokenizer.detokenizer(stop, context_ids=ids)
         done = np.zeros(1, dtype=bool)
         for step in self._steps([ids], budget, params, done):
             token = int(step.tokens[0])
@@ -172,7 +172,7 @@ class Engine:
         encoded = [self.encode(p, chat) for p in batch]
         budget = max_new_tokens or self.max_new_tokens
         check_length(encoded, budget, self.max_positions)
-        detoks = [self.tokenizer.detokenizer(stop) for _ in batch]
+        detoks = [self.tokenizer.detokenizer(stop, context_ids=ids) for ids in encoded]
         texts = [""] * len(batch)
         done = np.zeros(len(batch), dtype=bool)
         for step in self._steps(encoded, budget, params, done):

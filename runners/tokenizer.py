@@ -86,9 +86,9 @@ class TokenizerBundle:
             add_generation_prompt=add_generation_prompt,
         )
 
-    def detokenizer(self, stop: Sequence[str] = ()) -> StreamingDetokenizer:
-        """A fresh streaming detokenizer for one generated sequence."""
-        return StreamingDetokenizer(self.tokenizer, stop=stop)
+    def detokenizer(self, stop: Sequence[str] = (), context_ids: Sequence[int] = ()) -> StreamingDetokenizer:
+        """A fresh streaming detokenizer for one sequence generated after ``context_ids``."""
+        return StreamingDetokenizer(self.tokenizer, stop=stop, context_ids=context_ids)
 
 
 def _read_tokenizer(path: Path) -> tokenizers.Tokenizer:

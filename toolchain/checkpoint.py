@@ -30,7 +30,7 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE = "pytorch_model.bin"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 TOKENIZER = "tokenizer.json"
-OPTIONAL_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+OPTIONAL_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 _HASH_CHUNK = 1 << 20
 
@@ -50,7 +50,7 @@ class Checkpoint:
     path: Path  # resolved directory
     config: dict[str, Any]  # parsed config.json
     weight_files: tuple[Path, ...]  # safetensors shards (or the single pytorch_model.bin)
-    tokenizer_files: tuple[Path, ...]  # tokenizer.json, then tokenizer_config / special_tokens_map
+    tokenizer_files: tuple[Path, ...]  # tokenizer.json, then tokenizer_config / special_tokens_map / chat_template.jinja
     generation_config: dict[str, Any] | None
     uses_pickle: bool
     index_file: Path | None = None  # model.safetensors.index.json when the weights are sharded
@@ -236,7 +236,8 @@ def _find_tokenizer(directory: Path) -> tuple[Path, ...]:
         )
     optional = tuple(directory / name for name in OPTIONAL_TOKENIZER_FILES if (directory / name).is_file())
     for file in optional:
-        _read_json(file, required=True)
+        if file.suffix == ".json":
+            _read_json(file, required=True)
     return (tokenizer, *optional)
 
 

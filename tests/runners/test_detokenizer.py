@@ -461,3 +461,29 @@ def test_decoding_is_incremental_not_the_whole_sequence(name: str) -> None:
     text = "".join(detokenizer.add(i) for i in ids) + detokenizer.finish()
     assert text == tokenizer.decode(ids)
     assert max(counting.lengths) <= 12  # a window of a few tokens, not the whole sequence
+
+
+def test_prompt_context_keeps_the_space_before_the_first_generated_word() -> None:
+    tokenizer = metaspace_tokenizer()
+    prompt = tokenizer.encode("the quick").ids
+    generated = tokenizer.encode("hello world").ids
+    detokenizer = StreamingDetokenizer(tokenizer, context_ids=prompt)
+    text = "".join(detokenizer.add(i) for i in generated) + detokenizer.finish()
+    assert text == " hello world"
+    assert tokenizer.decode(prompt) + text == tokenizer.decode(prompt + generated)
+    # without context the continuation reads as a text start, losing the space
+    _, _, alone = stream(tokenizer, generated)
+    assert alone.text == "hello world"
+
+
+@pytest.mark.parametrize("name", ["byte_level", "metaspace", "byte_fallback"])
+def test_continuation_after_random_context_equals_the_decode_difference(name: str) -> None:
+    tokenizer = TOKENIZERS[name]()
+    rng = random.Random(7)
+    for _ in range(50):
+        context = tokenizer.encode(random_text(rng, 12)).ids
+        generated = tokenizer.encode(random_text(rng, 12)).ids
+        detokenizer = StreamingDetokenizer(tokenizer, context_ids=context)
+        text = "".join(detokenizer.add(i) for i in generated) + detokenizer.finish()
+        tail = context[-6:]
+        assert tokenizer.decode(tail) + text == tokenizer.decode(tail + generated)

@@ -446,3 +446,12 @@ def test_tensor_in_two_shards(tmp_path: Path) -> None:
     for read in (c.state_dict, c.tensor_metadata):
         with pytest.raises(CheckpointError, match="'step' also appears in another shard"):
             read()
+
+
+def test_chat_template_file_travels_with_the_tokenizer(tmp_path: Path) -> None:
+    from tests.tiny import make_checkpoint
+    from toolchain.checkpoint import load
+
+    ckpt = make_checkpoint(tmp_path / "c", "llama")
+    (ckpt / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert [p.name for p in load(ckpt).tokenizer_files][-1] == "chat_template.jinja"
