@@ -19,10 +19,24 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 PRESETS = {
-    "small": dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024),
-    "125m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                 num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048),
+    "small": dict(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+    ),
+    "125m": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+    ),
 }
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
@@ -36,8 +50,10 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train(files, trainer)
     return tok
@@ -57,8 +73,9 @@ def main() -> None:
     PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", chat_template=CHAT_TEMPLATE
     ).save_pretrained(args.out)
-    config = LlamaConfig(**{**shape, "vocab_size": tok.get_vocab_size()}, bos_token_id=0, eos_token_id=1,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        **{**shape, "vocab_size": tok.get_vocab_size()}, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(getattr(torch, args.dtype)).save_pretrained(args.out, safe_serialization=True)
     print(f"wrote {args.out} ({args.preset}, {args.dtype})")

@@ -7,8 +7,9 @@ runner's feeds and the manifest's `io` section all derive from `DecoderIO`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 from runners.errors import ArtifactError
 
@@ -18,10 +19,14 @@ KV_MODES = ("concat",)
 
 
 class _SpecLike(Protocol):
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -97,17 +102,25 @@ class DecoderIO:
     def from_dict(cls, data: Mapping[str, Any]) -> DecoderIO:
         try:
             io = cls(
-                int(data["num_layers"]), int(data["num_kv_heads"]), int(data["head_dim"]),
-                int(data["vocab_size"]), str(data["kv_dtype"]), str(data["logits_dtype"]),
+                int(data["num_layers"]),
+                int(data["num_kv_heads"]),
+                int(data["head_dim"]),
+                int(data["vocab_size"]),
+                str(data["kv_dtype"]),
+                str(data["logits_dtype"]),
                 str(data["kv_mode"]),
             )
         except (KeyError, TypeError, ValueError) as e:
-            raise ArtifactError(f"manifest.json: field io is incomplete or malformed ({e!r}); rebuild the artifact") from e
+            raise ArtifactError(
+                f"manifest.json: field io is incomplete or malformed ({e!r}); rebuild the artifact"
+            ) from e
         if io.kv_mode not in KV_MODES:
             raise ArtifactError(
                 f"manifest.json: io.kv_mode {io.kv_mode!r} is not one this runner knows ({', '.join(KV_MODES)}); "
                 "upgrade kvforge or rebuild the artifact"
             )
         if io.to_dict() != dict(data):
-            raise ArtifactError("manifest.json: io section does not match the contract it declares; rebuild the artifact")
+            raise ArtifactError(
+                "manifest.json: io section does not match the contract it declares; rebuild the artifact"
+            )
         return io

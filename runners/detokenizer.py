@@ -144,8 +144,8 @@ class StreamingDetokenizer:
     Without a stop string hit, the chunks returned by ``add`` plus ``finish()`` equal
     ``tokenizer.decode(ids)`` of all ids added. With ``context_ids`` (the prompt), they
     equal ``decode(context + ids)`` minus ``decode(context)``: the continuation as it
-    reads after the prompt, so SentencePiece-style decoders keep the first word's space. Once a stop string is found, ``stopped``
-    is True and nothing more is emitted.
+    reads after the prompt, so SentencePiece-style decoders keep the first word's space.
+    Once a stop string is found, ``stopped`` is True and nothing more is emitted.
     """
 
     def __init__(

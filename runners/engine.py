@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -61,8 +62,14 @@ class TextStream:
 
 class Engine:
     def __init__(
-        self, session: Session, tokenizer: TokenizerBundle, *, max_positions: int,
-        eos_ids: Sequence[int], pad_id: int, defaults: SamplingParams,
+        self,
+        session: Session,
+        tokenizer: TokenizerBundle,
+        *,
+        max_positions: int,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        defaults: SamplingParams,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     ) -> None:
         self.session = session
@@ -107,8 +114,13 @@ class Engine:
         return self.tokenizer.encode(prompt)
 
     def stream(
-        self, prompt: str, *, max_new_tokens: int | None = None, stop: Sequence[str] = (),
-        chat: bool = False, **sampling: Any,
+        self,
+        prompt: str,
+        *,
+        max_new_tokens: int | None = None,
+        stop: Sequence[str] = (),
+        chat: bool = False,
+        **sampling: Any,
     ) -> TextStream:
         """Stream the generated text (not the prompt) as it is produced."""
         params = self.sampling(**sampling)
@@ -145,8 +157,15 @@ class Engine:
 
     def _steps(self, prompts: list[list[int]], budget: int, params: SamplingParams, done: np.ndarray) -> Iterator[Step]:
         return generate_steps(
-            self.session, prompts, max_new_tokens=budget, max_positions=self.max_positions, params=params,
-            rng=make_rng(params.seed), eos_ids=self.eos_ids, pad_id=self.pad_id, done=done,
+            self.session,
+            prompts,
+            max_new_tokens=budget,
+            max_positions=self.max_positions,
+            params=params,
+            rng=make_rng(params.seed),
+            eos_ids=self.eos_ids,
+            pad_id=self.pad_id,
+            done=done,
         )
 
     def generate_tokens(
@@ -162,8 +181,13 @@ class Engine:
         return rows
 
     def generate(
-        self, prompts: str | Sequence[str], *, max_new_tokens: int | None = None, stop: Sequence[str] = (),
-        chat: bool = False, **sampling: Any,
+        self,
+        prompts: str | Sequence[str],
+        *,
+        max_new_tokens: int | None = None,
+        stop: Sequence[str] = (),
+        chat: bool = False,
+        **sampling: Any,
     ) -> str | list[str]:
         """Generate for one prompt, or for several as one left-padded batch."""
         single = isinstance(prompts, str)

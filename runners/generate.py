@@ -8,8 +8,8 @@ fed back as the next step's past.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -36,8 +36,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray,
     ids = np.full((len(prompts), width), pad_id, dtype=np.int64)
     mask = np.zeros((len(prompts), width), dtype=np.int64)
     for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = prompt
-        mask[row, width - len(prompt):] = 1
+        ids[row, width - len(prompt) :] = prompt
+        mask[row, width - len(prompt) :] = 1
     return ids, mask
 
 

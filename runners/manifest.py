@@ -29,7 +29,9 @@ def sha256_file(path: Path) -> str:
 def read_manifest(directory: Path) -> dict[str, Any]:
     path = directory / MANIFEST
     if not directory.is_dir():
-        raise ArtifactError(f"{directory}: not an artifact directory; build one with `kvforge build CHECKPOINT -o {directory}`")
+        raise ArtifactError(
+            f"{directory}: not an artifact directory; build one with `kvforge build CHECKPOINT -o {directory}`"
+        )
     if not path.is_file():
         raise ArtifactError(f"{path}: missing; the artifact is incomplete, rebuild it with `kvforge build`")
     try:
@@ -60,4 +62,6 @@ def verify_files(directory: Path, manifest: dict[str, Any]) -> None:
         if Path(name).name != name or not path.is_file() or path.is_symlink():
             raise ArtifactError(f"{path}: listed in {MANIFEST} but missing or not a plain file; rebuild the artifact")
         if sha256_file(path) != expected:
-            raise ArtifactError(f"{path}: sha256 does not match {MANIFEST}; the file was modified, rebuild the artifact")
+            raise ArtifactError(
+                f"{path}: sha256 does not match {MANIFEST}; the file was modified, rebuild the artifact"
+            )

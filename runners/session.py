@@ -7,8 +7,9 @@ onnxruntime and the eager torch reference (`runners.torch_session`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -33,13 +34,16 @@ class OrtSession:
         try:
             self._session = ort.InferenceSession(str(model_path), options, providers=list(providers))
         except Exception as e:  # onnxruntime raises its own untyped errors
-            raise ArtifactError(f"{model_path}: onnxruntime could not load the model ({e}); rebuild the artifact") from e
+            raise ArtifactError(
+                f"{model_path}: onnxruntime could not load the model ({e}); rebuild the artifact"
+            ) from e
         self.io = io
         names = [i.name for i in self._session.get_inputs()], [o.name for o in self._session.get_outputs()]
         expected = [t.name for t in io.inputs], [t.name for t in io.outputs]
         if names != expected:
             raise ArtifactError(
-                f"{model_path}: graph I/O {names} does not match the manifest's contract {expected}; rebuild the artifact"
+                f"{model_path}: graph I/O {names} does not match the manifest's contract {expected}; "
+                "rebuild the artifact"
             )
         self._output_names = expected[1]
 

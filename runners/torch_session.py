@@ -6,7 +6,8 @@ which `runners` otherwise does not need.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch

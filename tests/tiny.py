@@ -26,8 +26,12 @@ VOCAB_SIZE = 384
 # head_dim 16. Fields are each config class's own names.
 _COMMON: dict[str, Any] = dict(vocab_size=VOCAB_SIZE, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 _LLAMA_LIKE: dict[str, Any] = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
 )
 ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(_LLAMA_LIKE, tie_word_embeddings=False),
@@ -37,13 +41,22 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "phi3": dict(_LLAMA_LIKE, partial_rotary_factor=0.5),
     "gemma": dict(_LLAMA_LIKE, head_dim=16, hidden_activation="gelu_pytorch_tanh"),
     "gemma2": dict(
-        _LLAMA_LIKE, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
-        attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        _LLAMA_LIKE,
+        head_dim=16,
+        sliding_window=8,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
     ),
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, tie_word_embeddings=True),
     "gpt_neox": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=256, rotary_pct=0.5, use_parallel_residual=True,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        rotary_pct=0.5,
+        use_parallel_residual=True,
     ),
 }
 SUPPORTED = tuple(ARCH_CONFIGS)
@@ -57,22 +70,27 @@ def make_tokenizer(directory: Path) -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(CORPUS * 4, trainer)
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(
         '{"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", '
-        '"chat_template": "{% for m in messages %}<s>{{ m[\'role\'] }}: {{ m[\'content\'] }}\\n{% endfor %}'
+        "\"chat_template\": \"{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\\n{% endfor %}"
         '{% if add_generation_prompt %}assistant:{% endif %}"}\n'
     )
     return tok
 
 
 def make_checkpoint(
-    directory: Path, model_type: str = "llama", dtype: str = "float32", seed: int = 0,
+    directory: Path,
+    model_type: str = "llama",
+    dtype: str = "float32",
+    seed: int = 0,
     **overrides: Any,
 ) -> Path:
     """Write a tiny random-weight checkpoint of `model_type` into `directory`."""

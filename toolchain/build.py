@@ -12,10 +12,11 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from runners.contract import DecoderIO
 from runners.errors import ArtifactError
@@ -44,8 +45,11 @@ class BuildOptions:
     def flags(self) -> dict[str, Any]:
         """What determines the artifact's bytes (not `force`, which only says where they may go)."""
         return {
-            "target": TARGET, "dtype": COMPUTE_DTYPE, "opset": OPSET,
-            "allow_pickle": self.allow_pickle, "decode_steps": self.decode_steps,
+            "target": TARGET,
+            "dtype": COMPUTE_DTYPE,
+            "opset": OPSET,
+            "allow_pickle": self.allow_pickle,
+            "decode_steps": self.decode_steps,
         }
 
 
@@ -84,7 +88,9 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
             report = check_parity(
                 TorchSession(DecoderWrapper(model, spec.num_layers), io),
                 OrtSession(staging / emit.MODEL_FILE, io),
-                max_positions=spec.max_positions, dtype=COMPUTE_DTYPE, decode_steps=options.decode_steps,
+                max_positions=spec.max_positions,
+                dtype=COMPUTE_DTYPE,
+                decode_steps=options.decode_steps,
             )
             require_parity(report, str(checkpoint_dir))
         written = manifest.write(
@@ -114,7 +120,8 @@ def verify(artifact: Path, checkpoint_dir: Path, *, allow_pickle: bool = False) 
     report = check_parity(
         TorchSession(DecoderWrapper(model, spec.num_layers), io),
         OrtSession(artifact / emit.MODEL_FILE, io),
-        max_positions=spec.max_positions, dtype=recorded["flags"]["dtype"],
+        max_positions=spec.max_positions,
+        dtype=recorded["flags"]["dtype"],
         decode_steps=recorded["flags"]["decode_steps"],
     )
     require_parity(report, str(artifact))
@@ -127,7 +134,9 @@ def _check_output(output: Path, force: bool) -> None:
     if not force:
         raise ArtifactError(f"{output}: already exists; pass --force to replace it")
     if not output.is_dir() or (any(output.iterdir()) and not (output / MANIFEST).is_file()):
-        raise ArtifactError(f"{output}: exists and is not a kvforge artifact; refusing to replace it, choose another -o")
+        raise ArtifactError(
+            f"{output}: exists and is not a kvforge artifact; refusing to replace it, choose another -o"
+        )
 
 
 def _publish(staging: Path, output: Path) -> None:

@@ -36,10 +36,18 @@ _HASH_CHUNK = 1 << 20
 
 # safetensors' dtype names for torch dtypes, so pickled weights report like safetensors ones.
 _TORCH_DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 
 
@@ -50,7 +58,9 @@ class Checkpoint:
     path: Path  # resolved directory
     config: dict[str, Any]  # parsed config.json
     weight_files: tuple[Path, ...]  # safetensors shards (or the single pytorch_model.bin)
-    tokenizer_files: tuple[Path, ...]  # tokenizer.json, then tokenizer_config / special_tokens_map / chat_template.jinja
+    tokenizer_files: tuple[
+        Path, ...
+    ]  # tokenizer.json, then tokenizer_config / special_tokens_map / chat_template.jinja
     generation_config: dict[str, Any] | None
     uses_pickle: bool
     index_file: Path | None = None  # model.safetensors.index.json when the weights are sharded
@@ -115,8 +125,7 @@ def load(path: str | Path, *, allow_pickle: bool = False) -> Checkpoint:
         uses_pickle=uses_pickle,
         index_file=index_file,
     )
-    logger.info("checkpoint %s: %d weight file(s)%s", directory, len(weight_files),
-                " (pickle)" if uses_pickle else "")
+    logger.info("checkpoint %s: %d weight file(s)%s", directory, len(weight_files), " (pickle)" if uses_pickle else "")
     return checkpoint
 
 
@@ -128,9 +137,7 @@ _EXPECTED = f"a local checkpoint directory with {CONFIG}, {TOKENIZER} and {SAFET
 def _checkpoint_dir(path: str | Path) -> Path:
     given = Path(path).expanduser()
     if not given.exists():
-        raise CheckpointError(
-            f"{given}: no such directory; expected {_EXPECTED} (Hub ids are not downloaded)"
-        )
+        raise CheckpointError(f"{given}: no such directory; expected {_EXPECTED} (Hub ids are not downloaded)")
     if not given.is_dir():
         raise CheckpointError(f"{given}: is a file, not a directory; expected {_EXPECTED}")
     directory = given.resolve()
@@ -185,8 +192,7 @@ def _find_weights(directory: Path, *, allow_pickle: bool) -> tuple[tuple[Path, .
             "checkpoint to safetensors"
         )
     raise CheckpointError(
-        f"{directory}: no weights found; expected {SAFETENSORS} or {SAFETENSORS_INDEX}"
-        f" ({PICKLE} with --allow-pickle)"
+        f"{directory}: no weights found; expected {SAFETENSORS} or {SAFETENSORS_INDEX} ({PICKLE} with --allow-pickle)"
     )
 
 
@@ -196,8 +202,7 @@ def _shards_from_index(index: Path) -> tuple[Path, ...]:
     weight_map = data.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(
-            f"{index}: field 'weight_map' must be a non-empty object of tensor name -> shard file; "
-            "regenerate the index"
+            f"{index}: field 'weight_map' must be a non-empty object of tensor name -> shard file; regenerate the index"
         )
     names: list[str] = []
     for tensor, shard in weight_map.items():
@@ -242,6 +247,7 @@ def _find_tokenizer(directory: Path) -> tuple[Path, ...]:
 
 
 # --- reading weights --------------------------------------------------------------------
+
 
 def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError

@@ -10,8 +10,9 @@ import json
 import logging
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 
@@ -49,16 +50,25 @@ def main(verbose: bool) -> None:
 @click.argument("checkpoint", type=_CHECKPOINT)
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Artifact directory to create.")
 @click.option("--force", is_flag=True, help="Replace an existing artifact at --output.")
-@click.option("--allow-pickle", is_flag=True, help="Accept pytorch_model.bin (read with torch.load(weights_only=True)).")
-@click.option("--decode-steps", default=8, show_default=True, type=click.IntRange(1, 256),
-              help="Greedy decode steps the verification gate compares.")
+@click.option(
+    "--allow-pickle", is_flag=True, help="Accept pytorch_model.bin (read with torch.load(weights_only=True))."
+)
+@click.option(
+    "--decode-steps",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1, 256),
+    help="Greedy decode steps the verification gate compares.",
+)
 @_guarded
 def build(checkpoint: Path, output: Path, force: bool, allow_pickle: bool, decode_steps: int) -> None:
     """Export CHECKPOINT, lower it to ONNX, verify it against the eager model, publish it to -o."""
     from toolchain.build import BuildOptions
     from toolchain.build import build as run_build
 
-    result = run_build(checkpoint, output, BuildOptions(force=force, allow_pickle=allow_pickle, decode_steps=decode_steps))
+    result = run_build(
+        checkpoint, output, BuildOptions(force=force, allow_pickle=allow_pickle, decode_steps=decode_steps)
+    )
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items())
     click.echo(f"built {result.output} ({stages})", err=True)
     click.echo(result.parity.summary(), err=True)
@@ -77,8 +87,14 @@ def build(checkpoint: Path, output: Path, force: bool, allow_pickle: bool, decod
 @click.option("--stop", multiple=True, help="Stop before this string (repeatable); it is not printed.")
 @click.option("--chat", is_flag=True, help="Format the prompt with the tokenizer's chat template.")
 @_guarded
-def generate(artifact: Path, prompts: tuple[str, ...], max_new_tokens: int | None, stop: tuple[str, ...],
-             chat: bool, **sampling: Any) -> None:
+def generate(
+    artifact: Path,
+    prompts: tuple[str, ...],
+    max_new_tokens: int | None,
+    stop: tuple[str, ...],
+    chat: bool,
+    **sampling: Any,
+) -> None:
     """Generate from ARTIFACT. One prompt streams to stdout; several run as one batch."""
     from runners.engine import Engine
 
@@ -103,7 +119,9 @@ def generate(artifact: Path, prompts: tuple[str, ...], max_new_tokens: int | Non
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--checkpoint", required=True, type=_CHECKPOINT, help="The checkpoint the artifact was built from.")
-@click.option("--allow-pickle", is_flag=True, help="Accept pytorch_model.bin (read with torch.load(weights_only=True)).")
+@click.option(
+    "--allow-pickle", is_flag=True, help="Accept pytorch_model.bin (read with torch.load(weights_only=True))."
+)
 @_guarded
 def verify(artifact: Path, checkpoint: Path, allow_pickle: bool) -> None:
     """Re-run the parity check of ARTIFACT against the eager model of CHECKPOINT."""
@@ -116,7 +134,9 @@ def verify(artifact: Path, checkpoint: Path, allow_pickle: bool) -> None:
 @click.argument("checkpoint", type=_CHECKPOINT)
 @click.option("--batch", default=1, show_default=True, type=click.IntRange(1), help="Sequences held at once.")
 @click.option("--seq", default=None, type=click.IntRange(1), help="Tokens per sequence. Default: the model's context.")
-@click.option("--allow-pickle", is_flag=True, help="Accept pytorch_model.bin (read with torch.load(weights_only=True)).")
+@click.option(
+    "--allow-pickle", is_flag=True, help="Accept pytorch_model.bin (read with torch.load(weights_only=True))."
+)
 @_guarded
 def inspect(checkpoint: Path, batch: int, seq: int | None, allow_pickle: bool) -> None:
     """Parameters, weight bytes per precision and KV-cache bytes of CHECKPOINT."""

@@ -8,8 +8,9 @@ which is what both torch.export and the runner's sessions need.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.export import Dim, ExportedProgram
@@ -38,12 +39,16 @@ def eager_model(checkpoint: Checkpoint, spec: DecoderSpec, dtype: torch.dtype = 
 
     fields = {k: v for k, v in checkpoint.config.items() if k not in ("model_type", "auto_map")}
     config = AutoConfig.for_model(spec.model_type, **fields)
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    model_class: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     with _quiet_transformers():  # its load report goes to the log; we raise our own error below
         model, info = model_class.from_pretrained(
-            None, config=config, state_dict=checkpoint.state_dict(), dtype=dtype,
+            None,
+            config=config,
+            state_dict=checkpoint.state_dict(),
+            dtype=dtype,
             attn_implementation="eager",  # plain ops: exact, traceable, and softcapping-aware
-            output_loading_info=True, ignore_mismatched_sizes=True,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,
         )
     problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if problems:
@@ -53,6 +58,11 @@ def eager_model(checkpoint: Checkpoint, spec: DecoderSpec, dtype: torch.dtype = 
             "check that config.json belongs to these weights"
         )
     return model.eval()
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).splitlines()
+    return lines[0] if lines else ""
 
 
 @contextmanager
@@ -91,10 +101,13 @@ class DecoderWrapper(torch.nn.Module):
         # their windowed mask from the model, so results match, and the contract stays uniform.
         cache = DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(self.num_layers)])
         out = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            cache=cache, use_cache=True,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
         )
-        present = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        present = [t for layer in cache.layers for t in (layer.keys, layer.values)]  # type: ignore[union-attr]
         return (out.logits, *present)
 
 
@@ -123,6 +136,6 @@ def export_decoder(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO) -> 
             return torch.export.export(wrapper, example_inputs(io, dtype), dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:  # torch.export raises many unrelated types; all mean the same to the user
         raise ExportError(
-            f"torch.export failed for {spec.model_type}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
+            f"torch.export failed for {spec.model_type}: {type(e).__name__}: {_first_line(e)}; "
             "this architecture/transformers version combination is not traceable, please report it"
         ) from e

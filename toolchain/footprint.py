@@ -24,8 +24,18 @@ KV_PRECISIONS: dict[str, int] = {"fp32": 4, "fp16": 2}
 _BITS = {"int8": 8, "int4": 4}
 
 DTYPE_BYTES: dict[str, int] = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
 }
 
 # Tensors some checkpoints store that are buffers, not parameters: causal-mask constants
@@ -117,7 +127,8 @@ def _check_request(spec: DecoderSpec, batch: int, seq: int) -> None:
     if seq > spec.max_positions:  # still worth a number: planning a context extension, say
         logger.warning(
             "seq %d exceeds the model's %d positions (max_position_embeddings in config.json)",
-            seq, spec.max_positions,
+            seq,
+            spec.max_positions,
         )
 
 
@@ -162,6 +173,7 @@ def quantized_bytes(out_in: tuple[int, int], bits: int, block: int = QUANT_BLOCK
 
 
 # --- the CLI's table ----------------------------------------------------------------------
+
 
 def format_footprint(fp: Footprint, spec: DecoderSpec) -> str:
     """A human-readable table (bytes and GiB) for `kvforge inspect`."""

@@ -30,6 +30,8 @@ def to_onnx(program: ExportedProgram, io: DecoderIO) -> ir.Model:
         onnx_program = torch.onnx.export(program, dynamo=True, optimize=False, opset_version=OPSET, verbose=False)
     except Exception as e:  # the exporter raises many unrelated types; all mean the same to the user
         raise ExportError(f"ONNX lowering failed: {type(e).__name__}: {e}; please report it") from e
+    if onnx_program is None:  # only when exporting to a file, which we do not
+        raise ExportError("ONNX lowering returned no program; please report it")
     model = onnx_program.model
     _apply_contract(model.graph, io)
     _strip_machine_metadata(model)
@@ -49,7 +51,9 @@ def _apply_contract(graph: ir.Graph, io: DecoderIO) -> None:
 
 def _check_dtype(value: ir.Value, spec: TensorSpec) -> None:
     if value.dtype is None or value.dtype.numpy() != spec.dtype:
-        raise ExportError(f"graph value {value.name} has dtype {value.dtype}, the contract says {spec.name} is {spec.dtype}")
+        raise ExportError(
+            f"graph value {value.name} has dtype {value.dtype}, the contract says {spec.name} is {spec.dtype}"
+        )
 
 
 def _strip_machine_metadata(model: ir.Model) -> None:
@@ -63,4 +67,4 @@ def _name_initializers_as_checkpoint(graph: ir.Graph) -> None:
     """`model.model.layers.0...` (wrapper attribute + HF name) becomes the checkpoint's own name."""
     for value in list(graph.initializers.values()):
         if value.name is not None and value.name.startswith(_WRAPPER_PREFIX):
-            value.name = value.name[len(_WRAPPER_PREFIX):]  # onnx_ir re-keys graph.initializers
+            value.name = value.name[len(_WRAPPER_PREFIX) :]  # onnx_ir re-keys graph.initializers

@@ -6,16 +6,27 @@ I/O contract), how it was checked (parity report) and the sha256 of every file.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from runners.contract import DecoderIO
 from runners.manifest import MANIFEST, SCHEMA_VERSION, sha256_file
 from toolchain.emit import write_json
 from toolchain.spec import DecoderSpec
 
-_TOOLS = ("kvforge", "torch", "transformers", "onnx", "onnx-ir", "onnxscript", "onnxruntime", "safetensors", "tokenizers")
+_TOOLS = (
+    "kvforge",
+    "torch",
+    "transformers",
+    "onnx",
+    "onnx-ir",
+    "onnxscript",
+    "onnxruntime",
+    "safetensors",
+    "tokenizers",
+)
 
 
 def tool_versions() -> dict[str, str | None]:

@@ -29,7 +29,15 @@ CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
-    "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gpt2", "gpt_neox",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma",
+    "gemma2",
+    "gpt2",
+    "gpt_neox",
 )
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
@@ -94,43 +102,81 @@ class _Layout:
 LAYOUTS: dict[str, _Layout] = {
     "llama": _Layout(bos_token_default=1, eos_token_default=2),
     "mistral": _Layout(
-        bos_token_default=1, eos_token_default=2, num_kv_heads_default=8, sliding_window="sliding_window", sliding_window_default=4096,
+        bos_token_default=1,
+        eos_token_default=2,
+        num_kv_heads_default=8,
+        sliding_window="sliding_window",
+        sliding_window_default=4096,
     ),
     "qwen2": _Layout(
-        num_kv_heads_default=32, sliding_window="sliding_window", sliding_window_default=4096,
+        num_kv_heads_default=32,
+        sliding_window="sliding_window",
+        sliding_window_default=4096,
         sliding_window_switch="use_sliding_window",
     ),
     "qwen3": _Layout(
-        num_kv_heads_default=32, head_dim_default=128, sliding_window="sliding_window",
-        sliding_window_default=4096, sliding_window_switch="use_sliding_window",
+        num_kv_heads_default=32,
+        head_dim_default=128,
+        sliding_window="sliding_window",
+        sliding_window_default=4096,
+        sliding_window_switch="use_sliding_window",
     ),
     "phi3": _Layout(
-        norm_eps_default=1e-5, sliding_window="sliding_window",
+        norm_eps_default=1e-5,
+        sliding_window="sliding_window",
         rope_type_aliases=(("su", "longrope"), ("yarn", "longrope")),
         original_max_positions="original_max_position_embeddings",
         original_max_positions_default=4096,
-        bos_token_default=1, eos_token_default=32000, pad_token_default=32000,
+        bos_token_default=1,
+        eos_token_default=32000,
+        pad_token_default=32000,
     ),
     "gemma": _Layout(
-        num_kv_heads_default=16, head_dim_default=256, tied_default=True,
-        bos_token_default=2, eos_token_default=1, pad_token_default=0,
+        num_kv_heads_default=16,
+        head_dim_default=256,
+        tied_default=True,
+        bos_token_default=2,
+        eos_token_default=1,
+        pad_token_default=0,
     ),
     "gemma2": _Layout(
-        bos_token_default=2, eos_token_default=1, pad_token_default=0, num_kv_heads_default=4, head_dim_default=256, tied_default=True,
-        sliding_window="sliding_window", sliding_window_default=4096,
+        bos_token_default=2,
+        eos_token_default=1,
+        pad_token_default=0,
+        num_kv_heads_default=4,
+        head_dim_default=256,
+        tied_default=True,
+        sliding_window="sliding_window",
+        sliding_window_default=4096,
     ),
     "gpt2": _Layout(
-        num_layers="n_layer", num_heads="n_head", hidden_size="n_embd",
-        intermediate_size="n_inner", intermediate_multiple=4, max_positions="n_positions",
-        num_kv_heads=None, head_dim=None, norm_kind="layernorm",
-        norm_eps="layer_norm_epsilon", norm_eps_default=1e-5,
-        position_embedding="learned", tied_default=True,
-        bos_token_default=50256, eos_token_default=50256,
+        num_layers="n_layer",
+        num_heads="n_head",
+        hidden_size="n_embd",
+        intermediate_size="n_inner",
+        intermediate_multiple=4,
+        max_positions="n_positions",
+        num_kv_heads=None,
+        head_dim=None,
+        norm_kind="layernorm",
+        norm_eps="layer_norm_epsilon",
+        norm_eps_default=1e-5,
+        position_embedding="learned",
+        tied_default=True,
+        bos_token_default=50256,
+        eos_token_default=50256,
     ),
     "gpt_neox": _Layout(
-        num_kv_heads=None, head_dim=None, norm_kind="layernorm", norm_eps="layer_norm_eps",
-        norm_eps_default=1e-5, rope_theta="rotary_emb_base", partial_rotary="rotary_pct",
-        partial_rotary_default=0.25, bos_token_default=0, eos_token_default=2,
+        num_kv_heads=None,
+        head_dim=None,
+        norm_kind="layernorm",
+        norm_eps="layer_norm_eps",
+        norm_eps_default=1e-5,
+        rope_theta="rotary_emb_base",
+        partial_rotary="rotary_pct",
+        partial_rotary_default=0.25,
+        bos_token_default=0,
+        eos_token_default=2,
     ),
 }
 assert tuple(LAYOUTS) == SUPPORTED_MODEL_TYPES
@@ -164,7 +210,9 @@ class DecoderSpec:
 
     @classmethod
     def from_config(
-        cls, config: Mapping[str, Any], generation_config: Mapping[str, Any] | None = None,
+        cls,
+        config: Mapping[str, Any],
+        generation_config: Mapping[str, Any] | None = None,
     ) -> DecoderSpec:
         """Normalize a parsed config.json (and generation_config.json, if any)."""
         reader = _Reader(config, CONFIG_FILE)
@@ -226,6 +274,7 @@ class DecoderSpec:
 
 
 # --- reading config.json ----------------------------------------------------------------
+
 
 class _Reader:
     """Typed access to one JSON mapping; every error names the file and the field."""
@@ -304,7 +353,10 @@ def _read_shape(reader: _Reader, layout: _Layout) -> dict[str, Any]:
         "intermediate_size": _read_intermediate(reader, layout, hidden),
         "vocab_size": _bounded(reader, layout.vocab_size, reader.required_int(layout.vocab_size), "vocab_size"),
         "max_positions": _bounded(
-            reader, layout.max_positions, reader.required_int(layout.max_positions), "max_positions",
+            reader,
+            layout.max_positions,
+            reader.required_int(layout.max_positions),
+            "max_positions",
         ),
     }
 
@@ -331,7 +383,8 @@ def _read_kv_heads(reader: _Reader, layout: _Layout, num_heads: int) -> int:
     _bounded(reader, key, value, "num_kv_heads")
     if num_heads % value:
         raise reader.fail(
-            key, f"= {value}{note} does not divide {layout.num_heads} = {num_heads}; "
+            key,
+            f"= {value}{note} does not divide {layout.num_heads} = {num_heads}; "
             "query heads must be a multiple of key/value heads",
         )
     return value
@@ -345,7 +398,8 @@ def _read_head_dim(reader: _Reader, layout: _Layout, hidden: int, num_heads: int
         return layout.head_dim_default
     if hidden % num_heads:
         raise reader.fail(
-            layout.hidden_size, f"= {hidden} is not divisible by {layout.num_heads} = {num_heads} "
+            layout.hidden_size,
+            f"= {hidden} is not divisible by {layout.num_heads} = {num_heads} "
             "and no head_dim is given; set head_dim or fix the head count",
         )
     return hidden // num_heads
@@ -397,6 +451,7 @@ def _read_dtype(reader: _Reader) -> str:
 
 # --- RoPE -------------------------------------------------------------------------------
 
+
 def _read_rope(reader: _Reader, layout: _Layout, shape: Mapping[str, int]) -> dict[str, Any]:
     if layout.position_embedding != "rope":
         return {"rope_theta": None, "rope_scaling": None, "partial_rotary_factor": 1.0}
@@ -405,7 +460,12 @@ def _read_rope(reader: _Reader, layout: _Layout, shape: Mapping[str, int]) -> di
     if theta <= 0:
         raise reader.fail(theta_field, f"(RoPE base) must be positive, got {theta}")
     partial, partial_field = _rope_number(
-        reader, params, key, "partial_rotary_factor", layout.partial_rotary, layout.partial_rotary_default,
+        reader,
+        params,
+        key,
+        "partial_rotary_factor",
+        layout.partial_rotary,
+        layout.partial_rotary_default,
     )
     _check_partial(reader, partial_field, partial, shape["head_dim"])
     return {
@@ -432,7 +492,12 @@ def _rope_source(reader: _Reader) -> tuple[dict[str, Any], str]:
 
 
 def _rope_number(
-    reader: _Reader, params: Mapping[str, Any], key: str, name: str, top_level: str, default: float,
+    reader: _Reader,
+    params: Mapping[str, Any],
+    key: str,
+    name: str,
+    top_level: str,
+    default: float,
 ) -> tuple[float, str]:
     """A RoPE setting and the field it came from: the parameters dict first, then top level."""
     if params.get(name) is not None:
@@ -447,13 +512,17 @@ def _check_partial(reader: _Reader, field: str, partial: float, head_dim: int) -
     rotary_dim = int(head_dim * partial)
     if rotary_dim < 2 or rotary_dim % 2:
         raise reader.fail(
-            field, f"= {partial} gives a rotary dimension of {rotary_dim} for head_dim "
+            field,
+            f"= {partial} gives a rotary dimension of {rotary_dim} for head_dim "
             f"{head_dim}; it must be a positive even number",
         )
 
 
 def _rope_scaling(
-    reader: _Reader, layout: _Layout, params: dict[str, Any], max_positions: int,
+    reader: _Reader,
+    layout: _Layout,
+    params: dict[str, Any],
+    max_positions: int,
 ) -> dict[str, Any] | None:
     """Scaled-RoPE parameters as transformers standardizes them, without theta and partial factor."""
     rope_type = params.get("rope_type") or params.get("type") or "default"
@@ -467,7 +536,8 @@ def _rope_scaling(
     if rope_type in _ROPE_TYPES_WITH_ORIGINAL_LENGTH:
         if layout.original_max_positions is not None:
             scaling["original_max_position_embeddings"] = reader.int_(
-                layout.original_max_positions, layout.original_max_positions_default,
+                layout.original_max_positions,
+                layout.original_max_positions_default,
             )
         else:
             scaling.setdefault("original_max_position_embeddings", max_positions)
@@ -476,8 +546,11 @@ def _rope_scaling(
 
 # --- special tokens ---------------------------------------------------------------------
 
+
 def _read_tokens(
-    reader: _Reader, layout: _Layout, generation_config: Mapping[str, Any] | None,
+    reader: _Reader,
+    layout: _Layout,
+    generation_config: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
     """bos / eos / pad ids: generation_config.json wins where it sets one (as `generate` does);
     a field absent from config.json takes the transformers class default."""
@@ -527,8 +600,14 @@ def _token_list(reader: _Reader, key: str) -> tuple[int, ...]:
 # --- checking a rebuilt spec ------------------------------------------------------------
 
 _INT_FIELDS = (
-    "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "intermediate_size",
-    "vocab_size", "max_positions",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "hidden_size",
+    "intermediate_size",
+    "vocab_size",
+    "max_positions",
 )
 
 
@@ -565,8 +644,10 @@ def _check_int(name: str, value: Any, *, optional: bool) -> None:
 
 def _check_spec(spec: DecoderSpec) -> None:
     choices = {
-        "model_type": SUPPORTED_MODEL_TYPES, "position_embedding": ("rope", "learned"),
-        "norm_kind": ("rmsnorm", "layernorm"), "dtype": SUPPORTED_DTYPES,
+        "model_type": SUPPORTED_MODEL_TYPES,
+        "position_embedding": ("rope", "learned"),
+        "norm_kind": ("rmsnorm", "layernorm"),
+        "dtype": SUPPORTED_DTYPES,
     }
     for name, allowed in choices.items():
         if getattr(spec, name) not in allowed:
@@ -577,7 +658,9 @@ def _check_spec(spec: DecoderSpec) -> None:
     if spec.num_heads % spec.num_kv_heads:
         raise _spec_error("num_kv_heads", f"= {spec.num_kv_heads} does not divide num_heads = {spec.num_heads}")
     if (spec.position_embedding == "rope") != (spec.rope_theta is not None):
-        raise _spec_error("rope_theta", f"= {spec.rope_theta} contradicts position_embedding {spec.position_embedding!r}")
+        raise _spec_error(
+            "rope_theta", f"= {spec.rope_theta} contradicts position_embedding {spec.position_embedding!r}"
+        )
     ranges = (
         ("norm_eps", spec.norm_eps, 0.0 < spec.norm_eps < 1.0),
         ("partial_rotary_factor", spec.partial_rotary_factor, 0.0 < spec.partial_rotary_factor <= 1.0),

@@ -7,8 +7,9 @@ generation loop and must pick the same token at every step, with logits in toler
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -65,7 +66,11 @@ class ParityReport:
     def summary(self) -> str:
         worst = max(self.prefill + self.decode, key=lambda e: e.max_abs)
         verdict = "passed" if self.passed else "FAILED"
-        diverged = "" if self.first_diverging_step is None else f", greedy tokens diverge at decode step {self.first_diverging_step}"
+        diverged = (
+            ""
+            if self.first_diverging_step is None
+            else f", greedy tokens diverge at decode step {self.first_diverging_step}"
+        )
         return (
             f"parity {verdict} ({self.dtype}, atol {self.tolerance.atol:g}, rtol {self.tolerance.rtol:g}): "
             f"worst {worst.name} max abs {worst.max_abs:.3g}, max rel {worst.max_rel:.3g}; "
@@ -110,13 +115,19 @@ def check_parity(
     report = ParityReport(dtype, tol)
     prompts = _prompts(reference.io.vocab_size, seed)
     report.prefill = list(_prefill_errors(reference, candidate, prompts, tol))
-    steps = zip(*(
-        generate_steps(
-            s, prompts, max_new_tokens=decode_steps, max_positions=max_positions,
-            params=SamplingParams(temperature=0.0), rng=np.random.default_rng(seed),
+    steps = zip(
+        *(
+            generate_steps(
+                s,
+                prompts,
+                max_new_tokens=decode_steps,
+                max_positions=max_positions,
+                params=SamplingParams(temperature=0.0),
+                rng=np.random.default_rng(seed),
+            )
+            for s in (reference, candidate)
         )
-        for s in (reference, candidate)
-    ))
+    )
     for index, (ref_step, cand_step) in enumerate(steps):
         report.decode_steps = index + 1
         report.reference_tokens.append(ref_step.tokens.tolist())

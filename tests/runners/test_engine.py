@@ -6,8 +6,8 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -44,7 +44,7 @@ def test_stream_chunks_concatenate_to_generate(engine: Engine) -> None:
 
 def test_stop_string_ends_text_before_it(engine: Engine) -> None:
     full = engine.generate(PROMPT, max_new_tokens=40, temperature=0.0)
-    stop = full[len(full) // 2: len(full) // 2 + 3]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
     expected = full[: full.index(stop)]
     stream = engine.stream(PROMPT, max_new_tokens=40, temperature=0.0, stop=[stop])
     assert "".join(stream) == expected
@@ -135,7 +135,8 @@ def test_greedy_logits_match_session_directly(engine: Engine) -> None:
     """generate_tokens' first token is the argmax of one plain session call."""
     ids = engine.encode(PROMPT)
     feeds = {
-        "input_ids": np.array([ids]), "attention_mask": np.ones((1, len(ids)), np.int64),
+        "input_ids": np.array([ids]),
+        "attention_mask": np.ones((1, len(ids)), np.int64),
         "position_ids": np.arange(len(ids))[None],
     }
     io = engine.session.io

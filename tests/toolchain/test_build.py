@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import onnx_ir as ir
 import pytest
@@ -47,7 +47,9 @@ def test_directory_that_is_not_an_artifact_is_never_replaced(
 
 
 def test_failing_gate_publishes_nothing_and_keeps_previous_artifact(
-    tmp_path: Path, tiny_checkpoint: Callable[..., Path], built_artifact: Callable[..., Path],
+    tmp_path: Path,
+    tiny_checkpoint: Callable[..., Path],
+    built_artifact: Callable[..., Path],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     out = tmp_path / "out"

@@ -17,8 +17,13 @@ from toolchain import checkpoint as ckpt
 from toolchain.checkpoint import Checkpoint, load
 
 CONFIG: dict[str, Any] = {
-    "model_type": "llama", "vocab_size": 8, "hidden_size": 4, "intermediate_size": 8,
-    "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 16,
+    "model_type": "llama",
+    "vocab_size": 8,
+    "hidden_size": 4,
+    "intermediate_size": 8,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "max_position_embeddings": 16,
 }
 
 
@@ -32,8 +37,12 @@ def tensors() -> dict[str, torch.Tensor]:
 
 
 def write_dir(
-    directory: Path, *, weights: dict[str, torch.Tensor] | None = None, config: Any = None,
-    tokenizer: bool = True, extra: dict[str, str] | None = None,
+    directory: Path,
+    *,
+    weights: dict[str, torch.Tensor] | None = None,
+    config: Any = None,
+    tokenizer: bool = True,
+    extra: dict[str, str] | None = None,
 ) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(CONFIG if config is None else config, indent=2))
@@ -68,6 +77,7 @@ def error_text(exc: pytest.ExceptionInfo[CheckpointError]) -> str:
 
 # --- accepted directories ------------------------------------------------------------------
 
+
 def test_single_file_checkpoint(tmp_path: Path) -> None:
     directory = write_dir(tmp_path / "m")
     c = load(directory)
@@ -89,14 +99,19 @@ def test_relative_path_is_resolved(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 
 def test_optional_tokenizer_files_and_generation_config(tmp_path: Path) -> None:
-    directory = write_dir(tmp_path / "m", extra={
-        "special_tokens_map.json": '{"eos_token": "</s>"}',
-        "tokenizer_config.json": '{"model_max_length": 16}',
-        "generation_config.json": '{"eos_token_id": [2, 3], "do_sample": false}',
-    })
+    directory = write_dir(
+        tmp_path / "m",
+        extra={
+            "special_tokens_map.json": '{"eos_token": "</s>"}',
+            "tokenizer_config.json": '{"model_max_length": 16}',
+            "generation_config.json": '{"eos_token_id": [2, 3], "do_sample": false}',
+        },
+    )
     c = load(directory)
     assert [f.name for f in c.tokenizer_files] == [
-        "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
     ]
     assert c.generation_config == {"eos_token_id": [2, 3], "do_sample": False}
 
@@ -146,13 +161,16 @@ def test_tensor_metadata_reads_headers_only(tmp_path: Path, monkeypatch: pytest.
 
 
 def test_source_hashes_cover_every_input(tmp_path: Path) -> None:
-    directory = write_dir(tmp_path / "m", extra={
-        "tokenizer_config.json": "{}", "generation_config.json": '{"eos_token_id": 2}',
-        "README.md": "not an input",
-    })
+    directory = write_dir(
+        tmp_path / "m",
+        extra={
+            "tokenizer_config.json": "{}",
+            "generation_config.json": '{"eos_token_id": 2}',
+            "README.md": "not an input",
+        },
+    )
     hashes = load(directory).source_hashes()
-    names = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-             "tokenizer_config.json"]
+    names = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     assert list(hashes) == names
     for name in names:
         assert hashes[name] == hashlib.sha256((directory / name).read_bytes()).hexdigest()
@@ -180,7 +198,8 @@ def test_sharded_checkpoint(tmp_path: Path) -> None:
     directory = write_sharded(tmp_path / "m")
     c = load(directory)
     assert [f.name for f in c.weight_files] == [
-        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
     ]
     state = c.state_dict()
     assert set(state) == set(tensors())
@@ -217,6 +236,7 @@ def test_checkpoint_from_tiny_factory(tmp_path: Path) -> None:
 
 
 # --- pickled weights -------------------------------------------------------------------------
+
 
 def write_pickle(directory: Path, obj: Any) -> Path:
     write_dir(directory, weights={})
@@ -292,6 +312,7 @@ def test_sharded_pickle_is_refused(tmp_path: Path) -> None:
 
 
 # --- refused directories ----------------------------------------------------------------------
+
 
 def test_missing_path(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError) as exc:
@@ -387,9 +408,17 @@ def test_corrupt_safetensors(tmp_path: Path) -> None:
             read()
 
 
-@pytest.mark.parametrize("shard", [
-    "../outside.safetensors", "sub/model.safetensors", "/etc/passwd", "..", "", "a\\b.safetensors",
-])
+@pytest.mark.parametrize(
+    "shard",
+    [
+        "../outside.safetensors",
+        "sub/model.safetensors",
+        "/etc/passwd",
+        "..",
+        "",
+        "a\\b.safetensors",
+    ],
+)
 def test_shard_names_must_be_plain(tmp_path: Path, shard: str) -> None:
     directory = write_sharded(tmp_path / "m", {"w": shard})
     with pytest.raises(CheckpointError) as exc:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 from click.testing import CliRunner
@@ -16,7 +16,10 @@ from toolchain.cli import main
 
 def kvforge(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "toolchain.cli", *args], capture_output=True, text=True, check=False,
+        [sys.executable, "-m", "toolchain.cli", *args],
+        capture_output=True,
+        text=True,
+        check=False,
     )
 
 
@@ -56,7 +59,9 @@ def test_generate_several_prompts_prints_one_json_line_each(built_artifact: Call
     import json
 
     artifact = built_artifact("llama")
-    result = CliRunner().invoke(main, ["generate", str(artifact), "a", "bcd", "--max-new-tokens", "5", "--temperature", "0"])
+    result = CliRunner().invoke(
+        main, ["generate", str(artifact), "a", "bcd", "--max-new-tokens", "5", "--temperature", "0"]
+    )
     assert result.exit_code == 0, result.output
     engine = Engine.load(artifact)
     assert [json.loads(line) for line in result.stdout.splitlines()] == engine.generate(

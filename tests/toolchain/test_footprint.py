@@ -21,9 +21,16 @@ from toolchain.spec import SUPPORTED_MODEL_TYPES, DecoderSpec
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 _LLAMA_LIKE: dict[str, Any] = {
-    "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+    "vocab_size": 100,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 TINY: dict[str, dict[str, Any]] = {
     "llama": {**_LLAMA_LIKE, "tie_word_embeddings": False},
@@ -35,8 +42,13 @@ TINY: dict[str, dict[str, Any]] = {
     "gemma2": {**_LLAMA_LIKE, "head_dim": 16, "sliding_window": 16, "query_pre_attn_scalar": 16},
     "gpt2": {"vocab_size": 100, "n_embd": 48, "n_layer": 3, "n_head": 6, "n_positions": 64},
     "gpt_neox": {
-        "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "max_position_embeddings": 64, "rotary_pct": 0.5,
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 64,
+        "rotary_pct": 0.5,
     },
 }
 
@@ -123,6 +135,7 @@ def test_buffers_in_old_checkpoints_are_not_parameters(tmp_path: Path) -> None:
 
 # --- quantized sizes, derived by hand ---------------------------------------------------------
 
+
 def write_synthetic(directory: Path, model_type: str, tensors: dict[str, torch.Tensor], **config: Any) -> Path:
     directory.mkdir()
     base = {"model_type": model_type, **TINY[model_type], **config}
@@ -201,6 +214,7 @@ def test_checkpoint_with_only_buffers(tmp_path: Path) -> None:
 
 # --- requests, totals and the table -----------------------------------------------------------
 
+
 @pytest.fixture
 def llama(tmp_path: Path) -> tuple[Checkpoint, DecoderSpec]:
     save_model(tmp_path, "llama")
@@ -214,7 +228,8 @@ def test_bad_batch_or_seq(llama: tuple[Checkpoint, DecoderSpec], batch: Any, seq
 
 
 def test_seq_beyond_max_positions_warns(
-    llama: tuple[Checkpoint, DecoderSpec], caplog: pytest.LogCaptureFixture,
+    llama: tuple[Checkpoint, DecoderSpec],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="toolchain.footprint"):
         fp = footprint(*llama, batch=1, seq=65)

@@ -7,8 +7,8 @@ of kvforge's loop.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -29,11 +29,14 @@ def hf_greedy(checkpoint: Path, prompt_ids: list[int], new_tokens: int) -> list[
     model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
             pad_token_id=model.config.pad_token_id,
         )
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 @pytest.mark.parametrize("model_type", SUPPORTED)

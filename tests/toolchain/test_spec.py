@@ -18,26 +18,43 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 # Small shapes in each config class's own field names: GQA where the architecture has it,
 # head_dim explicit where the class has the field and set off hidden/heads where allowed.
 _LLAMA_LIKE: dict[str, Any] = {
-    "vocab_size": 96, "hidden_size": 64, "intermediate_size": 112, "num_hidden_layers": 3,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 112,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
 }
 TINY: dict[str, dict[str, Any]] = {
     "llama": dict(_LLAMA_LIKE, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0),
     "mistral": dict(_LLAMA_LIKE, sliding_window=32, rms_norm_eps=3e-6),
-    "qwen2": dict(_LLAMA_LIKE, tie_word_embeddings=True, use_sliding_window=True, sliding_window=48,
-                  max_window_layers=1),
+    "qwen2": dict(
+        _LLAMA_LIKE, tie_word_embeddings=True, use_sliding_window=True, sliding_window=48, max_window_layers=1
+    ),
     "qwen3": dict(_LLAMA_LIKE, head_dim=8),
     "phi3": dict(_LLAMA_LIKE, partial_rotary_factor=0.5, sliding_window=40, pad_token_id=0, eos_token_id=3),
     "gemma": dict(_LLAMA_LIKE, head_dim=32, num_key_value_heads=1),
     "gemma2": dict(_LLAMA_LIKE, head_dim=16, sliding_window=16, query_pre_attn_scalar=16),
     "gpt2": {
-        "vocab_size": 96, "n_embd": 48, "n_layer": 2, "n_head": 6, "n_positions": 64, "n_inner": None,
+        "vocab_size": 96,
+        "n_embd": 48,
+        "n_layer": 2,
+        "n_head": 6,
+        "n_positions": 64,
+        "n_inner": None,
         "layer_norm_epsilon": 1e-4,
     },
     "gpt_neox": {
-        "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "max_position_embeddings": 64, "rotary_pct": 0.5,
-        "rotary_emb_base": 5000, "layer_norm_eps": 2e-5,
+        "vocab_size": 96,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 64,
+        "rotary_pct": 0.5,
+        "rotary_emb_base": 5000,
+        "layer_norm_eps": 2e-5,
     },
 }
 
@@ -47,11 +64,23 @@ EPS_ATTRIBUTE = {"gpt2": "layer_norm_epsilon", "gpt_neox": "layer_norm_eps"}
 # Field names as each architecture spells them, for the "missing field" cases.
 REQUIRED = {
     "gpt2": ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions"),
-    "gpt_neox": ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size",
-                 "max_position_embeddings", "intermediate_size"),
+    "gpt_neox": (
+        "num_hidden_layers",
+        "num_attention_heads",
+        "hidden_size",
+        "vocab_size",
+        "max_position_embeddings",
+        "intermediate_size",
+    ),
 }
-_LLAMA_REQUIRED = ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size",
-                   "max_position_embeddings", "intermediate_size")
+_LLAMA_REQUIRED = (
+    "num_hidden_layers",
+    "num_attention_heads",
+    "hidden_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "intermediate_size",
+)
 
 
 def hf_config(model_type: str, **overrides: Any) -> transformers.PreTrainedConfig:
@@ -99,7 +128,15 @@ def assert_matches_library(spec: DecoderSpec, cfg: transformers.PreTrainedConfig
 
 def test_supported_model_types() -> None:
     assert SUPPORTED_MODEL_TYPES == (
-        "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gpt2", "gpt_neox",
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "phi3",
+        "gemma",
+        "gemma2",
+        "gpt2",
+        "gpt_neox",
     )
     assert set(TINY) == set(SUPPORTED_MODEL_TYPES)
 
@@ -134,15 +171,23 @@ OPTIONAL = {
     "gpt2": ("n_inner", "layer_norm_epsilon", "tie_word_embeddings", "bos_token_id", "eos_token_id"),
     "gpt_neox": ("rope_parameters", "layer_norm_eps", "tie_word_embeddings"),
 }
-_LLAMA_OPTIONAL = ("num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings",
-                   "rope_parameters", "sliding_window", "use_sliding_window")
+_LLAMA_OPTIONAL = (
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "rope_parameters",
+    "sliding_window",
+    "use_sliding_window",
+)
 
 
 @pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
 def test_absent_fields_take_transformers_defaults(model_type: str) -> None:
     # 32 heads over a 512 hidden size fit every class default for KV heads (up to 32).
-    overrides: dict[str, Any] = {"n_head": 32, "n_embd": 512} if model_type == "gpt2" else {
-        "num_attention_heads": 32, "hidden_size": 512}
+    overrides: dict[str, Any] = (
+        {"n_head": 32, "n_embd": 512} if model_type == "gpt2" else {"num_attention_heads": 32, "hidden_size": 512}
+    )
     full = config_dict(model_type, **overrides)
     for field in OPTIONAL.get(model_type, _LLAMA_OPTIONAL):
         if field not in full:
@@ -175,23 +220,36 @@ def test_mistral_null_window_is_full_attention() -> None:
 # --- old (transformers 4.x) and new layouts -----------------------------------------------
 
 OLD_LAYOUTS: list[tuple[str, dict[str, Any]]] = [
-    ("llama", {"rope_theta": 500000.0, "rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64}}),
+    (
+        "llama",
+        {
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
     ("llama", {"rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2.0}}),
     ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
-    ("llama", {"rope_theta": 7.0, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
-                                                       "rope_theta": 5.0}}),
+    ("llama", {"rope_theta": 7.0, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 5.0}}),
     ("qwen2", {"rope_theta": 1000000.0, "rope_scaling": None}),
     ("mistral", {"rope_theta": 1e6}),
     ("gemma2", {"rope_theta": 20000.0}),
-    ("gpt_neox", {"rotary_pct": 0.25, "rotary_emb_base": 10000, "rope_theta": 99.0,
-                  "partial_rotary_factor": 0.5}),
-    ("gpt_neox", {"rope_parameters": {"rope_type": "default", "rope_theta": 1234.0,
-                                      "partial_rotary_factor": 0.5}}),
-    ("phi3", {"partial_rotary_factor": 0.75, "original_max_position_embeddings": 64,
-              "max_position_embeddings": 256, "rope_scaling": {
-                  "type": "longrope", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6}}),
+    ("gpt_neox", {"rotary_pct": 0.25, "rotary_emb_base": 10000, "rope_theta": 99.0, "partial_rotary_factor": 0.5}),
+    ("gpt_neox", {"rope_parameters": {"rope_type": "default", "rope_theta": 1234.0, "partial_rotary_factor": 0.5}}),
+    (
+        "phi3",
+        {
+            "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 64,
+            "max_position_embeddings": 256,
+            "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6},
+        },
+    ),
     ("phi3", {"rope_theta": 250000.0}),
 ]
 
@@ -213,12 +271,15 @@ def test_phi3_legacy_su_rope_type_is_longrope() -> None:
     assert scaling["original_max_position_embeddings"] == 64
 
 
-@pytest.mark.parametrize(("key", "value", "expected"), [
-    ("torch_dtype", "bfloat16", "bfloat16"),
-    ("torch_dtype", "float16", "float16"),
-    ("dtype", "float16", "float16"),
-    ("dtype", None, "float32"),
-])
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("torch_dtype", "bfloat16", "bfloat16"),
+        ("torch_dtype", "float16", "float16"),
+        ("dtype", "float16", "float16"),
+        ("dtype", None, "float32"),
+    ],
+)
 def test_dtype_from_either_key(key: str, value: Any, expected: str) -> None:
     data = config_dict("llama")
     data[key] = value
@@ -234,9 +295,11 @@ def test_dtype_key_wins_over_torch_dtype() -> None:
 
 # --- special tokens -----------------------------------------------------------------------
 
+
 def test_generation_config_eos_list_wins() -> None:
     spec = DecoderSpec.from_config(
-        config_dict("llama"), {"eos_token_id": [7, 2, 7], "bos_token_id": 5, "pad_token_id": 9})
+        config_dict("llama"), {"eos_token_id": [7, 2, 7], "bos_token_id": 5, "pad_token_id": 9}
+    )
     assert spec.eos_token_ids == (7, 2)
     assert (spec.bos_token_id, spec.pad_token_id) == (5, 9)
 
@@ -268,6 +331,7 @@ def test_negative_pad_is_unset(caplog: pytest.LogCaptureFixture) -> None:
 
 # --- rejected configs ---------------------------------------------------------------------
 
+
 def check_error(exc: pytest.ExceptionInfo[KvforgeError], *needles: str) -> None:
     message = str(exc.value)
     for needle in needles:
@@ -290,9 +354,9 @@ def test_missing_model_type() -> None:
     check_error(exc, "config.json", "model_type", "llama")
 
 
-@pytest.mark.parametrize(("model_type", "field"), [
-    (mt, f) for mt in SUPPORTED_MODEL_TYPES for f in REQUIRED.get(mt, _LLAMA_REQUIRED)
-])
+@pytest.mark.parametrize(
+    ("model_type", "field"), [(mt, f) for mt in SUPPORTED_MODEL_TYPES for f in REQUIRED.get(mt, _LLAMA_REQUIRED)]
+)
 def test_missing_required_field(model_type: str, field: str) -> None:
     data = config_dict(model_type)
     del data[field]
@@ -301,41 +365,44 @@ def test_missing_required_field(model_type: str, field: str) -> None:
     check_error(exc, "config.json", repr(field)[1:-1], "missing")
 
 
-@pytest.mark.parametrize(("model_type", "field", "value", "needle"), [
-    ("llama", "num_attention_heads", 0, "positive"),
-    ("llama", "num_key_value_heads", 0, "positive"),
-    ("gpt2", "n_head", 0, "positive"),
-    ("llama", "num_hidden_layers", -2, "positive"),
-    ("llama", "head_dim", 0, "positive"),
-    ("llama", "max_position_embeddings", 10_000_001, "sanity limit"),
-    ("llama", "vocab_size", 20_000_000, "sanity limit"),
-    ("gpt2", "n_positions", 10**9, "sanity limit"),
-    ("llama", "num_hidden_layers", 100_000, "sanity limit"),
-    ("llama", "intermediate_size", 10**8, "sanity limit"),
-    ("llama", "num_hidden_layers", "32", "integer"),
-    ("llama", "num_attention_heads", True, "integer"),
-    ("llama", "hidden_size", 64.0, "integer"),
-    ("gpt2", "n_embd", "48", "integer"),
-    ("llama", "rms_norm_eps", "1e-6", "number"),
-    ("llama", "rms_norm_eps", 0.0, "(0, 1)"),
-    ("gpt2", "layer_norm_epsilon", -1e-5, "(0, 1)"),
-    ("llama", "tie_word_embeddings", "yes", "true or false"),
-    ("llama", "tie_word_embeddings", 1, "true or false"),
-    ("llama", "rope_theta", -1.0, "positive"),
-    ("mistral", "sliding_window", 0, "positive"),
-    ("mistral", "sliding_window", "4096", "integer"),
-    ("qwen2", "use_sliding_window", "true", "true or false"),
-    ("llama", "rope_parameters", [1, 2], "object"),
-    ("llama", "bos_token_id", "<s>", "integer"),
-    ("llama", "bos_token_id", -3, "non-negative"),
-    ("llama", "eos_token_id", "2", "token id"),
-    ("llama", "eos_token_id", [2, None], "token id"),
-    ("llama", "eos_token_id", [2, True], "token id"),
-    ("gpt_neox", "rotary_pct", 0.0, "(0, 1]"),
-    ("gpt_neox", "rotary_pct", 1.5, "(0, 1]"),
-    ("gpt_neox", "rotary_pct", 0.1, "rotary dimension"),
-    ("phi3", "partial_rotary_factor", "half", "number"),
-])
+@pytest.mark.parametrize(
+    ("model_type", "field", "value", "needle"),
+    [
+        ("llama", "num_attention_heads", 0, "positive"),
+        ("llama", "num_key_value_heads", 0, "positive"),
+        ("gpt2", "n_head", 0, "positive"),
+        ("llama", "num_hidden_layers", -2, "positive"),
+        ("llama", "head_dim", 0, "positive"),
+        ("llama", "max_position_embeddings", 10_000_001, "sanity limit"),
+        ("llama", "vocab_size", 20_000_000, "sanity limit"),
+        ("gpt2", "n_positions", 10**9, "sanity limit"),
+        ("llama", "num_hidden_layers", 100_000, "sanity limit"),
+        ("llama", "intermediate_size", 10**8, "sanity limit"),
+        ("llama", "num_hidden_layers", "32", "integer"),
+        ("llama", "num_attention_heads", True, "integer"),
+        ("llama", "hidden_size", 64.0, "integer"),
+        ("gpt2", "n_embd", "48", "integer"),
+        ("llama", "rms_norm_eps", "1e-6", "number"),
+        ("llama", "rms_norm_eps", 0.0, "(0, 1)"),
+        ("gpt2", "layer_norm_epsilon", -1e-5, "(0, 1)"),
+        ("llama", "tie_word_embeddings", "yes", "true or false"),
+        ("llama", "tie_word_embeddings", 1, "true or false"),
+        ("llama", "rope_theta", -1.0, "positive"),
+        ("mistral", "sliding_window", 0, "positive"),
+        ("mistral", "sliding_window", "4096", "integer"),
+        ("qwen2", "use_sliding_window", "true", "true or false"),
+        ("llama", "rope_parameters", [1, 2], "object"),
+        ("llama", "bos_token_id", "<s>", "integer"),
+        ("llama", "bos_token_id", -3, "non-negative"),
+        ("llama", "eos_token_id", "2", "token id"),
+        ("llama", "eos_token_id", [2, None], "token id"),
+        ("llama", "eos_token_id", [2, True], "token id"),
+        ("gpt_neox", "rotary_pct", 0.0, "(0, 1]"),
+        ("gpt_neox", "rotary_pct", 1.5, "(0, 1]"),
+        ("gpt_neox", "rotary_pct", 0.1, "rotary dimension"),
+        ("phi3", "partial_rotary_factor", "half", "number"),
+    ],
+)
 def test_bad_field_value(model_type: str, field: str, value: Any, needle: str) -> None:
     data = config_dict(model_type)
     data[field] = value
@@ -418,6 +485,7 @@ def test_bad_generation_config_names_its_file() -> None:
 
 # --- serialization and derived values ------------------------------------------------------
 
+
 @pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
 def test_dict_round_trip_through_json(model_type: str) -> None:
     spec = DecoderSpec.from_config(config_dict(model_type))
@@ -435,29 +503,31 @@ def test_to_dict_is_a_copy() -> None:
     assert spec.rope_scaling is not None and spec.rope_scaling["factor"] == 2.0
 
 
-OLD_CONFIG_WITH_SCALING = {**TINY["llama"], "model_type": "llama",
-                           "rope_scaling": {"type": "linear", "factor": 2.0}}
+OLD_CONFIG_WITH_SCALING = {**TINY["llama"], "model_type": "llama", "rope_scaling": {"type": "linear", "factor": 2.0}}
 
 
-@pytest.mark.parametrize(("change", "needle"), [
-    ({"num_layers": None}, "missing"),
-    ({"extra": 1}, "unknown"),
-    ({"num_heads": "4"}, "num_heads"),
-    ({"num_kv_heads": 3}, "num_kv_heads"),
-    ({"tied_embeddings": "no"}, "tied_embeddings"),
-    ({"eos_token_ids": [1, "2"]}, "eos_token_ids"),
-    ({"dtype": "float64"}, "dtype"),
-    ({"model_type": "bert"}, "model_type"),
-    ({"norm_eps": "x"}, "norm_eps"),
-    ({"rope_theta": None}, "rope_theta"),
-    ({"vocab_size": 10**8}, "vocab_size"),
-    ({"pad_token_id": -1}, "pad_token_id"),
-    ({"norm_eps": 0.0}, "norm_eps"),
-    ({"partial_rotary_factor": 2.0}, "partial_rotary_factor"),
-    ({"rope_theta": -5.0}, "rope_theta"),
-    ({"sliding_window": 0}, "sliding_window"),
-    ({"rope_scaling": [1]}, "rope_scaling"),
-])
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"num_layers": None}, "missing"),
+        ({"extra": 1}, "unknown"),
+        ({"num_heads": "4"}, "num_heads"),
+        ({"num_kv_heads": 3}, "num_kv_heads"),
+        ({"tied_embeddings": "no"}, "tied_embeddings"),
+        ({"eos_token_ids": [1, "2"]}, "eos_token_ids"),
+        ({"dtype": "float64"}, "dtype"),
+        ({"model_type": "bert"}, "model_type"),
+        ({"norm_eps": "x"}, "norm_eps"),
+        ({"rope_theta": None}, "rope_theta"),
+        ({"vocab_size": 10**8}, "vocab_size"),
+        ({"pad_token_id": -1}, "pad_token_id"),
+        ({"norm_eps": 0.0}, "norm_eps"),
+        ({"partial_rotary_factor": 2.0}, "partial_rotary_factor"),
+        ({"rope_theta": -5.0}, "rope_theta"),
+        ({"sliding_window": 0}, "sliding_window"),
+        ({"rope_scaling": [1]}, "rope_scaling"),
+    ],
+)
 def test_from_dict_rejects(change: dict[str, Any], needle: str) -> None:
     data = DecoderSpec.from_config(config_dict("llama")).to_dict()
     for key, value in change.items():
