@@ -1,16 +1,15 @@
 """`kvforge build` and `kvforge verify` as plain functions over the pipeline's stages.
 
-A build writes into a temporary sibling of the output directory, verifies the graph
-from the files it just wrote, writes the manifest last, and only then renames the
-directory into place. Any failure removes the temporary directory: nothing is published.
+A build writes into a locked staging sibling of the output directory, verifies the graph
+from the files it just wrote, writes the manifest last, and only then swaps the directory
+into place (`toolchain.publish`). Any failure removes the staging directory: nothing is
+published, and a previous artifact stays as it was.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,6 +26,7 @@ from toolchain import checkpoint as checkpoints
 from toolchain import emit, manifest
 from toolchain.export import DecoderWrapper, eager_model, export_decoder
 from toolchain.lower import OPSET, to_onnx
+from toolchain.publish import check_output, publish, staged
 from toolchain.spec import DecoderSpec
 from toolchain.verify import ParityReport, check_parity, require_parity
 
@@ -63,7 +63,7 @@ class BuildResult:
 
 def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptions()) -> BuildResult:
     output = Path(os.path.abspath(output))
-    _check_output(output, options.force)
+    check_output(output, options.force)
     seconds: dict[str, float] = {}
     ckpt = checkpoints.load(checkpoint_dir, allow_pickle=options.allow_pickle)
     spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
@@ -75,31 +75,29 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
     with _timed(seconds, "lower"):
         onnx_model = to_onnx(program, io)
     del program
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.partial-"))
-    staging.chmod(0o755)  # mkdtemp makes it private; the published artifact is an ordinary directory
     try:
-        with _timed(seconds, "emit"):
-            emit.write_onnx(onnx_model, staging)
-            del onnx_model
-            emit.copy_tokenizer(ckpt, staging)
-            emit.write_generation_config(ckpt, spec, staging)
-        with _timed(seconds, "verify"):
-            report = check_parity(
-                TorchSession(DecoderWrapper(model, spec.num_layers), io),
-                OrtSession(staging / emit.MODEL_FILE, io),
-                max_positions=spec.max_positions,
-                dtype=COMPUTE_DTYPE,
-                decode_steps=options.decode_steps,
+        with staged(output) as staging:
+            with _timed(seconds, "emit"):
+                emit.write_onnx(onnx_model, staging)
+                del onnx_model
+                emit.copy_tokenizer(ckpt, staging)
+                emit.write_generation_config(ckpt, spec, staging)
+            with _timed(seconds, "verify"):
+                report = check_parity(
+                    TorchSession(DecoderWrapper(model, spec.num_layers), io),
+                    OrtSession(staging / emit.MODEL_FILE, io),
+                    max_positions=spec.max_positions,
+                    dtype=COMPUTE_DTYPE,
+                    decode_steps=options.decode_steps,
+                )
+                require_parity(report, str(checkpoint_dir))
+            written = manifest.write(
+                staging, spec=spec, io=io, sources=ckpt.source_hashes(), flags=options.flags(), parity=report.to_dict()
             )
-            require_parity(report, str(checkpoint_dir))
-        written = manifest.write(
-            staging, spec=spec, io=io, sources=ckpt.source_hashes(), flags=options.flags(), parity=report.to_dict()
-        )
-        _publish(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+            publish(staging, output)
+    except OSError as e:  # a full disk, a read-only or vanished directory: nothing was published
+        where = e.filename or output.parent
+        raise ArtifactError(f"{where}: cannot write the artifact ({e.strerror or e}); nothing was published") from e
     log.info("published %s (%s)", output, report.summary())
     return BuildResult(output, written, report, seconds)
 
@@ -126,28 +124,6 @@ def verify(artifact: Path, checkpoint_dir: Path, *, allow_pickle: bool = False) 
     )
     require_parity(report, str(artifact))
     return report
-
-
-def _check_output(output: Path, force: bool) -> None:
-    if not output.exists():
-        return
-    if not force:
-        raise ArtifactError(f"{output}: already exists; pass --force to replace it")
-    if not output.is_dir() or (any(output.iterdir()) and not (output / MANIFEST).is_file()):
-        raise ArtifactError(
-            f"{output}: exists and is not a kvforge artifact; refusing to replace it, choose another -o"
-        )
-
-
-def _publish(staging: Path, output: Path) -> None:
-    """Rename the complete directory into place; a previous artifact is moved aside first."""
-    if not output.exists():
-        staging.rename(output)
-        return
-    retired = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.old-"))
-    output.rename(retired / output.name)
-    staging.rename(output)
-    shutil.rmtree(retired, ignore_errors=True)
 
 
 @contextmanager

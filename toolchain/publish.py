@@ -1,0 +1,143 @@
+"""All-or-nothing artifact directories: stage beside the output, then swap into place.
+
+A build writes into `.NAME.partial-XXXX`, a sibling of the output `NAME` on the same file
+system, and holds an exclusive `flock` on it while it works. Publishing swaps the staged
+directory with the previous artifact in one `renameat2(RENAME_EXCHANGE)` call, so at
+every instant `NAME` is either the previous complete artifact or the new one; the
+previous one, now at the staging path, is then deleted. Where the exchange is not
+available (not Linux, or a file system without it), the previous artifact is first moved
+to `.NAME.retired-XXXX`; if the process dies before the new one is in place, the next
+build moves it back.
+
+A killed build leaves only its staging directory, whose lock died with it: the next
+build to the same output removes every unlocked leftover before it starts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from runners.errors import ArtifactError
+from runners.manifest import MANIFEST
+
+log = logging.getLogger(__name__)
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+
+
+def _staging_prefix(output: Path) -> str:
+    return f".{output.name}.partial-"
+
+
+def _retired_prefix(output: Path) -> str:
+    return f".{output.name}.retired-"
+
+
+def check_output(output: Path, force: bool) -> None:
+    """Refuse, before any work, an output that exists without --force or is not ours to replace."""
+    if output.is_symlink():
+        raise ArtifactError(f"{output}: is a symbolic link; refusing to write through it, choose another -o")
+    if not output.exists():
+        return
+    if not force:
+        raise ArtifactError(f"{output}: already exists; pass --force to replace it")
+    if not output.is_dir() or (any(output.iterdir()) and not (output / MANIFEST).is_file()):
+        raise ArtifactError(
+            f"{output}: exists and is not a kvforge artifact; refusing to replace it, choose another -o"
+        )
+
+
+@contextmanager
+def staged(output: Path) -> Iterator[Path]:
+    """A locked, empty staging directory beside `output`; removed if the block fails."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    clean_leftovers(output)
+    path = Path(tempfile.mkdtemp(dir=output.parent, prefix=_staging_prefix(output)))
+    lock = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        path.chmod(0o755)  # mkdtemp makes it private; the published artifact is an ordinary directory
+        yield path
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    finally:
+        os.close(lock)
+
+
+def publish(staging: Path, output: Path) -> None:
+    """Put the complete `staging` directory at `output`, atomically replacing a previous artifact."""
+    check_output(output, force=True)  # the output may have changed while we built
+    if not output.exists():
+        _rename_noreplace(staging, output)
+        return
+    if _rename2(staging, output, _RENAME_EXCHANGE):
+        shutil.rmtree(staging, ignore_errors=True)  # now the previous artifact
+        return
+    retired = Path(tempfile.mkdtemp(dir=output.parent, prefix=_retired_prefix(output)))
+    os.rename(output, retired / output.name)
+    os.rename(staging, output)
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def clean_leftovers(output: Path) -> None:
+    """Remove what killed builds left beside `output`; restore a retired artifact if `output` is gone."""
+    for path in sorted(output.parent.glob(_retired_prefix(output) + "*")):
+        previous = path / output.name
+        if not output.exists() and (previous / MANIFEST).is_file():
+            log.warning("restoring %s from an interrupted publish", output)
+            os.rename(previous, output)
+        shutil.rmtree(path, ignore_errors=True)
+    for path in sorted(output.parent.glob(_staging_prefix(output) + "*")):
+        if _unlocked(path):
+            log.info("removing %s, left by an interrupted build", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _unlocked(path: Path) -> bool:
+    """True when no live build holds the directory's lock (the lock dies with its process)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _rename2(source: Path, target: Path, flags: int) -> bool:
+    """renameat2(2); False where the system or file system does not offer it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(target))
+
+
+def _rename_noreplace(source: Path, target: Path) -> None:
+    try:
+        if _rename2(source, target, _RENAME_NOREPLACE):
+            return
+    except FileExistsError as e:
+        raise ArtifactError(f"{target}: appeared while building; rebuild with --force to replace it") from e
+    os.rename(source, target)
