@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from passes import pipeline
+from passes.pipeline import PassReport
 from runners.contract import DecoderIO
 from runners.errors import ArtifactError
 from runners.manifest import MANIFEST, read_manifest, verify_files
@@ -58,6 +60,7 @@ class BuildResult:
     output: Path
     manifest: dict[str, Any]
     parity: ParityReport
+    passes: PassReport
     seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -75,6 +78,8 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
     with _timed(seconds, "lower"):
         onnx_model = to_onnx(program, io)
     del program
+    with _timed(seconds, "passes"):
+        pass_report = pipeline.run(onnx_model, TARGET)
     try:
         with staged(output) as staging:
             with _timed(seconds, "emit"):
@@ -92,14 +97,20 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
                 )
                 require_parity(report, str(checkpoint_dir))
             written = manifest.write(
-                staging, spec=spec, io=io, sources=ckpt.source_hashes(), flags=options.flags(), parity=report.to_dict()
+                staging,
+                spec=spec,
+                io=io,
+                sources=ckpt.source_hashes(),
+                flags=options.flags(),
+                passes=pass_report.to_dict(timings=False),
+                parity=report.to_dict(),
             )
             publish(staging, output)
     except OSError as e:  # a full disk, a read-only or vanished directory: nothing was published
         where = e.filename or output.parent
         raise ArtifactError(f"{where}: cannot write the artifact ({e.strerror or e}); nothing was published") from e
     log.info("published %s (%s)", output, report.summary())
-    return BuildResult(output, written, report, seconds)
+    return BuildResult(output, written, report, pass_report, seconds)
 
 
 def verify(artifact: Path, checkpoint_dir: Path, *, allow_pickle: bool = False) -> ParityReport:

@@ -50,6 +50,7 @@ def main(verbose: bool) -> None:
 @click.argument("checkpoint", type=_CHECKPOINT)
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Artifact directory to create.")
 @click.option("--force", is_flag=True, help="Replace an existing artifact at --output.")
+@click.option("--report", is_flag=True, help="Print what each graph pass did (nodes before/after, time).")
 @click.option(
     "--allow-pickle", is_flag=True, help="Accept pytorch_model.bin (read with torch.load(weights_only=True))."
 )
@@ -61,7 +62,7 @@ def main(verbose: bool) -> None:
     help="Greedy decode steps the verification gate compares.",
 )
 @_guarded
-def build(checkpoint: Path, output: Path, force: bool, allow_pickle: bool, decode_steps: int) -> None:
+def build(checkpoint: Path, output: Path, force: bool, report: bool, allow_pickle: bool, decode_steps: int) -> None:
     """Export CHECKPOINT, lower it to ONNX, verify it against the eager model, publish it to -o."""
     from toolchain.build import BuildOptions
     from toolchain.build import build as run_build
@@ -69,6 +70,8 @@ def build(checkpoint: Path, output: Path, force: bool, allow_pickle: bool, decod
     result = run_build(
         checkpoint, output, BuildOptions(force=force, allow_pickle=allow_pickle, decode_steps=decode_steps)
     )
+    if report:
+        click.echo(result.passes.summary(), err=True)
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items())
     click.echo(f"built {result.output} ({stages})", err=True)
     click.echo(result.parity.summary(), err=True)

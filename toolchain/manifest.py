@@ -46,6 +46,7 @@ def write(
     io: DecoderIO,
     sources: Mapping[str, str],
     flags: Mapping[str, Any],
+    passes: Mapping[str, Any],
     parity: Mapping[str, Any],
 ) -> dict[str, Any]:
     files = {p.name: sha256_file(p) for p in sorted(directory.iterdir()) if p.name != MANIFEST}
@@ -57,6 +58,7 @@ def write(
         "tools": tool_versions(),
         "spec": spec.to_dict(),
         "io": io.to_dict(),
+        "passes": dict(passes),
         "parity": dict(parity),
         "files": files,
     }

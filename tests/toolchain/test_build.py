@@ -86,6 +86,9 @@ def test_manifest_records_hashes_versions_contract_and_parity(
     assert manifest["tools"]["torch"] and manifest["tools"]["onnxruntime"]
     assert manifest["spec"]["num_layers"] == 2 and manifest["io"]["kv_mode"] == "concat"
     assert manifest["parity"]["passed"] and manifest["parity"]["prefill"]
+    passes = manifest["passes"]
+    assert sum(passes["histogram_after"].values()) < sum(passes["histogram_before"].values())
+    assert all("seconds" not in record for record in passes["passes"])  # timings would break reproducibility
     assert {"model.onnx", "model.onnx.data", "tokenizer.json", "generation_config.json"} <= set(manifest["files"])
 
 
