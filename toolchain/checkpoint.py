@@ -4,6 +4,11 @@
 returns a `Checkpoint`; weights are read lazily: `state_dict` memory-maps safetensors
 files, and `tensor_metadata` reads their headers only. Pickled weights
 (`pytorch_model.bin`) are opt-in and loaded with `weights_only=True`.
+
+Every file is untrusted: paths taken from files must stay inside the directory, every
+safetensors header is validated by `toolchain.safetensors_check` before the library opens
+the file, and every failure is a `CheckpointError` naming the file and the field or tensor.
+`check_against_spec` then checks the weights' and tokenizer's sizes against the config.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,6 +26,9 @@ from typing import Any
 import torch
 
 from runners.errors import CheckpointError
+from toolchain import safetensors_check
+from toolchain.safetensors_check import short_repr
+from toolchain.spec import DecoderSpec
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +42,15 @@ TOKENIZER = "tokenizer.json"
 OPTIONAL_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 _HASH_CHUNK = 1 << 20
+# JSON inputs are read whole; far beyond any real config, index or tokenizer file.
+MAX_JSON_BYTES = 512 << 20
+
+# The first torch whose weights_only unpickler has no published bypass: 2.6.0 fixed
+# CVE-2025-32434 (GHSA-53q9-r3pm-6pq6, code execution through torch.load(weights_only=True)),
+# 2.10.0 fixed CVE-2026-24747 (GHSA-63cw-57p8-fm3p, memory corruption in the weights_only
+# unpickler). pyproject asks for a newer torch; this guards environments that ignore it.
+MIN_TORCH_FOR_PICKLE = "2.10.0"
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's zip format, the only one torch can memory-map
 
 # safetensors' dtype names for torch dtypes, so pickled weights report like safetensors ones.
 _TORCH_DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -70,8 +88,9 @@ class Checkpoint:
         if self.uses_pickle:
             return _load_pickle(self.weight_files[0])
         tensors: dict[str, torch.Tensor] = {}
+        origin: dict[str, Path] = {}
         for file in self.weight_files:
-            _merge(tensors, _load_safetensors(file), file)
+            _merge(tensors, _load_safetensors(file), file, origin)
         return tensors
 
     def tensor_metadata(self) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -80,15 +99,18 @@ class Checkpoint:
         Pickled weights have no header; they are memory-mapped and inspected without
         touching the data.
         """
+        return {name: (dtype, shape) for name, (_, dtype, shape) in self.tensor_locations().items()}
+
+    def tensor_locations(self) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
+        """Tensor name -> (the file holding it, safetensors dtype name, shape), from headers only."""
         if self.uses_pickle:
+            file = self.weight_files[0]
             return {
-                name: (_dtype_name(t.dtype, self.weight_files[0], name), tuple(t.shape))
-                for name, t in self.state_dict().items()
+                name: (file, _dtype_name(t.dtype, file, name), tuple(t.shape)) for name, t in _load_pickle(file).items()
             }
-        metadata: dict[str, tuple[str, tuple[int, ...]]] = {}
-        for file in self.weight_files:
-            _merge(metadata, _safetensors_header(file), file)
-        return metadata
+        return {
+            name: (file, entry.dtype, entry.shape) for name, (file, entry) in _read_headers(self.weight_files).items()
+        }
 
     def source_hashes(self) -> dict[str, str]:
         """File name -> sha256 of every input file, sorted by name."""
@@ -109,7 +131,8 @@ def load(path: str | Path, *, allow_pickle: bool = False) -> Checkpoint:
 
     Raises CheckpointError naming the file and what to do when anything is missing,
     malformed or unsafe (remote code, shard names escaping the directory, pickles
-    without `allow_pickle`).
+    without `allow_pickle`, safetensors headers that do not describe their file, an
+    index that disagrees with its shards).
     """
     directory = _checkpoint_dir(path)
     config = _read_json(directory / CONFIG, required=True)
@@ -125,8 +148,25 @@ def load(path: str | Path, *, allow_pickle: bool = False) -> Checkpoint:
         uses_pickle=uses_pickle,
         index_file=index_file,
     )
+    if not uses_pickle:  # headers only: cheap, and every broken file is refused before any work
+        headers = _read_headers(weight_files)
+        if index_file is not None:
+            _check_index_matches_shards(index_file, headers)
     logger.info("checkpoint %s: %d weight file(s)%s", directory, len(weight_files), " (pickle)" if uses_pickle else "")
     return checkpoint
+
+
+def check_against_spec(checkpoint: Checkpoint, spec: DecoderSpec) -> None:
+    """Refuse weights or a tokenizer whose sizes contradict config.json, before any model is built.
+
+    Reads safetensors headers (a pickle is memory-mapped, not read) and tokenizer.json.
+    Shapes of the other tensors are checked when transformers loads the weights
+    (`toolchain.export.eager_model`).
+    """
+    locations = checkpoint.tensor_locations()
+    check_embedding_shapes(locations, spec)
+    check_parameter_count(locations, spec, checkpoint.path / CONFIG)
+    check_tokenizer_fits(checkpoint, spec)
 
 
 # --- finding files ----------------------------------------------------------------------
@@ -141,7 +181,11 @@ def _checkpoint_dir(path: str | Path) -> Path:
     if not given.is_dir():
         raise CheckpointError(f"{given}: is a file, not a directory; expected {_EXPECTED}")
     directory = given.resolve()
-    if not any(directory.iterdir()):
+    try:
+        empty = not any(directory.iterdir())
+    except OSError as e:
+        raise CheckpointError(f"{directory}: cannot be listed ({e.strerror or e}); check its permissions") from e
+    if empty:
         raise CheckpointError(f"{directory}: the directory is empty; expected {_EXPECTED}")
     return directory
 
@@ -152,6 +196,11 @@ def _read_json(file: Path, *, required: bool) -> dict[str, Any] | None:
             raise CheckpointError(f"{file}: not found; a checkpoint needs {file.name} ({_EXPECTED})")
         return None
     try:
+        if file.stat().st_size > MAX_JSON_BYTES:
+            raise CheckpointError(
+                f"{file}: {file.stat().st_size:,} bytes, beyond the {MAX_JSON_BYTES:,}-byte limit for a JSON "
+                "file; it is corrupt or not a checkpoint file"
+            )
         data = json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise CheckpointError(
@@ -159,6 +208,8 @@ def _read_json(file: Path, *, required: bool) -> dict[str, Any] | None:
         ) from e
     except (UnicodeDecodeError, OSError) as e:
         raise CheckpointError(f"{file}: cannot be read as UTF-8 text ({e}); fix or regenerate the file") from e
+    except (ValueError, RecursionError) as e:  # numbers too long for Python, nesting too deep
+        raise CheckpointError(f"{file}: invalid JSON ({e}); fix or regenerate the file") from e
     if not isinstance(data, dict):
         raise CheckpointError(f"{file}: expected a JSON object at the top level, got {type(data).__name__}")
     return data
@@ -178,13 +229,14 @@ def _find_weights(directory: Path, *, allow_pickle: bool) -> tuple[tuple[Path, .
         return (directory / SAFETENSORS,), None, False
     if (directory / SAFETENSORS_INDEX).is_file():
         index = directory / SAFETENSORS_INDEX
-        return _shards_from_index(index), index, False
+        return tuple(sorted(set(read_index(index).values()))), index, False
     if (directory / PICKLE).is_file():
         if not allow_pickle:
             raise CheckpointError(
                 f"{directory / PICKLE}: pickled weights can run code when loaded; convert the "
                 "checkpoint to safetensors, or pass --allow-pickle if you trust its source"
             )
+        _require_safe_torch(directory / PICKLE)
         return (directory / PICKLE,), None, True
     if (directory / PICKLE_INDEX).is_file():
         raise CheckpointError(
@@ -196,40 +248,86 @@ def _find_weights(directory: Path, *, allow_pickle: bool) -> tuple[tuple[Path, .
     )
 
 
-def _shards_from_index(index: Path) -> tuple[Path, ...]:
+def read_index(index: Path) -> dict[str, Path]:
+    """Tensor name -> shard path, every shard a checked plain file inside the index's directory.
+
+    All names are checked before any shard is opened.
+    """
     data = _read_json(index, required=True)
     assert data is not None
+    return shard_map(data, index)
+
+
+def shard_map(data: dict[str, Any], index: Path) -> dict[str, Path]:
+    """`read_index` over an index already parsed from `index` (apart, so it can be fuzzed)."""
     weight_map = data.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(
             f"{index}: field 'weight_map' must be a non-empty object of tensor name -> shard file; regenerate the index"
         )
-    names: list[str] = []
     for tensor, shard in weight_map.items():
         if not isinstance(shard, str):
-            raise CheckpointError(f"{index}: weight_map[{tensor!r}] must be a file name, got {shard!r}")
-        if shard not in names:
-            names.append(shard)
-    return tuple(_shard_path(index, name) for name in sorted(names))
+            raise CheckpointError(
+                f"{index}: weight_map[{short_repr(tensor)}] must be a file name, got {short_repr(shard)}"
+            )
+    paths = {name: _shard_path(index, name) for name in sorted(set(weight_map.values()))}
+    return {tensor: paths[shard] for tensor, shard in weight_map.items()}
 
 
 def _shard_path(index: Path, name: str) -> Path:
-    """The shard as a plain file inside the checkpoint directory, or an error."""
+    """The shard as a plain file inside the checkpoint directory, or an error; opens nothing."""
     directory = index.parent
-    if not name or name in (".", "..") or "/" in name or "\\" in name or os.path.isabs(name):
+    if (
+        not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+        or os.path.isabs(name)
+        or Path(name).name != name
+    ):
         raise CheckpointError(
-            f"{index}: shard name {name!r} in weight_map is not a plain file name; shards must "
+            f"{index}: shard name {short_repr(name)} in weight_map is not a plain file name; shards must "
             "sit directly in the checkpoint directory"
         )
-    shard = directory / name
-    if not shard.is_file():
-        raise CheckpointError(f"{index}: shard {name!r} listed in weight_map does not exist in {directory}")
-    if not shard.resolve().is_relative_to(directory):
+    if not name.endswith(".safetensors"):
         raise CheckpointError(
-            f"{index}: shard {name!r} is a link to {shard.resolve()}, outside the checkpoint "
+            f"{index}: shard name {short_repr(name)} in weight_map does not end in .safetensors; "
+            "shards must be safetensors files"
+        )
+    shard = directory / name
+    target = shard.resolve()
+    if not target.is_relative_to(directory):
+        raise CheckpointError(
+            f"{index}: shard {name!r} is a link to {target}, outside the checkpoint "
             "directory; copy the file into the directory"
         )
+    if not shard.is_file():
+        raise CheckpointError(f"{index}: shard {name!r} listed in weight_map does not exist in {directory}")
     return shard
+
+
+def _check_index_matches_shards(index: Path, headers: dict[str, tuple[Path, Any]]) -> None:
+    """Every tensor the index lists is in the shard it names, and every shard tensor is listed."""
+    listed = read_index(index)
+    for tensor, shard in listed.items():
+        found = headers.get(tensor)
+        if found is None:
+            raise CheckpointError(
+                f"{index}: weight_map lists tensor {short_repr(tensor)} in {shard.name}, but no shard contains it; "
+                "the checkpoint is incomplete, re-download it"
+            )
+        if found[0] != shard:
+            raise CheckpointError(
+                f"{index}: weight_map puts tensor {short_repr(tensor)} in {shard.name}, but it is in {found[0].name}; "
+                "regenerate the index"
+            )
+    unlisted = sorted(set(headers) - set(listed))
+    if unlisted:
+        raise CheckpointError(
+            f"{headers[unlisted[0]][0]}: tensor {short_repr(unlisted[0])} is not listed in {index.name}'s weight_map; "
+            "regenerate the index"
+        )
 
 
 def _find_tokenizer(directory: Path) -> tuple[Path, ...]:
@@ -240,42 +338,130 @@ def _find_tokenizer(directory: Path) -> tuple[Path, ...]:
             "AutoTokenizer.from_pretrained(...).save_pretrained(dir)"
         )
     optional = tuple(directory / name for name in OPTIONAL_TOKENIZER_FILES if (directory / name).is_file())
-    for file in optional:
+    for file in (tokenizer, *optional):
         if file.suffix == ".json":
             _read_json(file, required=True)
     return (tokenizer, *optional)
 
 
+# --- checks against the config ----------------------------------------------------------
+
+# Token (and, for "learned" positions, position) embedding tables, by the names transformers uses.
+_TOKEN_EMBEDDINGS: tuple[str, ...] = ("embed_tokens.weight", "wte.weight", "embed_in.weight")
+_POSITION_EMBEDDINGS: tuple[str, ...] = ("wpe.weight",)
+
+Locations = dict[str, tuple[Path, str, tuple[int, ...]]]
+
+
+def check_embedding_shapes(locations: Locations, spec: DecoderSpec) -> None:
+    """The embedding tables are [vocab_size, hidden_size] (and [max_positions, hidden_size])."""
+    expected = [(_TOKEN_EMBEDDINGS, (spec.vocab_size, spec.hidden_size), "vocab_size, hidden_size")]
+    if spec.position_embedding == "learned":
+        expected.append((_POSITION_EMBEDDINGS, (spec.max_positions, spec.hidden_size), "max_positions, hidden_size"))
+    for suffixes, shape, fields in expected:
+        for name, (file, _, found) in locations.items():
+            if _has_suffix(name, suffixes) and found != shape:
+                raise CheckpointError(
+                    f"{file}: tensor {short_repr(name)} has shape {list(found)}, but {CONFIG} gives [{fields}] = "
+                    f"{list(shape)}; check that {CONFIG} belongs to these weights"
+                )
+
+
+def check_parameter_count(locations: Locations, spec: DecoderSpec, config_file: Path) -> None:
+    """Refuse a config that describes a larger model than the weights hold.
+
+    A lower bound every supported architecture exceeds: the token embedding, and per layer
+    the query projection and one MLP matrix. Caught here, a config/weights mismatch never
+    makes transformers allocate the config's (possibly enormous) model.
+    """
+    per_layer = spec.hidden_size * spec.num_heads * spec.head_dim + spec.hidden_size * spec.intermediate_size
+    needed = spec.vocab_size * spec.hidden_size + spec.num_layers * per_layer
+    stored = sum(math.prod(shape) for _, _, shape in locations.values())
+    if needed > stored:
+        raise CheckpointError(
+            f"{config_file}: describes a model of at least {needed:,} parameters ({spec.num_layers} layers, "
+            f"hidden size {spec.hidden_size}, intermediate size {spec.intermediate_size}, vocab {spec.vocab_size}), "
+            f"but the weights hold {stored:,}; check that {CONFIG} belongs to these weights"
+        )
+
+
+def check_tokenizer_fits(checkpoint: Checkpoint, spec: DecoderSpec) -> None:
+    """Every token id of tokenizer.json (added tokens included) indexes the embedding table."""
+    from tokenizers import Tokenizer
+
+    file = checkpoint.path / TOKENIZER
+    try:
+        vocab = Tokenizer.from_file(str(file)).get_vocab(with_added_tokens=True)
+    except Exception as e:  # the tokenizers library raises plain Exception for a malformed file
+        raise CheckpointError(
+            f"{file}: the tokenizers library cannot load it ({_first_line(e)}); save the tokenizer again "
+            "with AutoTokenizer.from_pretrained(...).save_pretrained(dir)"
+        ) from e
+    if not vocab:
+        raise CheckpointError(f"{file}: the tokenizer has no tokens; save the tokenizer again")
+    token, top = max(vocab.items(), key=lambda item: item[1])
+    if top >= spec.vocab_size:
+        raise CheckpointError(
+            f"{file}: the tokenizer has {top + 1} token ids (added tokens included; token {short_repr(token)} is "
+            f"id {top}), but the embedding table has only {spec.vocab_size} rows ({CONFIG} vocab_size); "
+            "use the tokenizer that belongs to these weights"
+        )
+
+
+def _has_suffix(name: str, suffixes: tuple[str, ...]) -> bool:
+    return any(name == s or name.endswith("." + s) for s in suffixes)
+
+
 # --- reading weights --------------------------------------------------------------------
 
 
+def _read_headers(files: tuple[Path, ...]) -> dict[str, tuple[Path, safetensors_check.TensorEntry]]:
+    """Tensor name -> (file, header entry) over all shards; a name in two shards is refused."""
+    entries: dict[str, tuple[Path, safetensors_check.TensorEntry]] = {}
+    for file in files:
+        for name, entry in safetensors_check.read_header(file).items():
+            if name in entries:
+                raise CheckpointError(
+                    f"{file}: tensor {short_repr(name)} also appears in {entries[name][0].name}; a tensor must be "
+                    "stored once, regenerate the checkpoint"
+                )
+            entries[name] = (file, entry)
+    return entries
+
+
 def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    safetensors_check.read_header(file)  # the library only sees files whose header we checked
     try:
         return load_file(file, device="cpu")  # memory-mapped: tensors view the mapped file
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{file}: not a readable safetensors file ({e}); re-download or re-save it") from e
+    except Exception as e:  # SafetensorError, OSError, and whatever else the library raises
+        raise CheckpointError(
+            f"{file}: not a readable safetensors file ({type(e).__name__}: {_first_line(e)}); re-download or re-save it"
+        ) from e
 
 
-def _safetensors_header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    from safetensors import SafetensorError, safe_open
+def _require_safe_torch(file: Path) -> None:
+    from torch.torch_version import TorchVersion
 
-    try:
-        with safe_open(file, framework="pt") as handle:
-            slices = {name: handle.get_slice(name) for name in handle.keys()}  # noqa: SIM118 (not iterable)
-            return {name: (s.get_dtype(), tuple(s.get_shape())) for name, s in slices.items()}
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{file}: not a readable safetensors file ({e}); re-download or re-save it") from e
+    if TorchVersion(torch.__version__) < MIN_TORCH_FOR_PICKLE:
+        raise CheckpointError(
+            f"{file}: pickled weights need torch >= {MIN_TORCH_FOR_PICKLE}, whose weights_only loader has no "
+            f"known bypass; this is torch {torch.__version__}; upgrade torch or convert the checkpoint to safetensors"
+        )
 
 
 def _load_pickle(file: Path) -> dict[str, torch.Tensor]:
+    _require_safe_torch(file)
     try:
-        data = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        with file.open("rb") as f:
+            mmap = f.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC
+        # weights_only=True, passed explicitly: torch then ignores TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD,
+        # which only applies when the argument is left unset. There is no fallback.
+        data = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # torch raises many types for a bad or unsafe pickle
         raise CheckpointError(
-            f"{file}: cannot be loaded with weights_only=True ({type(e).__name__}: {e}); "
+            f"{file}: cannot be loaded with weights_only=True ({type(e).__name__}: {_first_line(e)}); "
             "convert the checkpoint to safetensors"
         ) from e
     if not isinstance(data, dict) or not all(
@@ -285,20 +471,27 @@ def _load_pickle(file: Path) -> dict[str, torch.Tensor]:
     return data
 
 
-def _merge(into: dict[str, Any], more: dict[str, Any], file: Path) -> None:
+def _merge(into: dict[str, Any], more: dict[str, Any], file: Path, origin: dict[str, Path]) -> None:
     duplicates = sorted(set(into) & set(more))
     if duplicates:
         raise CheckpointError(
-            f"{file}: tensor {duplicates[0]!r} also appears in another shard; regenerate the checkpoint"
+            f"{file}: tensor {short_repr(duplicates[0])} also appears in {origin[duplicates[0]].name}; "
+            "a tensor must be stored once, regenerate the checkpoint"
         )
     into.update(more)
+    origin.update(dict.fromkeys(more, file))
 
 
 def _dtype_name(dtype: torch.dtype, file: Path, tensor: str) -> str:
     try:
         return _TORCH_DTYPE_NAMES[dtype]
     except KeyError:
-        raise CheckpointError(f"{file}: tensor {tensor!r} has unsupported dtype {dtype}") from None
+        raise CheckpointError(f"{file}: tensor {short_repr(tensor)} has unsupported dtype {dtype}") from None
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0][:300] if lines else ""
 
 
 def _sha256(file: Path) -> str:

@@ -324,9 +324,13 @@ class _Reader:
 def _as_number(value: Any, fail: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise fail(f"must be a number, got {value!r}")
-    if not math.isfinite(value):
+    try:
+        number = float(value)  # an int beyond float range (JSON allows 10**400) overflows
+    except OverflowError:
+        raise fail(f"must be finite, got an integer of {int(value).bit_length()} bits") from None
+    if not math.isfinite(number):
         raise fail(f"must be finite, got {value!r}")
-    return float(value)
+    return number
 
 
 def _model_type(reader: _Reader) -> str:
