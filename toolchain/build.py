@@ -70,6 +70,7 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
     seconds: dict[str, float] = {}
     ckpt = checkpoints.load(checkpoint_dir, allow_pickle=options.allow_pickle)
     spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
+    checkpoints.check_against_spec(ckpt, spec)
     io = DecoderIO.for_spec(spec)
     with _timed(seconds, "load"):
         model = eager_model(ckpt, spec)
@@ -124,6 +125,7 @@ def verify(artifact: Path, checkpoint_dir: Path, *, allow_pickle: bool = False) 
             f"(see sources in {artifact / MANIFEST}); pass the original checkpoint"
         )
     spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
+    checkpoints.check_against_spec(ckpt, spec)
     io = DecoderIO.from_dict(recorded["io"])
     model = eager_model(ckpt, spec)
     report = check_parity(

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from runners.errors import ParityError
+from runners.errors import GenerationError, ParityError
 from runners.generate import empty_cache, forward, generate_steps, left_pad
 from runners.sampling import SamplingParams
 from runners.session import Session
@@ -95,10 +95,13 @@ def compare(name: str, reference: np.ndarray, candidate: np.ndarray, tol: Tolera
     diff = np.abs(candidate.astype(np.float64) - ref)
     if diff.size == 0:
         return OutputError(name, 0.0, 0.0, True)
-    finite = bool(np.isfinite(candidate).all() and np.isfinite(reference).all())
-    within = finite and bool((diff <= tol.atol + tol.rtol * np.abs(ref)).all())
+    if not (np.isfinite(candidate).all() and np.isfinite(reference).all()):
+        # NaN/Inf in the weights or the graph: no tolerance can vouch for such an output
+        side = "compiled" if not np.isfinite(candidate).all() else "eager"
+        return OutputError(f"{name} (NaN or Inf in the {side} model's output)", float("inf"), float("inf"), False)
+    within = bool((diff <= tol.atol + tol.rtol * np.abs(ref)).all())
     rel = diff / np.maximum(np.abs(ref), tol.atol)
-    return OutputError(name, float(np.nanmax(diff)), float(np.nanmax(rel)), within)
+    return OutputError(name, float(diff.max()), float(rel.max()), within)
 
 
 def check_parity(
@@ -115,6 +118,21 @@ def check_parity(
     report = ParityReport(dtype, tol)
     prompts = _prompts(reference.io.vocab_size, seed)
     report.prefill = list(_prefill_errors(reference, candidate, prompts, tol))
+    if all(e.within for e in report.prefill):  # decoding from a wrong prefill only repeats the failure
+        _decode(report, reference, candidate, prompts, max_positions, decode_steps, seed)
+    return report
+
+
+def _decode(
+    report: ParityReport,
+    reference: Session,
+    candidate: Session,
+    prompts: list[list[int]],
+    max_positions: int,
+    decode_steps: int,
+    seed: int,
+) -> None:
+    """Greedy decode on both through the runner's loop; stop at the first diverging token."""
     steps = zip(
         *(
             generate_steps(
@@ -128,15 +146,19 @@ def check_parity(
             for s in (reference, candidate)
         )
     )
-    for index, (ref_step, cand_step) in enumerate(steps):
-        report.decode_steps = index + 1
-        report.reference_tokens.append(ref_step.tokens.tolist())
-        report.candidate_tokens.append(cand_step.tokens.tolist())
-        report.decode.append(compare(f"decode step {index} logits", ref_step.logits, cand_step.logits, tol))
-        if not np.array_equal(ref_step.tokens, cand_step.tokens):
-            report.first_diverging_step = index
-            break
-    return report
+    try:
+        for index, (ref_step, cand_step) in enumerate(steps):
+            report.decode_steps = index + 1
+            report.reference_tokens.append(ref_step.tokens.tolist())
+            report.candidate_tokens.append(cand_step.tokens.tolist())
+            report.decode.append(
+                compare(f"decode step {index} logits", ref_step.logits, cand_step.logits, report.tolerance)
+            )
+            if not np.array_equal(ref_step.tokens, cand_step.tokens):
+                report.first_diverging_step = index
+                return
+    except GenerationError as e:  # non-finite logits: the runner refuses to sample from them
+        report.decode.append(OutputError(f"decode: {e}", float("inf"), float("inf"), False))
 
 
 def require_parity(report: ParityReport, where: str) -> None:

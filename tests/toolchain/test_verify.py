@@ -1,0 +1,68 @@
+"""The gate's comparisons on crafted arrays and fake sessions (no model needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runners.contract import DecoderIO
+from toolchain.verify import TOLERANCES, check_parity, compare
+
+TOL = TOLERANCES["float32"]
+
+
+def test_compare_applies_atol_and_rtol() -> None:
+    ref = np.array([1.0, 100.0], dtype=np.float32)
+    assert compare("x", ref, ref + np.array([0.5 * TOL.atol, 0.5 * TOL.rtol * 100]), TOL).within
+    assert not compare("x", ref, ref + np.array([0.0, 2 * TOL.rtol * 100]), TOL).within
+
+
+def test_compare_refuses_non_finite_and_shape_mismatch() -> None:
+    ref = np.ones(3, dtype=np.float32)
+    bad = ref.copy()
+    bad[1] = np.nan
+    error = compare("logits", ref, bad, TOL)
+    assert not error.within and "NaN or Inf in the compiled" in error.name
+    assert not compare("logits", ref, np.ones(4, np.float32), TOL).within
+
+
+class FakeSession:
+    """A deterministic 'model': logits depend on the last input id; `shift` perturbs them."""
+
+    def __init__(self, shift: float = 0.0, nan_after: int | None = None) -> None:
+        self.io = DecoderIO(num_layers=1, num_kv_heads=1, head_dim=2, vocab_size=11)
+        self.shift, self.nan_after, self.calls = shift, nan_after, 0
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.calls += 1
+        ids = feeds["input_ids"]
+        batch, seq = ids.shape
+        logits = np.zeros((batch, seq, 11), np.float32)
+        for b in range(batch):
+            for s in range(seq):
+                logits[b, s, (ids[b, s] * 7 + 3) % 11] = 5.0
+        logits[..., 4] += self.shift
+        if self.nan_after is not None and self.calls > self.nan_after:
+            logits[:] = np.nan
+        out = {"logits": logits}
+        for past, present in zip(self.io.past_names, self.io.present_names):
+            new = np.zeros((batch, 1, seq, 2), np.float32)
+            out[present] = np.concatenate([feeds[past], new], axis=2)
+        return out
+
+
+def test_identical_sessions_pass_with_all_decode_steps() -> None:
+    report = check_parity(FakeSession(), FakeSession(), max_positions=64, decode_steps=8)
+    assert report.passed and report.decode_steps == 8 and report.first_diverging_step is None
+
+
+def test_a_shifted_logit_is_reported_with_the_first_diverging_step() -> None:
+    report = check_parity(FakeSession(), FakeSession(shift=6.0), max_positions=64, decode_steps=8)
+    assert not report.passed
+    assert report.prefill[0].max_abs == 6.0 and not report.prefill[0].within
+    assert report.decode == []  # no decoding from a prefill that already failed
+
+
+def test_nan_during_decode_is_a_failed_report_not_an_exception() -> None:
+    report = check_parity(FakeSession(), FakeSession(nan_after=2), max_positions=64, decode_steps=8)
+    assert not report.passed
+    assert "decode" in report.failures()
