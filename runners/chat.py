@@ -1,8 +1,15 @@
 """Render a model's chat template in a sandbox, the way transformers does.
 
 The template is Jinja code that ships inside a checkpoint, so it is untrusted input:
-it runs in jinja2's immutable sandbox, with multiplication and powers bounded and the
-output size capped, and every failure becomes a GenerationError that says what to do.
+it runs in jinja2's immutable sandbox, with multiplication and powers bounded, the
+output size capped and the rendering time limited, and every failure becomes a
+GenerationError that says what to do.
+
+The time limit is a deadline checked wherever a template can spend time: every output
+chunk, every function or macro call, attribute or item lookup and ``*``/``**``, and
+every iteration of every ``{% for %}`` loop (each loop's iterable is wrapped when the
+template is compiled), so even a loop that neither calls nor outputs anything stops.
+
 The environment mirrors transformers' (trim_blocks, lstrip_blocks, loop controls,
 ``raise_exception``, a ``tojson`` that does not escape HTML, ``strftime_now`` and the
 ``{% generation %}`` block) so that templates written for transformers render the
@@ -12,8 +19,11 @@ same prompt here.
 from __future__ import annotations
 
 import json
+import math
 import operator
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache
 from typing import Any, NoReturn
@@ -29,6 +39,9 @@ from runners.errors import GenerationError, KvforgeError
 
 _MAX_POWER_BITS = 1 << 16
 _FIX_HINT = "fix or replace chat_template in the artifact's tokenizer_config.json"
+# The render in progress (in this thread or task): its deadline and time limit. The compiled
+# template is shared between renders, so the deadline cannot live on the environment.
+_DEADLINE: ContextVar[tuple[float, float] | None] = ContextVar("kvforge_chat_deadline", default=None)
 
 
 def render_chat(
@@ -39,17 +52,22 @@ def render_chat(
     eos_token: str = "",
     add_generation_prompt: bool = True,
     max_output_chars: int = 1_000_000,
+    max_render_seconds: float = 2.0,
 ) -> str:
     """Render ``messages`` into a prompt string with the model's chat template.
 
     ``add_generation_prompt`` asks the template to end with the header of an assistant
     turn, so that the model continues as the assistant. ``tools`` and ``documents`` are
-    passed as None, as transformers does when there are none.
+    passed as None, as transformers does when there are none. A render that outputs more
+    than ``max_output_chars`` or runs longer than ``max_render_seconds`` is stopped.
     """
     if isinstance(max_output_chars, bool) or not isinstance(max_output_chars, int):
         raise GenerationError(f"max_output_chars must be an integer, got {max_output_chars!r}")
     if max_output_chars <= 0:
         raise GenerationError(f"max_output_chars must be > 0, got {max_output_chars}")
+    seconds_ok = isinstance(max_render_seconds, (int, float)) and not isinstance(max_render_seconds, bool)
+    if not seconds_ok or not math.isfinite(max_render_seconds) or max_render_seconds <= 0:
+        raise GenerationError(f"max_render_seconds must be a finite number > 0, got {max_render_seconds!r}")
     compiled = _compile(template, max_output_chars)
     variables = {
         "messages": _plain_messages(messages),
@@ -59,7 +77,21 @@ def render_chat(
         "tools": None,
         "documents": None,
     }
-    return _collect(compiled.generate(variables), max_output_chars)
+    token = _DEADLINE.set((time.monotonic() + max_render_seconds, max_render_seconds))
+    try:
+        return _collect(compiled.generate(variables), max_output_chars)
+    finally:
+        _DEADLINE.reset(token)
+
+
+def _check_deadline() -> None:
+    """Stop the render in progress once its time is up."""
+    deadline = _DEADLINE.get()
+    if deadline is not None and time.monotonic() > deadline[0]:
+        raise GenerationError(
+            f"chat template rendering ran past max_render_seconds={deadline[1]:g} (a loop or recursion that "
+            f"does not end in time); {_FIX_HINT}"
+        )
 
 
 def _plain_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, Any]]:
@@ -85,6 +117,7 @@ def _collect(chunks: Iterator[str], max_output_chars: int) -> str:
     total = 0
     try:
         for chunk in chunks:
+            _check_deadline()
             total += len(chunk)
             if total > max_output_chars:
                 raise GenerationError(
@@ -147,11 +180,12 @@ class _GenerationBlock(Extension):
 
 
 class _ChatSandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox plus bounds on ``*`` and ``**``.
+    """The immutable sandbox plus bounds on ``*`` and ``**`` and the render deadline.
 
     The sandbox already blocks attribute escapes and caps ``range``; repetition like
     ``'x' * 10**12`` or a huge power would still exhaust memory before the output
-    limit could be checked.
+    limit could be checked, and nested loops or recursion can run for hours without
+    output, so calls, lookups, operators and loop iterations check the deadline.
     """
 
     intercepted_binops = frozenset({"*", "**"})
@@ -169,7 +203,33 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
         self.globals["dict"] = _TemplateDict()
         self.globals["namespace"] = _TemplateNamespace
 
+    def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
+        """Wrap every ``{% for %}`` iterable so that each iteration checks the deadline."""
+        template = super()._parse(source, name, filename)
+        for loop in template.find_all(nodes.For):
+            wrapped = nodes.Call(nodes.EnvironmentAttribute("iterate_with_deadline"), [loop.iter], [], None, None)
+            loop.iter = wrapped.set_lineno(loop.lineno).set_environment(self)
+        return template
+
+    def iterate_with_deadline(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        for item in iterable:
+            _check_deadline()
+            yield item
+
+    def call(__self, __context: Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        _check_deadline()
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        _check_deadline()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        _check_deadline()
+        return super().getitem(obj, argument)
+
     def call_binop(self, context: Context, operator_name: str, left: Any, right: Any) -> Any:
+        _check_deadline()
         if operator_name == "*":
             self._check_repetition(left, right)
             return operator.mul(left, right)

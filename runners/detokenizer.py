@@ -28,20 +28,40 @@ from runners.errors import GenerationError
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens kept as decoding context: enough for any decoder's look-behind.
 _CONTEXT_TOKENS = 6
+# Trailing U+FFFDs that may still become a character: an unfinished UTF-8 character has
+# at most 3 of its 4 bytes, and each byte-fallback byte decodes to one U+FFFD.
+_MAX_PENDING = 3
+# Held tokens after which a window that keeps ending in U+FFFD is cut short.
+_REANCHOR_TOKENS = 8
 
 
 class _IncrementalDecoder:
     """Turns a growing id sequence into text deltas, decoding only a short window.
 
-    ``prefix_offset`` marks where the window starts and ``read_offset`` where the text
-    already returned ends. Both move forward only when the window's text is complete
-    (does not end in U+FFFD), so windows start on character boundaries of valid text.
+    ``prefix_offset`` marks where the window starts and ``read_offset`` where the text of
+    whole tokens already returned ends; both move forward when the window's text is
+    complete (does not end in U+FFFD), so windows start on character boundaries.
+
+    While the window ends in U+FFFD the tail is held, but only the part that could still
+    change. Appending bytes changes the decoded text only at its end: a byte-level
+    decoder (lossy UTF-8) turns an unfinished character into one trailing U+FFFD; a
+    byte-fallback decoder turns the whole trailing run of ``<0xXX>`` tokens into one
+    U+FFFD per byte until the run is valid. So text before the trailing U+FFFDs is final
+    and is returned at once (``_extra`` keeps it), and of the trailing U+FFFDs at most
+    ``_MAX_PENDING`` are held: an unfinished UTF-8 character has at most three bytes, and
+    four or more U+FFFDs mean an invalid byte that no later byte can repair. Valid text
+    after an invalid byte therefore never waits for ``flush``.
+
+    A window that keeps ending in U+FFFD does not slide, so after ``_REANCHOR_TOKENS``
+    held tokens it is cut where the text splits cleanly (see ``_reanchor``), keeping each
+    step's decode short.
 
     One known divergence from ``decode`` of the whole sequence: a byte-fallback decoder
-    (``<0xE6>`` tokens) replaces a whole run of byte tokens with U+FFFD when any byte in
-    it is invalid, so bytes streamed as valid characters before an invalid byte arrived
-    appear as themselves here but as U+FFFD in the full decode. Only invalid UTF-8 is
-    affected; matching it would mean holding back every run of byte tokens until it ends.
+    replaces a whole run of byte tokens with U+FFFD when any byte in it is invalid, so
+    bytes streamed as valid characters before an invalid byte arrived appear as themselves
+    here but as U+FFFD in the full decode (and a long invalid run may be cut, see
+    ``_reanchor``). Only invalid UTF-8 is affected; matching it would mean holding back
+    every run of byte tokens until it ends.
     """
 
     def __init__(
@@ -54,23 +74,68 @@ class _IncrementalDecoder:
         self._ids: list[int] = [int(i) for i in context_ids]
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        self._extra = ""  # text returned past the prefix text while the tail was held
 
     def add(self, token_id: int) -> str:
-        """Text that ``token_id`` completes; "" while a character is still partial."""
+        """Text that ``token_id`` completes; "" while only an unfinished character is new."""
         self._ids.append(token_id)
         prefix_text, window_text = self._decode_window()
-        if len(window_text) <= len(prefix_text) or window_text.endswith(REPLACEMENT_CHAR):
+        shown = prefix_text + self._extra
+        new = window_text[len(shown) :]
+        if not new:
             return ""
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        return window_text[len(prefix_text) :]
+        if not new.endswith(REPLACEMENT_CHAR):
+            self._advance()
+            return new
+        settled = ""
+        if window_text.startswith(shown):  # else a byte-fallback run was re-rendered: wait for it to settle
+            pending = len(new) - len(new.rstrip(REPLACEMENT_CHAR))
+            settled = new[: len(new) - min(pending, _MAX_PENDING)]
+            self._extra += settled
+        if len(self._ids) - self._read_offset > _REANCHOR_TOKENS:
+            settled += self._reanchor(window_text, len(shown) + len(settled))
+        return settled
 
     def flush(self) -> str:
         """Whatever is still held, U+FFFD included: the sequence really ends there."""
         prefix_text, window_text = self._decode_window()
+        rest = window_text[len(prefix_text) + len(self._extra) :]
+        self._advance()
+        return rest
+
+    def _advance(self) -> None:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        return window_text[len(prefix_text) :]
+        self._extra = ""
+
+    def _reanchor(self, window_text: str, shown: int) -> str:
+        """Start the window at a token boundary where the text splits cleanly; return the text
+        before that boundary not returned yet.
+
+        A boundary is clean when the two sides decode to exactly the window's text and the
+        right side is not empty. A character or an invalid sequence cut in two decodes to
+        more pieces than it did whole (each stray continuation byte is a U+FFFD of its own),
+        so the equality means no byte sequence crosses the boundary; its bytes are at most
+        four, so one of the last few boundaries is clean. A byte-fallback run poisoned by an
+        invalid byte may have none, as its halves decode to valid text: then the window is
+        cut a few tokens back anyway, what the window showed before the cut is returned,
+        and the run's rendering (garbage) may differ from a full decode, as described in the
+        class docstring.
+        """
+        end = len(self._ids)
+        for cut in range(end - _MAX_PENDING, max(self._read_offset, end - 2 * _REANCHOR_TOKENS), -1):
+            left = self._decode(self._ids[self._prefix_offset : cut])
+            right = self._decode(self._ids[cut:])
+            if right and left + right == window_text:
+                return self._restart(cut, window_text, shown, right)
+        return self._restart(end - _MAX_PENDING, window_text, shown, self._decode(self._ids[end - _MAX_PENDING :]))
+
+    def _restart(self, cut: int, window_text: str, shown: int, right: str) -> str:
+        """Make ``cut`` the window's start, where ``right`` (its text) ends ``window_text``."""
+        boundary = max(0, len(window_text) - len(right))
+        self._prefix_offset = self._read_offset = cut
+        self._extra = right[: max(0, shown - boundary)]
+        return window_text[shown:boundary]
 
     def _decode_window(self) -> tuple[str, str]:
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])

@@ -10,18 +10,19 @@ Needs only onnxruntime, tokenizers, jinja2 and numpy: no torch at run time.
 from __future__ import annotations
 
 import json
+import numbers
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from runners.contract import DecoderIO
-from runners.errors import ArtifactError
+from runners.detokenizer import StreamingDetokenizer
+from runners.errors import ArtifactError, GenerationError
 from runners.generate import Step, check_length, generate_steps
-from runners.manifest import read_manifest, verify_files
+from runners.manifest import read_io, read_manifest, read_max_positions, verify_files
 from runners.sampling import SamplingParams, make_rng
 from runners.session import OrtSession, Session
 from runners.tokenizer import TokenizerBundle
@@ -61,6 +62,12 @@ class TextStream:
 
 
 class Engine:
+    """Generation over one artifact; every request is checked before any model work.
+
+    Prompts, token budget, sampling values and stop strings are refused with a
+    GenerationError naming the value, so a bad request never reaches the session.
+    """
+
     def __init__(
         self,
         session: Session,
@@ -82,36 +89,70 @@ class Engine:
 
     @classmethod
     def load(cls, directory: str | Path, providers: Sequence[str] = ("CPUExecutionProvider",)) -> Engine:
-        """Open an artifact after checking every file against its manifest."""
+        """Open an artifact after checking every file against its manifest.
+
+        The hashes are checked before any file is used, and the model's external data must
+        name files among those checked, before onnxruntime opens it.
+        """
         directory = Path(directory)
         manifest = read_manifest(directory)
         verify_files(directory, manifest)
-        io = DecoderIO.from_dict(manifest["io"])
-        spec = manifest.get("spec", {})
-        generation = _read_json(directory / GENERATION_CONFIG)
-        eos = generation.get("eos_token_id", spec.get("eos_token_ids", []))
-        pad = generation.get("pad_token_id")
+        io = read_io(directory, manifest)
+        max_positions = read_max_positions(directory, manifest)
+        config = directory / GENERATION_CONFIG
+        settings = generation_settings(_read_json(config), manifest.get("spec"), source=str(config))
         return cls(
-            OrtSession(directory / MODEL_FILE, io, providers),
+            OrtSession(directory / MODEL_FILE, io, providers, data_files=set(manifest["files"])),
             TokenizerBundle.load(directory),
-            max_positions=int(spec["max_positions"]),
-            eos_ids=[eos] if isinstance(eos, int) else list(eos or []),
-            pad_id=int(pad) if pad is not None else (int(eos[0]) if isinstance(eos, list) and eos else 0),
-            defaults=sampling_defaults(generation),
-            max_new_tokens=int(generation.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS),
+            max_positions=max_positions,
+            eos_ids=settings.eos_ids,
+            pad_id=settings.pad_id,
+            defaults=settings.defaults,
+            max_new_tokens=settings.max_new_tokens,
         )
 
     def sampling(self, **overrides: Any) -> SamplingParams:
         """Generation defaults of the artifact with the given fields replaced (None = keep)."""
+        unknown = sorted(set(overrides) - _SAMPLING_FIELDS)
+        if unknown:
+            raise GenerationError(
+                f"unknown sampling option {unknown[0]!r}; use one of {', '.join(sorted(_SAMPLING_FIELDS))}"
+            )
         params = replace(self.defaults, **{k: v for k, v in overrides.items() if v is not None})
         params.validate()
         return params
 
+    def budget(self, max_new_tokens: int | None) -> int:
+        """The number of new tokens to allow: the artifact's default when None."""
+        budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 1:
+            raise GenerationError(f"max_new_tokens must be an integer >= 1 (None for the default), got {budget!r}")
+        return int(budget)
+
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        """Token ids of a prompt; an empty prompt, or one with no tokens, is refused."""
+        if not isinstance(prompt, str):
+            raise GenerationError(f"prompt must be a string, got {type(prompt).__name__}")
+        if not prompt:
+            raise GenerationError(
+                "prompt is empty; pass some text (for unconditional generation, call generate_tokens with [bos_id])"
+            )
         if chat:
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise GenerationError(f"prompt {_preview(prompt)} encodes to no tokens; pass text the tokenizer keeps")
+        return ids
+
+    def _encode_row(self, row: int, prompt: str, chat: bool, single: bool) -> list[int]:
+        try:
+            return self.encode(prompt, chat)
+        except GenerationError as e:
+            if single:
+                raise
+            raise GenerationError(f"prompts[{row}]: {e}") from e
 
     def stream(
         self,
@@ -122,19 +163,22 @@ class Engine:
         chat: bool = False,
         **sampling: Any,
     ) -> TextStream:
-        """Stream the generated text (not the prompt) as it is produced."""
+        """Stream the generated text (not the prompt) as it is produced.
+
+        Everything about the request is checked here, before the first chunk is asked for.
+        """
         params = self.sampling(**sampling)
+        budget = self.budget(max_new_tokens)
         ids = self.encode(prompt, chat)
-        budget = max_new_tokens or self.max_new_tokens
-        check_length([ids], budget, self.max_positions)  # before any work
+        check_length([ids], budget, self.max_positions)
+        detok = self.tokenizer.detokenizer(stop, context_ids=ids)  # refuses bad stop strings now
         stats = GenerationStats(prompt_tokens=len(ids))
-        return TextStream(self._stream_chunks(ids, budget, stop, params, stats), stats)
+        return TextStream(self._stream_chunks(ids, budget, detok, params, stats), stats)
 
     def _stream_chunks(
-        self, ids: list[int], budget: int, stop: Sequence[str], params: SamplingParams, stats: GenerationStats
+        self, ids: list[int], budget: int, detok: StreamingDetokenizer, params: SamplingParams, stats: GenerationStats
     ) -> Iterator[str]:
         start = time.perf_counter()
-        detok = self.tokenizer.detokenizer(stop, context_ids=ids)
         done = np.zeros(1, dtype=bool)
         for step in self._steps([ids], budget, params, done):
             token = int(step.tokens[0])
@@ -173,12 +217,25 @@ class Engine:
     ) -> list[list[int]]:
         """Token ids in, new token ids out (an eos id ends a row and is included), as one batch."""
         params = self.sampling(**sampling)
-        rows: list[list[int]] = [[] for _ in prompts]
-        done = np.zeros(len(prompts), dtype=bool)
-        for step in self._steps([list(p) for p in prompts], max_new_tokens or self.max_new_tokens, params, done):
+        budget = self.budget(max_new_tokens)
+        batch = [self._checked_ids(row, p) for row, p in enumerate(prompts)]
+        check_length(batch, budget, self.max_positions)
+        rows: list[list[int]] = [[] for _ in batch]
+        done = np.zeros(len(batch), dtype=bool)
+        for step in self._steps(batch, budget, params, done):
             for row in np.flatnonzero(step.active):
                 rows[row].append(int(step.tokens[row]))
         return rows
+
+    def _checked_ids(self, row: int, prompt: Sequence[int]) -> list[int]:
+        """Prompt ids as ints inside the vocabulary: an id outside it would index past the embedding."""
+        vocab = self.session.io.vocab_size
+        ids: list[int] = []
+        for token in prompt:
+            if isinstance(token, bool) or not isinstance(token, numbers.Integral) or not 0 <= token < vocab:
+                raise GenerationError(f"prompt {row} holds token id {token!r}, outside the vocabulary [0, {vocab})")
+            ids.append(int(token))
+        return ids
 
     def generate(
         self,
@@ -191,10 +248,12 @@ class Engine:
     ) -> str | list[str]:
         """Generate for one prompt, or for several as one left-padded batch."""
         single = isinstance(prompts, str)
+        if not single and (isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence)):
+            raise GenerationError(f"prompts must be a string or a list of strings, got {type(prompts).__name__}")
         batch = [prompts] if isinstance(prompts, str) else list(prompts)
         params = self.sampling(**sampling)
-        encoded = [self.encode(p, chat) for p in batch]
-        budget = max_new_tokens or self.max_new_tokens
+        budget = self.budget(max_new_tokens)
+        encoded = [self._encode_row(row, p, chat, single) for row, p in enumerate(batch)]
         check_length(encoded, budget, self.max_positions)
         detoks = [self.tokenizer.detokenizer(stop, context_ids=ids) for ids in encoded]
         texts = [""] * len(batch)
@@ -210,17 +269,87 @@ class Engine:
         return texts[0] if single else texts
 
 
+_SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What the artifact's generation_config.json says, checked."""
+
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    defaults: SamplingParams
+    max_new_tokens: int
+
+
+def generation_settings(
+    generation: Mapping[str, Any], spec: object = None, source: str = GENERATION_CONFIG
+) -> GenerationSettings:
+    """Read eos/pad ids, sampling defaults and the token budget; ArtifactError names a bad field.
+
+    The file comes with the artifact, which may be untrusted: a wrong type must be a clear
+    error at load, not a TypeError in the middle of a request.
+    """
+    eos = generation.get("eos_token_id")
+    if eos is None and isinstance(spec, Mapping):
+        eos = spec.get("eos_token_ids")
+    eos_ids = _id_list(eos, "eos_token_id", source)
+    pad = generation.get("pad_token_id")
+    pad_id = _token_id(pad, "pad_token_id", source) if pad is not None else (eos_ids[0] if eos_ids else 0)
+    try:
+        defaults = sampling_defaults(generation)
+        defaults.validate()
+    except (GenerationError, TypeError, ValueError, OverflowError) as e:
+        raise ArtifactError(f"{source}: invalid sampling defaults ({e}); fix the file or rebuild the artifact") from e
+    budget = generation.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ArtifactError(
+            f"{source}: max_new_tokens must be a positive integer, got {_preview(budget)}; "
+            "fix the file or rebuild the artifact"
+        )
+    return GenerationSettings(tuple(eos_ids), pad_id, defaults, budget)
+
+
+def _id_list(value: object, field: str, source: str) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, list):
+        return [_token_id(v, field, source) for v in value]
+    return [_token_id(value, field, source)]
+
+
+def _token_id(value: object, field: str, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ArtifactError(
+            f"{source}: {field} must be a token id (an integer >= 0) or a list of them, got "
+            f"{_preview(value)}; fix the file or rebuild the artifact"
+        )
+    return value
+
+
 def sampling_defaults(generation: Mapping[str, Any]) -> SamplingParams:
-    """HF generation_config semantics: greedy unless do_sample is true."""
-    if not generation.get("do_sample", False):
-        return SamplingParams(temperature=0.0, repetition_penalty=float(generation.get("repetition_penalty", 1.0)))
+    """HF generation_config semantics: greedy unless do_sample is true; null means the default."""
+
+    def get(key: str, default: float) -> Any:
+        value = generation.get(key)
+        return default if value is None else value
+
+    penalty = float(get("repetition_penalty", 1.0))
+    if not get("do_sample", False):
+        return SamplingParams(temperature=0.0, repetition_penalty=penalty)
     return SamplingParams(
-        temperature=float(generation.get("temperature", 1.0)),
-        top_k=int(generation.get("top_k") or 0),
-        top_p=float(generation.get("top_p", 1.0)),
-        min_p=float(generation.get("min_p") or 0.0),
-        repetition_penalty=float(generation.get("repetition_penalty", 1.0)),
+        temperature=float(get("temperature", 1.0)),
+        top_k=int(get("top_k", 0)),
+        top_p=float(get("top_p", 1.0)),
+        min_p=float(get("min_p", 0.0)),
+        repetition_penalty=penalty,
     )
+
+
+def _preview(value: object, limit: int = 60) -> str:
+    """repr for a message, cut short: prompts and hostile config values can be long."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -228,8 +357,10 @@ def _read_json(path: Path) -> dict[str, Any]:
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ArtifactError(f"{path}: not valid JSON ({e}); rebuild the artifact") from e
+    except OSError as e:
+        raise ArtifactError(f"{path}: cannot be read ({e.strerror or e}); check its permissions") from e
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, huge integers, absurd nesting
+        raise ArtifactError(f"{path}: not valid JSON ({type(e).__name__}: {e}); rebuild the artifact") from e
     if not isinstance(data, dict):
         raise ArtifactError(f"{path}: expected a JSON object; rebuild the artifact")
     return data

@@ -8,6 +8,7 @@ fed back as the next step's past.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -65,14 +66,65 @@ def forward(
 
 
 def check_length(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_positions: int) -> None:
+    """Refuse a request that cannot fit, before any work: every check the model would fail late.
+
+    The KV cache holds at most ``max_positions`` positions (prompt plus generated tokens),
+    so a prompt that fills it, or a budget that would overflow it, is an error rather
+    than a silent truncation.
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+        raise GenerationError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
     if max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if len(prompts) == 0:
+        raise GenerationError("no prompts given; pass at least one prompt")
+    for row, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise GenerationError(
+                f"prompt {row} is empty (it encodes to no tokens); pass some text, or token ids such as [bos_id]"
+            )
     longest = max(len(p) for p in prompts)
+    if longest >= max_positions:
+        raise GenerationError(
+            f"prompt of {longest} tokens exceeds the model's context of {max_positions} positions, which must also "
+            "hold at least one new token; shorten the prompt"
+        )
     if longest + max_new_tokens > max_positions:
         raise GenerationError(
             f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} = {longest + max_new_tokens} exceeds the "
-            f"model's context of {max_positions} positions; shorten the prompt or lower --max-new-tokens"
+            f"model's context of {max_positions} positions (the KV cache's capacity); shorten the prompt or lower "
+            "--max-new-tokens"
         )
+
+
+def last_logits(logits: np.ndarray, active: np.ndarray, vocab_size: int, step: int) -> np.ndarray:
+    """The last position's logits [batch, vocab], refused when a row still generating has NaN or inf.
+
+    Sampling from such a row would pick an arbitrary token and carry on as if nothing
+    happened; the error names the step (0 is the prefill) and the row instead.
+    """
+    where = "prefill (step 0)" if step == 0 else f"decode step {step}"
+    array = np.asarray(logits)
+    shape_ok = array.ndim == 3 and array.shape[0] == active.shape[0] and array.shape[2] == vocab_size
+    if not shape_ok or array.shape[1] == 0 or not np.issubdtype(array.dtype, np.floating):
+        raise GenerationError(
+            f"{where}: the session returned logits of shape {array.shape} and dtype {array.dtype}, expected "
+            f"[{active.shape[0]}, seq, {vocab_size}] floats; the artifact does not match its manifest, rebuild it"
+        )
+    last = array[:, -1, :]
+    problems = (
+        ("contain NaN", np.isnan(last).any(axis=-1)),
+        ("contain +inf", np.isposinf(last).any(axis=-1)),
+        ("are all -inf", np.isneginf(last).all(axis=-1)),
+    )
+    for problem, rows in problems:
+        bad = np.flatnonzero(rows & active)
+        if bad.size:
+            raise GenerationError(
+                f"{where}: logits {problem} (row {bad[0]}); the model or session produced invalid output, so no "
+                "token was sampled: check the artifact with `kvforge verify` or try another execution provider"
+            )
+    return last
 
 
 def generate_steps(
@@ -101,9 +153,11 @@ def generate_steps(
     logits, cache = forward(session, ids, mask, empty_cache(session.io, len(prompts)))
     eos = np.asarray(list(eos_ids), dtype=np.int64)
     for step in range(max_new_tokens):
-        last = logits[:, -1, :]
         active = ~done
-        tokens = np.where(active, sample(last, params, rng, seen), pad_id).astype(np.int64)
+        last = last_logits(logits, active, session.io.vocab_size, step)
+        # Finished rows are still computed; whatever they hold must not stop the others.
+        sampled = sample(np.where(active[:, None], last, 0.0), params, rng, seen)
+        tokens = np.where(active, sampled, pad_id).astype(np.int64)
         yield Step(tokens, last, active)
         done |= np.isin(tokens, eos) & active
         if done.all() or step == max_new_tokens - 1:

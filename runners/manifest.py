@@ -11,11 +11,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+from runners.contract import DecoderIO
 from runners.errors import ArtifactError
 
 MANIFEST = "manifest.json"
 SCHEMA_VERSION = 1
 _CHUNK = 1 << 20
+# Bounds on the io section's sizes, checked before DecoderIO derives names from them: a
+# manifest claiming 10**12 layers must fail at once, not while listing their inputs.
+_IO_LIMITS = {"num_layers": 10_000, "num_kv_heads": 1 << 16, "head_dim": 1 << 16, "vocab_size": 1 << 31}
+# A manifest is a few kilobytes; refusing a huge one keeps a hostile file from filling memory.
+_MAX_MANIFEST_BYTES = 16 << 20
 
 
 def sha256_file(path: Path) -> str:
@@ -34,34 +40,104 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         )
     if not path.is_file():
         raise ArtifactError(f"{path}: missing; the artifact is incomplete, rebuild it with `kvforge build`")
+    if path.is_symlink():
+        raise ArtifactError(f"{path}: a symlink, not a plain file; rebuild the artifact")
     try:
+        if path.stat().st_size > _MAX_MANIFEST_BYTES:
+            limit = _MAX_MANIFEST_BYTES >> 20
+            raise ArtifactError(f"{path}: larger than {limit} MiB, which no kvforge manifest is; rebuild the artifact")
         manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ArtifactError(f"{path}: not valid JSON ({e}); rebuild the artifact") from e
+    except OSError as e:
+        raise ArtifactError(f"{path}: cannot be read ({e.strerror or e}); check its permissions") from e
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, huge integers, absurd nesting
+        raise ArtifactError(f"{path}: not valid JSON ({type(e).__name__}: {e}); rebuild the artifact") from e
     if not isinstance(manifest, dict):
         raise ArtifactError(f"{path}: expected a JSON object; rebuild the artifact")
     version = manifest.get("schema_version")
     if version != SCHEMA_VERSION:
         raise ArtifactError(
-            f"{path}: schema_version {version!r} is not supported (expected {SCHEMA_VERSION}); "
+            f"{path}: schema_version {_short(version)} is not supported (expected {SCHEMA_VERSION}); "
             "rebuild the artifact with this kvforge version"
         )
     return manifest
 
 
 def verify_files(directory: Path, manifest: dict[str, Any]) -> None:
-    """Every file in the directory is listed with the right hash, and nothing else is there."""
+    """Every file in the directory is listed with the right hash, and nothing else is there.
+
+    Names must be plain file names: a manifest cannot point the runner outside its
+    directory, and a symlink inside it is refused, whatever it points to.
+    """
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise ArtifactError(f"{directory / MANIFEST}: field files is missing or empty; rebuild the artifact")
-    present = {p.name for p in directory.iterdir()} - {MANIFEST}
+    try:
+        present = {p.name for p in directory.iterdir()} - {MANIFEST}
+    except OSError as e:
+        raise ArtifactError(f"{directory}: cannot be listed ({e.strerror or e}); check its permissions") from e
     for extra in sorted(present - set(files)):
         raise ArtifactError(f"{directory / extra}: not listed in {MANIFEST}; remove it or rebuild the artifact")
     for name, expected in sorted(files.items()):
+        if not is_plain_file_name(name) or name == MANIFEST or not isinstance(expected, str):
+            raise ArtifactError(
+                f"{directory / MANIFEST}: files entry {_short(name)}: {_short(expected)} is not a plain file name "
+                "with a sha256 hex digest; rebuild the artifact"
+            )
         path = directory / name
-        if Path(name).name != name or not path.is_file() or path.is_symlink():
+        if not path.is_file() or path.is_symlink():
             raise ArtifactError(f"{path}: listed in {MANIFEST} but missing or not a plain file; rebuild the artifact")
-        if sha256_file(path) != expected:
+        try:
+            actual = sha256_file(path)
+        except OSError as e:
+            raise ArtifactError(f"{path}: cannot be read ({e.strerror or e}); check its permissions") from e
+        if actual != expected:
             raise ArtifactError(
                 f"{path}: sha256 does not match {MANIFEST}; the file was modified, rebuild the artifact"
             )
+
+
+def is_plain_file_name(name: str) -> bool:
+    """A name that can only mean a file directly inside a directory, on any platform.
+
+    No separators, no ``.`` or ``..``, no drive letters or NUL, no surrounding spaces
+    (Windows drops trailing ones); stricter than needed, and kvforge writes no other names.
+    """
+    return (
+        name not in ("", ".", "..")
+        and name.strip() == name
+        and not any(c in name for c in "/\\:\0")
+        and Path(name).name == name
+    )
+
+
+def read_io(directory: Path, manifest: dict[str, Any]) -> DecoderIO:
+    """The manifest's I/O contract, with its sizes checked before anything is derived from them."""
+    io = manifest.get("io")
+    if not isinstance(io, dict):
+        raise ArtifactError(f"{directory / MANIFEST}: field io is missing or not an object; rebuild the artifact")
+    for field, limit in _IO_LIMITS.items():
+        value = io.get(field)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+            raise ArtifactError(
+                f"{directory / MANIFEST}: io.{field} must be an integer in [1, {limit}], got {_short(value)}; "
+                "rebuild the artifact"
+            )
+    return DecoderIO.from_dict(io)
+
+
+def read_max_positions(directory: Path, manifest: dict[str, Any]) -> int:
+    """The model's context length (spec.max_positions): prompt plus new tokens must fit in it."""
+    spec = manifest.get("spec")
+    value = spec.get("max_positions") if isinstance(spec, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 1 << 40:
+        raise ArtifactError(
+            f"{directory / MANIFEST}: spec.max_positions must be a positive integer, got {_short(value)}; "
+            "rebuild the artifact"
+        )
+    return value
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """repr for a message: a hostile manifest's values can be megabytes long."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -7,7 +7,7 @@ onnxruntime and the eager torch reference (`runners.torch_session`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from pathlib import Path
 from typing import Protocol
 
@@ -15,6 +15,7 @@ import numpy as np
 
 from runners.contract import DecoderIO
 from runners.errors import ArtifactError
+from runners.external_data import check_external_data
 
 
 class Session(Protocol):
@@ -24,10 +25,22 @@ class Session(Protocol):
 
 
 class OrtSession:
-    """An onnxruntime session over `model.onnx`, checked against the contract on open."""
+    """An onnxruntime session over `model.onnx`, checked against the contract on open.
 
-    def __init__(self, model_path: Path, io: DecoderIO, providers: Sequence[str] = ("CPUExecutionProvider",)) -> None:
+    Before onnxruntime reads the model, its external data locations are checked to be
+    plain files beside it (and among ``data_files`` when given: the manifest's files).
+    """
+
+    def __init__(
+        self,
+        model_path: Path,
+        io: DecoderIO,
+        providers: Sequence[str] = ("CPUExecutionProvider",),
+        data_files: Set[str] | None = None,
+    ) -> None:
         import onnxruntime as ort
+
+        check_external_data(Path(model_path), data_files)
 
         options = ort.SessionOptions()
         options.log_severity_level = 3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
@@ -220,6 +221,57 @@ def test_bad_output_limit_is_refused(limit: object) -> None:
 def test_template_must_be_a_string() -> None:
     with pytest.raises(GenerationError, match="chat template must be a string"):
         render_chat(None, MESSAGES)  # type: ignore[arg-type]
+
+
+# --- the time limit -----------------------------------------------------------------------
+
+SLOW_TEMPLATES = {
+    # nested loops that output nothing: the output limit never fires
+    "nested ranges": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    # loops over a string: no call, no lookup, no output inside; only the loop hook sees them
+    "loops over text": "{% set s = 'x' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
+    # exponential recursion through a macro, each level well within Python's recursion limit
+    "branching macro": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
+    "loop over messages": (
+        "{% for a in range(100000) %}{% for m in messages %}{% for k in m %}{% endfor %}{% endfor %}{% endfor %}"
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SLOW_TEMPLATES))
+def test_a_template_that_runs_too_long_without_output_is_stopped(name: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(GenerationError, match=r"^chat template rendering ran past max_render_seconds=0\.2 .*fix or"):
+        render_chat(SLOW_TEMPLATES[name], MESSAGES, max_render_seconds=0.2)
+    assert time.monotonic() - start < 2.0
+
+
+def test_the_deadline_is_per_render() -> None:
+    with pytest.raises(GenerationError, match="max_render_seconds"):
+        render_chat(SLOW_TEMPLATES["nested ranges"], [], max_render_seconds=0.05)
+    assert render_chat(CHATML, MESSAGES[:1]) == "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>assistant\n"
+    time.sleep(0.1)  # a deadline left behind by the failed render would have passed by now
+    quick = "{% for i in range(1000) %}{% endfor %}done"
+    assert render_chat(quick, [], max_render_seconds=0.05) == "done"
+
+
+def test_loops_keep_their_features_under_the_deadline_wrapper() -> None:
+    template = (
+        "{% for i in range(3) %}{{ loop.index }}/{{ loop.length }}{{ loop.cycle('a', 'b') }}"
+        "{% if not loop.last %},{% endif %}{% endfor %}|"
+        "{% for m in [] %}x{% else %}empty{% endfor %}|"
+        "{% for k, v in {'a': 1}.items() %}{{ k }}={{ v }}{% endfor %}|"
+        "{% for m in messages recursive %}{{ m.role }}{% endfor %}|"
+        "{% for m in messages if m.role == 'user' %}{{ loop.revindex }}{% endfor %}"
+    )
+    assert render_chat(template, MESSAGES) == "1/3a,2/3b,3/3a|empty|a=1|systemuserassistantuser|21"
+
+
+@pytest.mark.parametrize("limit", [0, -1.0, float("nan"), float("inf"), "1", True])
+def test_bad_time_limit_is_refused(limit: object) -> None:
+    with pytest.raises(GenerationError, match="max_render_seconds must be a finite number > 0"):
+        render_chat(CHATML, MESSAGES, max_render_seconds=limit)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from functools import cache
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from runners.detokenizer import StreamingDetokenizer
@@ -487,3 +489,181 @@ def test_continuation_after_random_context_equals_the_decode_difference(name: st
         text = "".join(detokenizer.add(i) for i in generated) + detokenizer.finish()
         tail = context[-6:]
         assert tokenizer.decode(tail) + text == tokenizer.decode(tail + generated)
+
+
+# --- invalid bytes never stall the stream ---------------------------------------------------
+
+
+@cache
+def merged_partial_tokenizer() -> Tokenizer:
+    """Byte-level tokens for every byte, plus 'ok' fused with the lead byte of a 3-byte character.
+
+    A model can emit such a token again and again; each one ends in a character that the
+    next token never finishes, so every window ends in U+FFFD.
+    """
+    chars = _bytes_to_unicode()
+    vocab = {chars[b]: b for b in range(256)}
+    vocab["ok" + chars[0xE6]] = 256
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def test_text_before_an_unfinished_character_that_never_finishes_comes_out_at_once() -> None:
+    tokenizer = merged_partial_tokenizer()
+    detokenizer = StreamingDetokenizer(tokenizer)
+    outputs = [detokenizer.add(256) for _ in range(5)]
+    # "ok" comes out with its own token; the dangling byte shows as U+FFFD once the next
+    # token proves it invalid, exactly as the full decode has it.
+    assert outputs == ["ok"] + ["\ufffdok"] * 4
+    assert "".join(outputs) + detokenizer.finish() == tokenizer.decode([256] * 5) == "ok\ufffd" * 5
+
+
+def test_an_invalid_byte_followed_by_text_releases_the_text_at_once() -> None:
+    tokenizer = byte_level_tokenizer()
+    chars = _bytes_to_unicode()
+    invalid = [_known(tokenizer.token_to_id(chars[b])) for b in (0xFF, 0xC0, 0xF5, 0x80)]  # never in UTF-8
+    detokenizer = StreamingDetokenizer(tokenizer)
+    outputs = [detokenizer.add(i) for i in [*invalid, *byte_ids("hello")]]
+    # Four U+FFFDs: the 4th proves the 1st can never be part of a character.
+    assert outputs[:4] == ["", "", "", "\ufffd"]
+    assert outputs[4:] == ["\ufffd\ufffd\ufffdh", "e", "l", "l", "o"]
+    assert detokenizer.finish() == ""
+
+
+def test_a_long_run_of_invalid_bytes_holds_at_most_three_replacement_chars() -> None:
+    tokenizer = byte_level_tokenizer()
+    continuation = _known(tokenizer.token_to_id(_bytes_to_unicode()[0x80]))
+    detokenizer = StreamingDetokenizer(tokenizer)
+    emitted = ""
+    for count in range(1, 60):
+        emitted += detokenizer.add(continuation)
+        assert emitted == "\ufffd" * max(0, count - 3)
+    assert emitted + detokenizer.finish() == tokenizer.decode([continuation] * 59)
+
+
+def test_byte_fallback_invalid_bytes_do_not_stall_the_stream() -> None:
+    tokenizer = byte_fallback_tokenizer()
+    byte = {b: _known(tokenizer.token_to_id(f"<0x{b:02X}>")) for b in range(256)}
+    h, e = _known(tokenizer.token_to_id("h")), _known(tokenizer.token_to_id("e"))
+    detokenizer = StreamingDetokenizer(tokenizer)
+    assert [detokenizer.add(i) for i in [h, byte[0xFF], e, h]] == ["h", "", "\ufffde", "h"]
+    # A run of byte tokens after an invalid byte decodes to U+FFFD throughout (the full
+    # decode agrees); it is released while it grows, never more than three behind.
+    run = [byte[0xFF], *(byte[0x41 + i % 26] for i in range(30))]
+    emitted = ""
+    for count, token in enumerate(run, start=1):
+        emitted += detokenizer.add(token)
+        assert len(emitted) >= count - 3
+    assert detokenizer.add(h).endswith("h")
+
+
+# --- properties (hypothesis) ------------------------------------------------------------------
+
+PROPERTY = settings(max_examples=150, deadline=None)
+# Characters whose bytes byte-fallback ids spell out: 2, 3 and 4 bytes, and a control byte.
+FALLBACK_CHARS = "é日🙂\x13"
+
+
+@st.composite
+def fallback_ids(draw: st.DrawFn) -> list[int]:
+    """Byte-fallback ids: ordinary tokens, characters spelled in byte tokens, lone invalid bytes.
+
+    An invalid byte is kept apart from other byte tokens by ordinary tokens on both sides:
+    in one run it would turn the whole run into U+FFFD after the fact (the documented
+    divergence), which no streamer can match without holding every run back.
+    """
+    tokenizer = byte_fallback_tokenizer()
+    vocab = tokenizer.get_vocab()
+    ordinary = sorted(i for t, i in vocab.items() if not t.startswith("<0x") and t not in ("<s>", "</s>"))
+    specials = [vocab["<s>"], vocab["</s>"]]
+    ids: list[int] = []
+    for _ in range(draw(st.integers(0, 20))):
+        kind = draw(st.sampled_from(["ordinary", "special", "char", "invalid"]))
+        if kind == "ordinary":
+            ids.append(draw(st.sampled_from(ordinary)))
+        elif kind == "special":
+            ids.append(draw(st.sampled_from(specials)))
+        elif kind == "char":
+            ids += [vocab[f"<0x{b:02X}>"] for b in draw(st.sampled_from(FALLBACK_CHARS)).encode()]
+        else:
+            ids += [
+                draw(st.sampled_from(ordinary)),
+                vocab[f"<0x{draw(st.integers(0x80, 0xFF)):02X}>"],
+                draw(st.sampled_from(ordinary)),
+            ]
+    return ids
+
+
+def any_ids(name: str) -> st.SearchStrategy[list[int]]:
+    if name == "byte_fallback":
+        return fallback_ids()
+    return st.lists(st.integers(0, TOKENIZERS[name]().get_vocab_size() - 1), max_size=40)
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+@PROPERTY
+@given(data=st.data(), skip=st.booleans())
+def test_chunks_always_concatenate_to_the_full_decode(name: str, data: st.DataObject, skip: bool) -> None:
+    tokenizer = TOKENIZERS[name]()
+    ids = data.draw(any_ids(name), label="ids")
+    chunks, tail, detokenizer = stream(tokenizer, ids, skip=skip)
+    assert "".join(chunks) + tail == tokenizer.decode(ids, skip_special_tokens=skip)
+    assert detokenizer.text == "".join(chunks) + tail
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+@PROPERTY
+@given(data=st.data())
+def test_a_continuation_reads_as_the_decode_difference(name: str, data: st.DataObject) -> None:
+    tokenizer = TOKENIZERS[name]()
+    prompt = "".join(data.draw(st.lists(st.sampled_from(MULTIBYTE_ALPHABET), min_size=1, max_size=12)))
+    context = tokenizer.encode(prompt).ids
+    ids = data.draw(any_ids(name), label="ids")
+    detokenizer = StreamingDetokenizer(tokenizer, context_ids=context)
+    text = "".join(detokenizer.add(i) for i in ids) + detokenizer.finish()
+    tail = context[-6:]
+    assert tokenizer.decode(tail) + text == tokenizer.decode(tail + ids)
+
+
+@PROPERTY
+@given(ids=any_ids("byte_level"), skip=st.booleans())
+def test_byte_level_holds_back_nothing_but_up_to_three_replacement_chars(ids: list[int], skip: bool) -> None:
+    """After every id, the text not yet emitted is at most three U+FFFD: nothing valid waits."""
+    tokenizer = byte_level_tokenizer()
+    detokenizer = StreamingDetokenizer(tokenizer, skip_special_tokens=skip)
+    emitted = ""
+    for count, token in enumerate(ids, start=1):
+        emitted += detokenizer.add(token)
+        so_far = tokenizer.decode(ids[:count], skip_special_tokens=skip)
+        held = so_far[len(emitted) :]
+        assert so_far.startswith(emitted) and len(held) <= 3 and held == "\ufffd" * len(held)
+
+
+@PROPERTY
+@given(
+    text=st.text(alphabet="ab日🙂 \n", max_size=16),
+    stops=st.lists(st.text(alphabet="ab日🙂 \n", min_size=1, max_size=3), min_size=1, max_size=3),
+)
+def test_stop_strings_cut_where_a_character_stream_would(text: str, stops: list[str]) -> None:
+    """One token per byte, the most split encoding: a stop is never emitted, not even in part."""
+    tokenizer = byte_level_tokenizer()
+    chunks, tail, detokenizer = stream(tokenizer, byte_ids(text), stops)
+    expected = _reference_stop(text, stops)
+    assert "".join(chunks) + tail == expected
+    assert detokenizer.stopped == any(s in text for s in stops)
+    emitted = ""
+    for chunk in chunks:
+        emitted += chunk
+        assert expected.startswith(emitted)
+
+
+def test_a_stop_string_in_the_context_does_not_stop_generation() -> None:
+    """The prompt is decoding context only: the stop matcher sees generated text alone."""
+    tokenizer = byte_level_tokenizer()
+    context = tokenizer.encode("hello END there").ids
+    for stop in ["END", "there", "e wo"]:  # in the prompt, or across prompt and generated text
+        detokenizer = StreamingDetokenizer(tokenizer, stop=[stop], context_ids=context)
+        text = "".join(detokenizer.add(i) for i in tokenizer.encode(" world").ids) + detokenizer.finish()
+        assert text == " world" and not detokenizer.stopped

@@ -143,3 +143,64 @@ def test_greedy_logits_match_session_directly(engine: Engine) -> None:
     feeds.update({n: np.zeros((1, io.num_kv_heads, 0, io.head_dim), np.float32) for n in io.past_names})
     first = int(engine.session.run(feeds)["logits"][0, -1].argmax())
     assert engine.generate_tokens([ids], max_new_tokens=1, temperature=0.0)[0] == [first]
+
+
+def test_a_stop_string_inside_the_prompt_does_not_stop_generation(engine: Engine) -> None:
+    """The prompt's last ids are decoding context only; the stop matcher never sees prompt text."""
+    full = engine.generate(PROMPT, max_new_tokens=20, temperature=0.0)
+    in_prompt = {PROMPT[i:j] for i in range(len(PROMPT)) for j in range(i + 2, len(PROMPT) + 1)}
+    across = {PROMPT[-k:] + full[:m] for k in (1, 2, 3) for m in (1, 2, 3)}  # prompt end + generated start
+    stops = sorted(s for s in in_prompt | across if s not in full)
+    assert "fibonacci" in stops and PROMPT in stops and len(across & set(stops)) >= 3
+    stream = engine.stream(PROMPT, max_new_tokens=20, temperature=0.0, stop=stops)
+    assert "".join(stream) == full
+    assert stream.stats.finish_reason == "length" and stream.stats.new_tokens == 20
+    assert engine.generate(PROMPT, max_new_tokens=20, temperature=0.0, stop=stops) == full
+
+
+@pytest.mark.parametrize(
+    ("prompt", "request_", "message"),
+    [
+        ("", {}, "prompt is empty"),
+        (PROMPT, {"temperature": -1.0}, "temperature must be >= 0"),
+        (PROMPT, {"temperature": float("nan")}, "temperature must be finite"),
+        (PROMPT, {"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        (PROMPT, {"top_k": -1}, "top_k must be >= 0"),
+        (PROMPT, {"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+        (PROMPT, {"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
+        (PROMPT, {"stop": [""]}, r"stop\[0\] must be a non-empty string"),
+    ],
+)
+def test_bad_requests_are_refused_before_any_work(
+    engine: Engine, prompt: str, request_: dict[str, object], message: str
+) -> None:
+    calls = []
+    run = engine.session.run
+    engine.session.run = lambda feeds: calls.append(1) or run(feeds)  # type: ignore[method-assign]
+    with pytest.raises(GenerationError, match=message):
+        engine.stream(prompt, **request_)  # type: ignore[arg-type]
+    with pytest.raises(GenerationError, match=message):
+        engine.generate([PROMPT, prompt], **request_)  # type: ignore[arg-type]
+    assert calls == []
+
+
+def test_a_rebuilt_model_pointing_outside_the_artifact_is_refused(artifact: Path, tmp_path: Path) -> None:
+    """The real model with its weights' location rewritten, and a manifest rehashed to match."""
+    import onnx
+
+    from runners.external_data import check_external_data
+    from runners.manifest import sha256_file
+
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert check_external_data(artifact / "model.onnx", set(manifest["files"])) == ["model.onnx.data"]
+    copy = tmp_path / "a"
+    shutil.copytree(artifact, copy)
+    shutil.copy(artifact / "model.onnx.data", tmp_path / "secret.bin")
+    model = onnx.load(str(copy / "model.onnx"), load_external_data=False)
+    tensor = next(t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
+    next(e for e in tensor.external_data if e.key == "location").value = "../secret.bin"
+    onnx.save(model, str(copy / "model.onnx"))
+    manifest["files"]["model.onnx"] = sha256_file(copy / "model.onnx")
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=rf"model\.onnx: tensor '{tensor.name}' .*location '\.\./secret\.bin'"):
+        Engine.load(copy)

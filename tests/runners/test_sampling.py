@@ -7,10 +7,13 @@ enough for any seed yet tight enough that a wrong distribution fails them.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from runners.errors import GenerationError
 from runners.sampling import (
@@ -440,3 +443,85 @@ def test_sample_returns_int64_of_batch_length() -> None:
     tokens = sample(np.zeros((3, 7), np.float16), SamplingParams(temperature=0.8), make_rng(0))
     assert tokens.dtype == np.int64 and tokens.shape == (3,)
     assert ((tokens >= 0) & (tokens < 7)).all()
+
+
+# --- properties (hypothesis): whatever the logits and settings ------------------------------
+
+PROPERTY = settings(max_examples=300, deadline=None)
+
+
+@st.composite
+def logits_rows(draw_: st.DrawFn) -> np.ndarray:
+    """[batch, vocab] logits with ties, wide ranges and masked (-inf) tokens, never a masked row."""
+    batch, vocab = draw_(st.integers(1, 3)), draw_(st.integers(1, 24))
+    values = st.one_of(st.floats(-30, 30, width=32), st.sampled_from([0.0, 1.0, -np.inf]))
+    logits = np.array(draw_(st.lists(values, min_size=batch * vocab, max_size=batch * vocab)), np.float32)
+    logits = logits.reshape(batch, vocab)
+    for row in range(batch):
+        if np.isneginf(logits[row]).all():
+            logits[row, draw_(st.integers(0, vocab - 1))] = draw_(st.floats(-30, 30, width=32))
+    return logits
+
+
+def sampling_params(vocab: int) -> st.SearchStrategy[SamplingParams]:
+    return st.builds(
+        SamplingParams,
+        temperature=st.one_of(st.just(0.0), st.floats(0.05, 5.0)),
+        top_k=st.integers(0, vocab + 2),
+        top_p=st.one_of(st.just(1.0), st.floats(0.01, 1.0)),
+        min_p=st.one_of(st.just(0.0), st.floats(0.0, 1.0)),
+        seed=st.integers(0, 2**32),
+    )
+
+
+def allowed(row: np.ndarray, params: SamplingParams) -> set[int]:
+    """Tokens each filter allows, computed independently of the implementation's order of work."""
+    scores = row.astype(np.float64)
+    if params.greedy:
+        return {int(np.argmax(scores))}
+    scores = scores / params.temperature
+    finite = set(np.flatnonzero(np.isfinite(scores)).tolist())
+    top_k = finite
+    if 0 < params.top_k < len(row):
+        kth = np.sort(scores)[::-1][params.top_k - 1]
+        top_k = {t for t in finite if scores[t] >= kth}
+    # the nucleus over the top-k survivors: tokens ranked above a kept one hold < top_p of the mass
+    ranked = sorted(top_k, key=lambda t: (-scores[t], t))
+    weights = np.exp(np.array([scores[t] for t in ranked]) - max(scores[t] for t in ranked))
+    probs = weights / weights.sum()
+    above = np.cumsum(probs) - probs
+    nucleus = {t for t, mass in zip(ranked, above) if mass < params.top_p + 1e-9}
+    best = max(scores[t] for t in finite)
+    floor = best + math.log(params.min_p) - 1e-9 if params.min_p > 0 else -np.inf
+    return {t for t in nucleus if scores[t] >= floor}
+
+
+@PROPERTY
+@given(data=st.data())
+def test_the_sampled_token_is_always_one_the_filters_allow(data: st.DataObject) -> None:
+    logits = data.draw(logits_rows())
+    params = data.draw(sampling_params(logits.shape[1]))
+    tokens = sample(logits, params, make_rng(params.seed))
+    assert tokens.shape == (logits.shape[0],) and tokens.dtype == np.int64
+    for row, token in enumerate(tokens):
+        assert int(token) in allowed(logits[row], params), (logits[row], params, token)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_greedy_is_the_argmax_whatever_else_is_set(data: st.DataObject) -> None:
+    logits = data.draw(logits_rows())
+    params = data.draw(sampling_params(logits.shape[1]).map(lambda p: replace(p, temperature=0.0)))
+    expected = [int(np.flatnonzero(row == row.max())[0]) for row in logits]  # lowest id among ties
+    assert sample(logits, params, make_rng(params.seed)).tolist() == expected
+    assert sample(logits, params, make_rng(None)).tolist() == expected  # the generator plays no part
+
+
+@PROPERTY
+@given(data=st.data())
+def test_the_same_seed_gives_the_same_tokens(data: st.DataObject) -> None:
+    logits = data.draw(logits_rows())
+    params = data.draw(sampling_params(logits.shape[1]))
+    first, second = make_rng(params.seed), make_rng(params.seed)
+    for _ in range(3):  # over several steps, as the generation loop draws them
+        assert sample(logits, params, first).tolist() == sample(logits, params, second).tolist()
