@@ -16,6 +16,9 @@ from runners.errors import ArtifactError
 # `concat`: past and present are separate tensors; present = concat(past, new) along
 # the sequence axis. The runner feeds each step's present back as the next past.
 KV_MODES = ("concat",)
+TENSOR_DTYPES = ("float32", "float16")  # what numpy and onnxruntime exchange with the runner
+# Far beyond any real model; a manifest past them is corrupt or hostile.
+IO_LIMITS = {"num_layers": 10_000, "num_kv_heads": 1 << 16, "head_dim": 1 << 16, "vocab_size": 1 << 31}
 
 
 class _SpecLike(Protocol):
@@ -100,20 +103,32 @@ class DecoderIO:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DecoderIO:
+        """Read the manifest's `io` section; sizes are range-checked before any name list is built."""
+        for field, limit in IO_LIMITS.items():
+            value = data.get(field)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+                raise ArtifactError(
+                    f"manifest.json: io.{field} must be an integer in [1, {limit}], got {str(value)[:80]}; "
+                    "rebuild the artifact"
+                )
         try:
             io = cls(
-                int(data["num_layers"]),
-                int(data["num_kv_heads"]),
-                int(data["head_dim"]),
-                int(data["vocab_size"]),
+                data["num_layers"],
+                data["num_kv_heads"],
+                data["head_dim"],
+                data["vocab_size"],
                 str(data["kv_dtype"]),
                 str(data["logits_dtype"]),
                 str(data["kv_mode"]),
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ArtifactError(
-                f"manifest.json: field io is incomplete or malformed ({e!r}); rebuild the artifact"
-            ) from e
+        except KeyError as e:
+            raise ArtifactError(f"manifest.json: field io.{e.args[0]} is missing; rebuild the artifact") from e
+        for field in ("kv_dtype", "logits_dtype"):
+            if getattr(io, field) not in TENSOR_DTYPES:
+                raise ArtifactError(
+                    f"manifest.json: io.{field} {str(getattr(io, field))[:40]!r} is not one of "
+                    f"{', '.join(TENSOR_DTYPES)}; rebuild the artifact"
+                )
         if io.kv_mode not in KV_MODES:
             raise ArtifactError(
                 f"manifest.json: io.kv_mode {io.kv_mode!r} is not one this runner knows ({', '.join(KV_MODES)}); "
