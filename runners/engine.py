@@ -9,7 +9,6 @@ Needs only onnxruntime, tokenizers, jinja2 and numpy: no torch at run time.
 
 from __future__ import annotations
 
-import json
 import numbers
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -22,7 +21,7 @@ import numpy as np
 from runners.detokenizer import StreamingDetokenizer
 from runners.errors import ArtifactError, GenerationError
 from runners.generate import Step, check_length, generate_steps
-from runners.manifest import read_io, read_manifest, read_max_positions, verify_files
+from runners.manifest import read_io, read_json_object, read_manifest, read_max_positions, verify_files
 from runners.sampling import SamplingParams, make_rng
 from runners.session import OrtSession, Session
 from runners.tokenizer import TokenizerBundle
@@ -353,14 +352,5 @@ def _preview(value: object, limit: int = 60) -> str:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ArtifactError(f"{path}: cannot be read ({e.strerror or e}); check its permissions") from e
-    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, huge integers, absurd nesting
-        raise ArtifactError(f"{path}: not valid JSON ({type(e).__name__}: {e}); rebuild the artifact") from e
-    if not isinstance(data, dict):
-        raise ArtifactError(f"{path}: expected a JSON object; rebuild the artifact")
-    return data
+    """An optional JSON file of the artifact: {} where it is absent."""
+    return read_json_object(path) if path.is_file() else {}

@@ -31,6 +31,24 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def read_json_object(path: Path, max_bytes: int = _MAX_MANIFEST_BYTES) -> dict[str, Any]:
+    """A JSON object from an artifact file, or an ArtifactError naming the file."""
+    try:
+        if path.stat().st_size > max_bytes:
+            limit = max_bytes >> 20
+            raise ArtifactError(
+                f"{path}: larger than {limit} MiB, which no kvforge artifact file is; rebuild the artifact"
+            )
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ArtifactError(f"{path}: cannot be read ({e.strerror or e}); check its permissions") from e
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, huge integers, absurd nesting
+        raise ArtifactError(f"{path}: not valid JSON ({type(e).__name__}: {e}); rebuild the artifact") from e
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{path}: expected a JSON object, got {type(data).__name__}; rebuild the artifact")
+    return data
+
+
 def read_manifest(directory: Path) -> dict[str, Any]:
     path = directory / MANIFEST
     if not directory.is_dir():
@@ -41,17 +59,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise ArtifactError(f"{path}: missing; the artifact is incomplete, rebuild it with `kvforge build`")
     if path.is_symlink():
         raise ArtifactError(f"{path}: a symlink, not a plain file; rebuild the artifact")
-    try:
-        if path.stat().st_size > _MAX_MANIFEST_BYTES:
-            limit = _MAX_MANIFEST_BYTES >> 20
-            raise ArtifactError(f"{path}: larger than {limit} MiB, which no kvforge manifest is; rebuild the artifact")
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ArtifactError(f"{path}: cannot be read ({e.strerror or e}); check its permissions") from e
-    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, huge integers, absurd nesting
-        raise ArtifactError(f"{path}: not valid JSON ({type(e).__name__}: {e}); rebuild the artifact") from e
-    if not isinstance(manifest, dict):
-        raise ArtifactError(f"{path}: expected a JSON object; rebuild the artifact")
+    manifest = read_json_object(path)
     version = manifest.get("schema_version")
     if version != SCHEMA_VERSION:
         raise ArtifactError(

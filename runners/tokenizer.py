@@ -7,7 +7,6 @@ tokens) are read here directly, in the shapes transformers writes them.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import tokenizers
 from runners.chat import render_chat
 from runners.detokenizer import StreamingDetokenizer
 from runners.errors import ArtifactError, GenerationError
+from runners.manifest import read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -105,15 +105,7 @@ def _read_tokenizer(path: Path) -> tokenizers.Tokenizer:
 
 def _read_config(path: Path) -> dict[str, Any]:
     """The parsed tokenizer_config.json, or {} where the artifact has none."""
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ArtifactError(f"{path}: not valid JSON ({error}); rebuild the artifact") from error
-    if not isinstance(data, dict):
-        raise ArtifactError(f"{path}: expected a JSON object, got {type(data).__name__}; rebuild the artifact")
-    return data
+    return read_json_object(path) if path.is_file() else {}
 
 
 def _token_field(config: Mapping[str, Any], field: str, path: Path) -> str | None:
