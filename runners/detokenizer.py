@@ -71,10 +71,24 @@ class _IncrementalDecoder:
         self._skip_special_tokens = skip_special_tokens
         # Context ids start the window as if already emitted, so the first generated
         # token decodes as a continuation (its leading space kept), not as a text start.
-        self._ids: list[int] = [int(i) for i in context_ids]
+        self._ids: list[int] = self._context_tail([int(i) for i in context_ids])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._extra = ""  # text returned past the prefix text while the tail was held
+
+    def _context_tail(self, context: list[int]) -> list[int]:
+        """The last few context ids, starting on a character boundary.
+
+        A tail cut inside a character spelled in byte tokens would decode as U+FFFD and
+        could poison the run it joins; stepping back up to three more tokens reaches the
+        character's first byte. Without such a start, decode without context.
+        """
+        last = len(context) - _CONTEXT_TOKENS
+        for start in range(max(last, 0), max(last - 4, -1), -1):
+            tail = context[start:]
+            if not self._decode(tail).startswith(REPLACEMENT_CHAR):
+                return tail
+        return []
 
     def add(self, token_id: int) -> str:
         """Text that ``token_id`` completes; "" while only an unfinished character is new."""
@@ -220,7 +234,7 @@ class StreamingDetokenizer:
         skip_special_tokens: bool = True,
         context_ids: Sequence[int] = (),
     ) -> None:
-        self._decoder = _IncrementalDecoder(tokenizer, skip_special_tokens, context_ids[-_CONTEXT_TOKENS:])
+        self._decoder = _IncrementalDecoder(tokenizer, skip_special_tokens, context_ids)
         self._matcher = _StopMatcher(stop)
         self._chunks: list[str] = []
         self._finished = False

@@ -487,8 +487,7 @@ def test_continuation_after_random_context_equals_the_decode_difference(name: st
         generated = tokenizer.encode(random_text(rng, 12)).ids
         detokenizer = StreamingDetokenizer(tokenizer, context_ids=context)
         text = "".join(detokenizer.add(i) for i in generated) + detokenizer.finish()
-        tail = context[-6:]
-        assert tokenizer.decode(tail) + text == tokenizer.decode(tail + generated)
+        assert tokenizer.decode(context) + text == tokenizer.decode(context + generated)
 
 
 # --- invalid bytes never stall the stream ---------------------------------------------------
@@ -613,6 +612,16 @@ def test_chunks_always_concatenate_to_the_full_decode(name: str, data: st.DataOb
     assert detokenizer.text == "".join(chunks) + tail
 
 
+def test_a_context_cut_inside_a_character_steps_back_to_its_start() -> None:
+    tokenizer = byte_fallback_tokenizer()
+    context = tokenizer.encode("ab日🙂").ids  # ▁ a b, then 日 and 🙂 spelled in byte tokens
+    assert len(context) == 10  # so the last 6 ids start inside 日
+    generated = [tokenizer.token_to_id(f"<0x{b:02X}>") for b in "🙂".encode()]
+    detokenizer = StreamingDetokenizer(tokenizer, context_ids=context)
+    text = "".join(detokenizer.add(i) for i in generated) + detokenizer.finish()
+    assert text == "🙂"
+
+
 @pytest.mark.parametrize("name", sorted(TOKENIZERS))
 @PROPERTY
 @given(data=st.data())
@@ -623,8 +632,7 @@ def test_a_continuation_reads_as_the_decode_difference(name: str, data: st.DataO
     ids = data.draw(any_ids(name), label="ids")
     detokenizer = StreamingDetokenizer(tokenizer, context_ids=context)
     text = "".join(detokenizer.add(i) for i in ids) + detokenizer.finish()
-    tail = context[-6:]
-    assert tokenizer.decode(tail) + text == tokenizer.decode(tail + ids)
+    assert tokenizer.decode(context) + text == tokenizer.decode(context + ids)
 
 
 @PROPERTY
