@@ -106,3 +106,18 @@ def make_checkpoint(
                 p.mul_(2.0)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], new_tokens: int) -> list[int]:
+    """transformers' own greedy `generate`: the reference the compiled model must equal."""
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
+    with torch.no_grad():
+        out = model.generate(  # type: ignore[operator]
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=pad,
+        )
+    return out[0, len(prompt_ids) :].tolist()

@@ -13,6 +13,7 @@ import torch
 
 from runners.engine import Engine
 from tests.examples.conftest import EXAMPLE_MODEL
+from tests.tiny import hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -45,19 +46,6 @@ def hf_model() -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(EXAMPLE_MODEL, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            pad_token_id=model.config.eos_token_id,
-        )
-    return out[0, len(prompt_ids) :].tolist()
 
 
 def test_checkpoint_is_small_and_complete() -> None:

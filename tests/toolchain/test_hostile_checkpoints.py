@@ -15,20 +15,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runners.errors import CheckpointError, KvforgeError, ParityError, UnsupportedModelError
+from tests.toolchain.test_checkpoint import CONFIG
 from toolchain import checkpoint as ckpt
 from toolchain import safetensors_check
 from toolchain.checkpoint import check_against_spec, check_tokenizer_fits, load
 from toolchain.spec import DecoderSpec
-
-CONFIG: dict[str, Any] = {
-    "model_type": "llama",
-    "vocab_size": 8,
-    "hidden_size": 4,
-    "intermediate_size": 8,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "max_position_embeddings": 16,
-}
 
 
 def write_dir(directory: Path, *, config: Any = None, weights: dict[str, torch.Tensor] | None = None) -> Path:

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from runners.engine import Engine
-from tests.tiny import SUPPORTED
+from tests.tiny import SUPPORTED, hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -23,20 +22,11 @@ PROMPTS = ["def fibonacci(n):", "class Point:\n    def"]
 NEW_TOKENS = 24
 
 
-def hf_greedy(checkpoint: Path, prompt_ids: list[int], new_tokens: int) -> list[int]:
+def eager_greedy(checkpoint: Path, prompt_ids: list[int], new_tokens: int) -> list[int]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            pad_token_id=model.config.pad_token_id,
-        )
-    return out[0, len(prompt_ids) :].tolist()
+    return hf_greedy(model, prompt_ids, new_tokens)
 
 
 @pytest.mark.parametrize("model_type", SUPPORTED)
@@ -52,7 +42,7 @@ def test_greedy_generation_matches_eager_hf(
     for prompt in PROMPTS:
         ids = engine.encode(prompt)
         ours = engine.generate_tokens([ids], max_new_tokens=NEW_TOKENS, temperature=0.0)[0]
-        assert ours == hf_greedy(tiny_checkpoint(model_type), ids, NEW_TOKENS), prompt
+        assert ours == eager_greedy(tiny_checkpoint(model_type), ids, NEW_TOKENS), prompt
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
