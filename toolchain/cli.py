@@ -121,6 +121,50 @@ def generate(
 
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
+@click.option(
+    "--prompt",
+    "prompts",
+    multiple=True,
+    type=click.IntRange(1),
+    help="Prompt length (repeatable; default 128 and 1024).",
+)
+@click.option(
+    "--batch", "batches", multiple=True, type=click.IntRange(1), help="Batch size (repeatable; default 1 and 8)."
+)
+@click.option("--new-tokens", default=32, show_default=True, type=click.IntRange(2), help="Tokens generated per run.")
+@click.option(
+    "--repeats",
+    default=3,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Runs per measurement; medians are reported.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+@_guarded
+def bench(
+    artifact: Path, prompts: tuple[int, ...], batches: tuple[int, ...], new_tokens: int, repeats: int, as_json: bool
+) -> None:
+    """First token, decode tokens/s and its fraction of the memory-bandwidth roofline for ARTIFACT."""
+    from runners.bench import bench as run_bench
+    from runners.bench import format_results, peak_memory_bytes
+
+    results, skipped, bandwidth = run_bench(
+        artifact, prompts=prompts or (128, 1024), batches=batches or (1, 8), new_tokens=new_tokens, repeats=repeats
+    )
+    if as_json:
+        data = {
+            "bandwidth_bytes_per_s": bandwidth,
+            "peak_memory_bytes": peak_memory_bytes(),
+            "results": [r.to_dict() for r in results],
+            "skipped": skipped,
+        }
+        click.echo(json.dumps(data, indent=2))
+    else:
+        click.echo(format_results(results, skipped, bandwidth))
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--checkpoint", required=True, type=_CHECKPOINT, help="The checkpoint the artifact was built from.")
 @click.option(
     "--allow-pickle", is_flag=True, help="Accept pytorch_model.bin (read with torch.load(weights_only=True))."

@@ -1,0 +1,160 @@
+"""`kvforge bench`: first-token latency, decode speed and its roofline fraction, peak memory.
+
+Decode on a CPU is bound by memory bandwidth: every step reads every weight once, plus the
+KV cache of every row. The roofline is the machine's copy bandwidth divided by those bytes;
+the fraction of it that decode reaches says how much is left to gain. Speeds are measured
+from the first generated token to the last of one generation, so prefill is excluded:
+decode tokens/s = batch × (new − 1) / that time; medians over repeats. Shared machines are noisy: compare ratios
+measured in one run, not absolute numbers across runs.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runners.contract import DecoderIO
+from runners.engine import Engine
+from runners.generate import generate_steps
+from runners.manifest import read_manifest
+from runners.sampling import SamplingParams
+
+_BANDWIDTH_BYTES = 256 << 20  # far beyond any CPU cache, so the copy streams from memory
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    prompt: int
+    batch: int
+    new_tokens: int
+    first_token_ms: float
+    decode_tokens_per_s: float
+    bytes_per_step: int
+    roofline_tokens_per_s: float
+
+    @property
+    def roofline_fraction(self) -> float:
+        return self.decode_tokens_per_s / self.roofline_tokens_per_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "roofline_fraction": self.roofline_fraction}
+
+
+def memory_bandwidth(size_bytes: int = _BANDWIDTH_BYTES, repeats: int = 5, threads: int | None = None) -> float:
+    """Bytes per second of a large array copy on every core (each copy reads and writes).
+
+    onnxruntime decodes with a thread per core, so a one-thread copy would understate what
+    the machine can stream.
+    """
+    threads = threads or os.cpu_count() or 1
+    source = np.ones(size_bytes // 8, dtype=np.float64)
+    target = np.empty_like(source)
+    pairs = list(zip(np.array_split(target, threads), np.array_split(source, threads)))
+    with ThreadPoolExecutor(threads) as pool:  # numpy releases the GIL while copying
+
+        def copy() -> float:
+            start = time.perf_counter()
+            list(pool.map(lambda pair: np.copyto(*pair), pairs))
+            return time.perf_counter() - start
+
+        copy()  # touch every page first
+        return 2 * source.nbytes / statistics.median(copy() for _ in range(repeats))
+
+
+def weight_bytes_per_step(artifact: Path, manifest: dict[str, Any]) -> int:
+    """Weight bytes one decode step reads: every weight, except the rows of embedding
+    tables it does not gather (the input embedding unless tied to the LM head, learned
+    position tables)."""
+    spec, flags = manifest["spec"], manifest["flags"]
+    itemsize = np.dtype(flags["dtype"]).itemsize
+    gathered_only = 0 if spec["tied_embeddings"] else spec["vocab_size"] * spec["hidden_size"]
+    if spec["position_embedding"] == "learned":
+        gathered_only += spec["max_positions"] * spec["hidden_size"]
+    return (artifact / "model.onnx.data").stat().st_size - gathered_only * itemsize
+
+
+def kv_bytes_per_step(io: DecoderIO, context: int, batch: int) -> int:
+    """K and V of every layer for `context` positions of every row, read once per step."""
+    itemsize = np.dtype(io.kv_dtype).itemsize
+    return 2 * io.num_layers * io.num_kv_heads * io.head_dim * itemsize * context * batch
+
+
+def peak_memory_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def measure(engine: Engine, prompt: int, batch: int, new_tokens: int, repeats: int) -> tuple[float, float]:
+    """(first token seconds, decode tokens/s over the batch), medians over `repeats`.
+
+    Decode time runs from the first generated token to the last, inside one generation:
+    exactly `new_tokens - 1` decode steps, with prefill excluded.
+    """
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, engine.session.io.vocab_size, prompt).tolist() for _ in range(batch)]
+    firsts, decodes = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        first = start
+        steps = generate_steps(
+            engine.session,
+            prompts,
+            max_new_tokens=new_tokens,
+            max_positions=engine.max_positions,
+            params=SamplingParams(temperature=0.0),
+            rng=rng,
+        )
+        for index, _step in enumerate(steps):
+            if index == 0:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        firsts.append(first - start)
+        decodes.append(batch * (new_tokens - 1) / (end - first))
+    return statistics.median(firsts), statistics.median(decodes)
+
+
+def bench(
+    artifact: Path,
+    *,
+    prompts: Sequence[int] = (128, 1024),
+    batches: Sequence[int] = (1, 8),
+    new_tokens: int = 32,
+    repeats: int = 3,
+    bandwidth: float | None = None,
+) -> tuple[list[BenchResult], list[str], float]:
+    """Results per (prompt, batch), the configurations skipped and why, and the bandwidth used."""
+    engine = Engine.load(artifact)  # generate_steps without eos ids: every run has its full length
+    bandwidth = bandwidth or memory_bandwidth()
+    weights = weight_bytes_per_step(artifact, read_manifest(artifact))
+    results, skipped = [], []
+    for prompt in prompts:
+        if prompt + new_tokens > engine.max_positions:
+            skipped.append(f"prompt {prompt}: + {new_tokens} new tokens exceeds the context of {engine.max_positions}")
+            continue
+        for batch in batches:
+            first, decode = measure(engine, prompt, batch, new_tokens, repeats)
+            step = weights + kv_bytes_per_step(engine.session.io, prompt + new_tokens // 2, batch)
+            results.append(BenchResult(prompt, batch, new_tokens, first * 1000, decode, step, batch * bandwidth / step))
+    return results, skipped, bandwidth
+
+
+def format_results(results: Sequence[BenchResult], skipped: Sequence[str], bandwidth: float) -> str:
+    lines = [
+        f"memory bandwidth (copy): {bandwidth / 1e9:.2f} GB/s; peak memory {peak_memory_bytes() / 2**20:.0f} MiB",
+        f"{'prompt':>6} {'batch':>5} {'first token':>12} {'decode tok/s':>13} {'roofline tok/s':>15} {'fraction':>9}",
+    ]
+    for r in results:
+        lines.append(
+            f"{r.prompt:>6} {r.batch:>5} {r.first_token_ms:>9.0f} ms {r.decode_tokens_per_s:>13.1f} "
+            f"{r.roofline_tokens_per_s:>15.1f} {r.roofline_fraction:>8.0%}"
+        )
+    lines += [f"skipped {reason}" for reason in skipped]
+    return "\n".join(lines)

@@ -1,0 +1,85 @@
+"""kvforge bench: the byte accounting behind the roofline, and which configurations run.
+
+No assertion here is about speed (machines are shared and noisy); speeds are only checked
+to be measured at all, the arithmetic around them exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from runners.bench import bench, kv_bytes_per_step, weight_bytes_per_step
+from runners.engine import Engine
+from runners.generate import empty_cache, forward, left_pad
+from runners.manifest import read_manifest
+from toolchain.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+def test_kv_bytes_equal_the_present_tensors_a_step_returns(built_artifact: Callable[..., Path]) -> None:
+    engine = Engine.load(built_artifact("llama"))
+    io = engine.session.io
+    ids, mask = left_pad([[5, 6, 7, 8, 9], [3, 4, 5, 6, 7]], pad_id=0)
+    _, cache = forward(engine.session, ids, mask, empty_cache(io, 2))
+    assert sum(a.nbytes for a in cache.values()) == kv_bytes_per_step(io, context=5, batch=2)
+
+
+def test_weight_bytes_are_every_external_weight_but_the_untied_input_embedding(
+    built_artifact: Callable[..., Path],
+) -> None:
+    artifact = built_artifact("llama")  # the tiny llama has untied embeddings
+    model = onnx.load(artifact / "model.onnx", load_external_data=False)
+    external = {t.name: int(np.prod(t.dims)) * 4 for t in model.graph.initializer if t.data_location == 1}
+    expected = sum(external.values()) - external["model.embed_tokens.weight"]
+    assert weight_bytes_per_step(artifact, read_manifest(artifact)) == expected
+
+
+def test_configurations_beyond_the_context_are_skipped_and_the_roofline_is_batch_times_bandwidth_over_bytes(
+    built_artifact: Callable[..., Path],
+) -> None:
+    artifact = built_artifact("llama")  # context 256
+    results, skipped, bandwidth = bench(
+        artifact, prompts=(8, 300), batches=(1, 2), new_tokens=4, repeats=1, bandwidth=1e9
+    )
+    assert bandwidth == 1e9
+    assert [(r.prompt, r.batch) for r in results] == [(8, 1), (8, 2)]
+    assert skipped == ["prompt 300: + 4 new tokens exceeds the context of 256"]
+    io = Engine.load(artifact).session.io
+    weights = weight_bytes_per_step(artifact, read_manifest(artifact))
+    for r in results:
+        assert r.bytes_per_step == weights + kv_bytes_per_step(io, 8 + 2, r.batch)
+        assert r.roofline_tokens_per_s == pytest.approx(r.batch * 1e9 / r.bytes_per_step)
+        assert r.first_token_ms > 0 and r.decode_tokens_per_s > 0
+
+
+def test_cli_json_output(built_artifact: Callable[..., Path]) -> None:
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            str(built_artifact("llama")),
+            "--prompt",
+            "8",
+            "--batch",
+            "1",
+            "--new-tokens",
+            "3",
+            "--repeats",
+            "1",
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["bandwidth_bytes_per_s"] > 0 and data["peak_memory_bytes"] > 0
+    (row,) = data["results"]
+    assert (row["prompt"], row["batch"], row["new_tokens"]) == (8, 1, 3)
+    assert row["roofline_fraction"] == pytest.approx(row["decode_tokens_per_s"] / row["roofline_tokens_per_s"])
