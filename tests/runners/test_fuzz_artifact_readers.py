@@ -33,6 +33,7 @@ from runners.manifest import (
     sha256_file,
     verify_files,
 )
+from tests.fuzzing import json_values
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -55,17 +56,7 @@ NASTY_NAMES = [
     " model.onnx",
     "日本語.bin",
 ]
-_SCALARS = st.one_of(
-    st.sampled_from(NASTY),
-    st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=8),
-)
-JSON_VALUES = st.recursive(
-    _SCALARS,
-    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
-    max_leaves=8,
-)
+JSON_VALUES = json_values(NASTY)
 IO = DecoderIO(num_layers=2, num_kv_heads=2, head_dim=4, vocab_size=32)
 FILES = {"model.onnx": b"graph", "model.onnx.data": b"weights", "tokenizer.json": b"{}"}
 

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from runners.errors import CheckpointError, KvforgeError
+from tests.fuzzing import json_values
 from tests.tiny import ARCH_CONFIGS
 from toolchain import checkpoint as ckpt
 from toolchain import safetensors_check
@@ -32,19 +33,7 @@ FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCh
 # Values that have broken readers before or could: zero, negatives, ints past float and
 # int64 range, non-finite floats, numbers as strings, bools (an int subclass), containers.
 NASTY: list[Any] = [0, -1, 1, 3, 2**63, 10**400, 1.5, 1e308, float("nan"), float("inf"), "8", "", True, None, [], {}]
-_SCALARS = st.one_of(
-    st.sampled_from(NASTY),
-    st.none(),
-    st.booleans(),
-    st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=8),
-)
-JSON_VALUES = st.recursive(
-    _SCALARS,
-    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
-    max_leaves=8,
-)
+JSON_VALUES = json_values(NASTY)
 
 
 def _layout_keys(model_type: str) -> list[str]:
