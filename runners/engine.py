@@ -99,7 +99,9 @@ class Engine:
         io = read_io(directory, manifest)
         max_positions = read_max_positions(directory, manifest)
         config = directory / GENERATION_CONFIG
-        settings = generation_settings(_read_json(config), manifest.get("spec"), source=str(config))
+        settings = generation_settings(
+            read_json_object(config, missing_ok=True), manifest.get("spec"), source=str(config)
+        )
         return cls(
             OrtSession(directory / MODEL_FILE, io, providers, data_files=set(manifest["files"])),
             TokenizerBundle.load(directory),
@@ -349,8 +351,3 @@ def _preview(value: object, limit: int = 60) -> str:
     """repr for a message, cut short: prompts and hostile config values can be long."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """An optional JSON file of the artifact: {} where it is absent."""
-    return read_json_object(path) if path.is_file() else {}

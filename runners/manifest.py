@@ -31,8 +31,13 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_json_object(path: Path, max_bytes: int = _MAX_MANIFEST_BYTES) -> dict[str, Any]:
-    """A JSON object from an artifact file, or an ArtifactError naming the file."""
+def read_json_object(path: Path, max_bytes: int = _MAX_MANIFEST_BYTES, missing_ok: bool = False) -> dict[str, Any]:
+    """A JSON object from an artifact file, or an ArtifactError naming the file.
+
+    With `missing_ok`, an optional file that is absent reads as {}.
+    """
+    if missing_ok and not path.is_file():
+        return {}
     try:
         if path.stat().st_size > max_bytes:
             limit = max_bytes >> 20

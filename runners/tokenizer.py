@@ -43,7 +43,7 @@ class TokenizerBundle:
         """Read tokenizer.json (required) and tokenizer_config.json (optional)."""
         directory = Path(directory)
         tokenizer = _read_tokenizer(directory / TOKENIZER_FILE)
-        config = _read_config(directory / TOKENIZER_CONFIG_FILE)
+        config = read_json_object(directory / TOKENIZER_CONFIG_FILE, missing_ok=True)
         config_path = directory / TOKENIZER_CONFIG_FILE
         pad_token = _token_field(config, "pad_token", config_path)
         return cls(
@@ -101,11 +101,6 @@ def _read_tokenizer(path: Path) -> tokenizers.Tokenizer:
         return tokenizers.Tokenizer.from_file(str(path))
     except Exception as error:  # tokenizers raises plain Exception for malformed files
         raise ArtifactError(f"{path}: not a valid tokenizers file ({error}); rebuild the artifact") from error
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    """The parsed tokenizer_config.json, or {} where the artifact has none."""
-    return read_json_object(path) if path.is_file() else {}
 
 
 def _token_field(config: Mapping[str, Any], field: str, path: Path) -> str | None:
