@@ -9,13 +9,20 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import onnx_ir as ir
 from onnx_ir.passes import PassBase, common
 from onnxscript.optimizer._constant_folding import FoldConstantsPass
+from onnxscript.rewriter.rules import common as rules
+
+from passes.fuse_attention import PastLengthFromMask, attention_fusion, attention_lowering_ort
+from passes.fuse_gelu import gelu_fusion, gelu_lowering_ort
+from passes.fuse_norm import norm_fusion
+from passes.last_position import LastPositionLogits
+from passes.rewrite import FusionPass
 
 # Constant folding only touches tensors up to this many elements: shape arithmetic and
 # small tables fold, weight matrices keep their checkpoint names.
@@ -32,14 +39,34 @@ def _keep_weight_transposes(node: ir.Node) -> bool | None:
     return None
 
 
+# No-op and redundant shape/cast ops the exporter leaves around the ops fusions look for.
+_SIMPLIFY_RULES = {
+    "slice_noop": rules.collapse_slice_rule,
+    "slice_full_range": rules.collapse_slice2_rule,
+    "cast_noop": rules.no_op_cast_rule,
+    "cast_cast": rules.cast_cast_rule,
+    "expand_noop": rules.no_op_expand_rule,
+    "transpose_noop": rules.no_op_transpose_rule,
+    "transpose_transpose": rules.transpose_transpose_rule,
+    "reshape_reshape": rules.reshape_reshape_rule,
+    "unsqueeze_unsqueeze": rules.unsqueeze_unsqueeze_rule,
+    "squeeze_reshape_1d": rules.squeeze_reshape_1d_rule,
+    "mul_by_1": rules.mul_by_1_rule,
+    "add_0": rules.add_0_rule,
+    "sub_0": rules.sub_0_rule,
+    "div_by_1": rules.div_by_1_rule,
+}
+
+
 def canonicalize() -> list[PassBase]:
     return [
         FoldConstantsPass(
-            shape_inference=False,
+            shape_inference=True,
             input_size_limit=FOLD_LIMIT_ELEMENTS,
             output_size_limit=FOLD_LIMIT_ELEMENTS,
             should_fold=_keep_weight_transposes,
         ),
+        FusionPass("simplify", _SIMPLIFY_RULES),
         common.CommonSubexpressionEliminationPass(),
         common.IdentityEliminationPass(),
         common.RemoveUnusedNodesPass(),
@@ -48,10 +75,28 @@ def canonicalize() -> list[PassBase]:
     ]
 
 
-# target -> phases, in order. A phase is a name and the passes it runs.
+def fuse() -> list[PassBase]:
+    """Patterns of many small ops become the standard ONNX ops that name them."""
+    return [norm_fusion(), gelu_fusion(), attention_fusion(), LastPositionLogits()]
+
+
+def lower_ort() -> list[PassBase]:
+    """Standard ops become onnxruntime's contrib ops where those are faster on its CPU kernels.
+
+    Not here: `fuse_norm.norm_lowering_ort` (residual Add + norm as SkipSimplifiedLayerNormalization /
+    SkipLayerNormalization). onnxruntime's CPU Skip kernels measured slower than the standard
+    Add + RMSNormalization / LayerNormalization they replace (fuse_norm's docstring has the numbers).
+    """
+    return [PastLengthFromMask(), attention_lowering_ort(), gelu_lowering_ort()]
+
+
+# target -> phases, in order. A phase is a name and the passes it runs. `finalize`
+# re-runs the canonical clean-up: fusions leave shape ops and transposes that now cancel.
 PIPELINES: dict[str, list[tuple[str, Callable[[], list[PassBase]]]]] = {
-    "onnx": [("canonicalize", canonicalize)],
+    "onnx": [("canonicalize", canonicalize), ("fuse", fuse), ("finalize", canonicalize)],
+    "ort-cpu": [("canonicalize", canonicalize), ("fuse", fuse), ("lower-ort", lower_ort), ("finalize", canonicalize)],
 }
+TARGETS = tuple(PIPELINES)
 
 
 @dataclass(frozen=True)
@@ -63,6 +108,7 @@ class PassRecord:
     nodes_before: int
     nodes_after: int
     seconds: float
+    fusions: dict[str, int] = field(default_factory=dict)  # rule -> times it fired (fusion passes)
 
 
 @dataclass
@@ -71,6 +117,16 @@ class PassReport:
     histogram_before: dict[str, int] = field(default_factory=dict)
     histogram_after: dict[str, int] = field(default_factory=dict)
     passes: list[PassRecord] = field(default_factory=list)
+    # fusion -> [rule: why it fell short], for fusions that fired fewer times than expected
+    missed: dict[str, list[str]] = field(default_factory=dict)
+
+    def fusion_counts(self) -> dict[str, int]:
+        """Times each fusion pass fired, over the whole pipeline."""
+        counts: Counter[str] = Counter()
+        for record in self.passes:
+            if record.fusions:
+                counts[record.name] += sum(record.fusions.values())
+        return dict(counts)
 
     def to_dict(self, timings: bool = True) -> dict[str, Any]:
         """JSON-able; without timings it is the same for the same graph (for reproducible manifests)."""
@@ -87,8 +143,20 @@ class PassReport:
         for r in self.passes:
             change = f"{r.nodes_before} -> {r.nodes_after} nodes" if r.modified else "no change"
             lines.append(f"  {r.phase:<13} {r.name:<38} {change:<22} {r.seconds * 1000:8.1f} ms")
+            fired = {rule: n for rule, n in r.fusions.items() if n}
+            if fired and r.phase != "canonicalize" and r.phase != "finalize":
+                lines.append("  " + " " * 13 + "  fused: " + ", ".join(f"{rule} x{n}" for rule, n in fired.items()))
         top = sorted(self.histogram_after.items(), key=lambda kv: (-kv[1], kv[0]))[:12]
         lines.append("  ops after: " + ", ".join(f"{op} {n}" for op, n in top))
+        return "\n".join(lines)
+
+    def explanation(self) -> str:
+        if not self.missed:
+            return "every expected fusion fired"
+        lines = []
+        for fusion, reasons in self.missed.items():
+            lines.append(f"fusion {fusion} fired fewer times than expected:")
+            lines.extend(f"  {reason}" for reason in reasons)
         return "\n".join(lines)
 
 
@@ -99,10 +167,15 @@ def histogram(model: ir.Model) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def run(model: ir.Model, target: str) -> PassReport:
-    """Run the target's pipeline on `model` in place and report what each pass did."""
+def run(model: ir.Model, target: str, expected: Mapping[str, int] | None = None) -> PassReport:
+    """Run the target's pipeline on `model` in place and report what each pass did.
+
+    `expected` maps fusion pass names to how often they should fire for this model; a
+    fusion that falls short is explained (closest match, failed constraint) in `missed`.
+    """
     if target not in PIPELINES:
         raise KeyError(f"no pass pipeline for target {target!r}; known: {', '.join(PIPELINES)}")
+    expected = dict(expected or {})
     report = PassReport(target, histogram_before=histogram(model))
     for phase, make_passes in PIPELINES[target]:
         for p in make_passes():
@@ -111,15 +184,26 @@ def run(model: ir.Model, target: str) -> PassReport:
             result = p(model)
             seconds = time.perf_counter() - start
             model = result.model
+            name = pass_name(p)
+            fusions = dict(p.counts) if isinstance(p, FusionPass) else {}
             report.passes.append(
-                PassRecord(phase, type(p).__name__, _config(p), result.modified, before, len(model.graph), seconds)
+                PassRecord(phase, name, _config(p), result.modified, before, len(model.graph), seconds, fusions)
             )
+            if isinstance(p, FusionPass) and name in expected and sum(fusions.values()) < expected[name]:
+                report.missed[name] = [str(miss) for miss in p.explain(model)]
     report.histogram_after = histogram(model)
     return report
 
 
+def pass_name(p: PassBase) -> str:
+    """A fusion pass is named by what it fuses; any other pass by its class."""
+    return p.name if isinstance(p, FusionPass) else type(p).__name__
+
+
 def _config(p: PassBase) -> dict[str, Any]:
-    return {k: v for k, v in vars(p).items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
+    config = {k: v for k, v in vars(p).items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
+    config.pop("name", None)
+    return config
 
 
 def _count(hist: dict[str, int]) -> int:

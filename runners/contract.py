@@ -15,7 +15,14 @@ from runners.errors import ArtifactError
 
 # `concat`: past and present are separate tensors; present = concat(past, new) along
 # the sequence axis. The runner feeds each step's present back as the next past.
-KV_MODES = ("concat",)
+# `shared`: past and present are one preallocated buffer per tensor, `capacity` positions
+# long; the model writes the new positions in place after the first `total - seq` (the
+# attention mask's length says how many are valid), so no step copies the cache.
+KV_MODES = ("concat", "shared")
+# `all`: logits for every input position. `last`: only for the last one, the only one
+# generation samples from (prompts are left-padded, so it is every row's last token);
+# a prefill then skips the LM head for all other positions.
+LOGITS_POSITIONS = ("all", "last")
 TENSOR_DTYPES = ("float32", "float16")  # what numpy and onnxruntime exchange with the runner
 # Far beyond any real model; a manifest past them is corrupt or hostile.
 IO_LIMITS = {"num_layers": 10_000, "num_kv_heads": 1 << 16, "head_dim": 1 << 16, "vocab_size": 1 << 31}
@@ -51,6 +58,7 @@ class DecoderIO:
     kv_dtype: str = "float32"
     logits_dtype: str = "float32"
     kv_mode: str = "concat"
+    logits_positions: str = "all"
 
     @classmethod
     def for_spec(cls, spec: _SpecLike, kv_dtype: str = "float32") -> DecoderIO:
@@ -71,8 +79,12 @@ class DecoderIO:
         return [self.present_name(i, k) for i in range(self.num_layers) for k in ("key", "value")]
 
     @property
+    def shared_kv(self) -> bool:
+        return self.kv_mode == "shared"
+
+    @property
     def inputs(self) -> tuple[TensorSpec, ...]:
-        kv = ("batch", self.num_kv_heads, "past", self.head_dim)
+        kv = ("batch", self.num_kv_heads, "capacity" if self.shared_kv else "past", self.head_dim)
         return (
             TensorSpec("input_ids", "int64", ("batch", "seq")),
             TensorSpec("attention_mask", "int64", ("batch", "total")),
@@ -82,9 +94,10 @@ class DecoderIO:
 
     @property
     def outputs(self) -> tuple[TensorSpec, ...]:
-        kv = ("batch", self.num_kv_heads, "total", self.head_dim)
+        kv = ("batch", self.num_kv_heads, "capacity" if self.shared_kv else "total", self.head_dim)
+        positions = "seq" if self.logits_positions == "all" else 1
         return (
-            TensorSpec("logits", self.logits_dtype, ("batch", "seq", self.vocab_size)),
+            TensorSpec("logits", self.logits_dtype, ("batch", positions, self.vocab_size)),
             *(TensorSpec(n, self.kv_dtype, kv) for n in self.present_names),
         )
 
@@ -97,6 +110,7 @@ class DecoderIO:
             "kv_dtype": self.kv_dtype,
             "logits_dtype": self.logits_dtype,
             "kv_mode": self.kv_mode,
+            "logits_positions": self.logits_positions,
             "inputs": [t.to_dict() for t in self.inputs],
             "outputs": [t.to_dict() for t in self.outputs],
         }
@@ -120,6 +134,7 @@ class DecoderIO:
                 str(data["kv_dtype"]),
                 str(data["logits_dtype"]),
                 str(data["kv_mode"]),
+                str(data["logits_positions"]),
             )
         except KeyError as e:
             raise ArtifactError(f"manifest.json: field io.{e.args[0]} is missing; rebuild the artifact") from e
@@ -133,6 +148,11 @@ class DecoderIO:
             raise ArtifactError(
                 f"manifest.json: io.kv_mode {io.kv_mode!r} is not one this runner knows ({', '.join(KV_MODES)}); "
                 "upgrade kvforge or rebuild the artifact"
+            )
+        if io.logits_positions not in LOGITS_POSITIONS:
+            raise ArtifactError(
+                f"manifest.json: io.logits_positions {io.logits_positions[:40]!r} is not one of "
+                f"{', '.join(LOGITS_POSITIONS)}; upgrade kvforge or rebuild the artifact"
             )
         if io.to_dict() != dict(data):
             raise ArtifactError(

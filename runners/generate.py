@@ -2,8 +2,8 @@
 
 Prompts of different lengths are left-padded into one batch; the attention mask marks
 padding, and position ids count only real tokens, so each row sees exactly what it would
-see alone. The KV cache is the contract's `concat` mode: each step's present tensors are
-fed back as the next step's past.
+see alone. Each step's present tensors are fed back as the next step's past: in the
+contract's `shared` mode they are the same preallocated buffers, written in place.
 """
 
 from __future__ import annotations
@@ -48,8 +48,11 @@ def position_ids(mask: np.ndarray, seq: int) -> np.ndarray:
     return np.maximum(positions[:, -seq:], 0).astype(np.int64)
 
 
-def empty_cache(io: DecoderIO, batch: int) -> dict[str, np.ndarray]:
-    shape = (batch, io.num_kv_heads, 0, io.head_dim)
+def empty_cache(io: DecoderIO, batch: int, capacity: int) -> dict[str, np.ndarray]:
+    """The cache before the first step: empty (`concat`), or `capacity` positions preallocated
+    (`shared`), enough for the prompt and every token to be generated."""
+    length = capacity if io.shared_kv else 0
+    shape = (batch, io.num_kv_heads, length, io.head_dim)
     return {name: np.zeros(shape, dtype=io.kv_dtype) for name in io.past_names}
 
 
@@ -150,7 +153,8 @@ def generate_steps(
     ids, mask = left_pad(prompts, pad_id)
     done = np.zeros(len(prompts), dtype=bool) if done is None else done
     seen = [np.asarray(p, dtype=np.int64) for p in prompts]
-    logits, cache = forward(session, ids, mask, empty_cache(session.io, len(prompts)))
+    capacity = ids.shape[1] + max_new_tokens
+    logits, cache = forward(session, ids, mask, empty_cache(session.io, len(prompts), capacity))
     eos = np.asarray(list(eos_ids), dtype=np.int64)
     for step in range(max_new_tokens):
         active = ~done

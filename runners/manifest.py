@@ -15,7 +15,7 @@ from runners.contract import DecoderIO
 from runners.errors import ArtifactError
 
 MANIFEST = "manifest.json"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _CHUNK = 1 << 20
 # Bounds on the io section's sizes, checked before DecoderIO derives names from them: a
 # manifest claiming 10**12 layers must fail at once, not while listing their inputs.

@@ -61,5 +61,24 @@ class OrtSession:
         self._output_names = expected[1]
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.io.shared_kv:
+            return self._run_in_place(feeds)
         outputs = self._session.run(self._output_names, feeds)
         return dict(zip(self._output_names, outputs))
+
+    def _run_in_place(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Bind each past buffer as its present output too: the model writes the new
+        positions into the caller's arrays, and nothing of the cache is copied."""
+        binding = self._session.io_binding()
+        for name, array in feeds.items():
+            binding.bind_cpu_input(name, array)
+        binding.bind_output("logits", "cpu")  # first: outputs come back in binding order
+        for past, present in zip(self.io.past_names, self.io.present_names):
+            buffer = feeds[past]
+            if not (buffer.flags.c_contiguous and buffer.flags.writeable):
+                raise ValueError(f"{past}: a shared KV buffer must be a writeable C-contiguous array")
+            binding.bind_output(present, "cpu", 0, buffer.dtype, list(buffer.shape), buffer.ctypes.data)
+        self._session.run_with_iobinding(binding)
+        outputs = {present: feeds[past] for past, present in zip(self.io.past_names, self.io.present_names)}
+        outputs["logits"] = binding.get_outputs()[0].numpy()
+        return outputs

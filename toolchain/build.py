@@ -13,9 +13,11 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import onnx_ir as ir
 
 from passes import pipeline
 from passes.pipeline import PassReport
@@ -27,14 +29,14 @@ from runners.torch_session import TorchSession
 from toolchain import checkpoint as checkpoints
 from toolchain import emit, manifest
 from toolchain.export import DecoderWrapper, eager_model, export_decoder
-from toolchain.lower import OPSET, to_onnx
+from toolchain.lower import OPSET, apply_contract, to_onnx
 from toolchain.publish import check_output, publish, staged
 from toolchain.spec import DecoderSpec
 from toolchain.verify import ParityReport, check_parity, require_parity
 
 log = logging.getLogger(__name__)
 
-TARGET = "onnx"
+DEFAULT_TARGET = "ort-cpu"
 COMPUTE_DTYPE = "float32"
 
 
@@ -43,11 +45,12 @@ class BuildOptions:
     force: bool = False
     allow_pickle: bool = False
     decode_steps: int = 8
+    target: str = DEFAULT_TARGET
 
     def flags(self) -> dict[str, Any]:
         """What determines the artifact's bytes (not `force`, which only says where they may go)."""
         return {
-            "target": TARGET,
+            "target": self.target,
             "dtype": COMPUTE_DTYPE,
             "opset": OPSET,
             "allow_pickle": self.allow_pickle,
@@ -66,6 +69,8 @@ class BuildResult:
 
 def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptions()) -> BuildResult:
     output = Path(os.path.abspath(output))
+    if options.target not in pipeline.TARGETS:
+        raise ArtifactError(f"unknown target {options.target!r}; choose one of {', '.join(pipeline.TARGETS)}")
     check_output(output, options.force)
     seconds: dict[str, float] = {}
     ckpt = checkpoints.load(checkpoint_dir, allow_pickle=options.allow_pickle)
@@ -80,7 +85,8 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
         onnx_model = to_onnx(program, io)
     del program
     with _timed(seconds, "passes"):
-        pass_report = pipeline.run(onnx_model, TARGET)
+        pass_report = pipeline.run(onnx_model, options.target, expected_fusions(spec))
+    graph_io = _graph_contract(onnx_model, io)
     try:
         with staged(output) as staging:
             with _timed(seconds, "emit"):
@@ -91,7 +97,7 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
             with _timed(seconds, "verify"):
                 report = check_parity(
                     TorchSession(DecoderWrapper(model, spec.num_layers), io),
-                    OrtSession(staging / emit.MODEL_FILE, io),
+                    OrtSession(staging / emit.MODEL_FILE, graph_io),
                     max_positions=spec.max_positions,
                     dtype=COMPUTE_DTYPE,
                     decode_steps=options.decode_steps,
@@ -100,7 +106,7 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
             written = manifest.write(
                 staging,
                 spec=spec,
-                io=io,
+                io=graph_io,
                 sources=ckpt.source_hashes(),
                 flags=options.flags(),
                 passes=pass_report.to_dict(timings=False),
@@ -129,7 +135,7 @@ def verify(artifact: Path, checkpoint_dir: Path, *, allow_pickle: bool = False) 
     io = DecoderIO.from_dict(recorded["io"])
     model = eager_model(ckpt, spec)
     report = check_parity(
-        TorchSession(DecoderWrapper(model, spec.num_layers), io),
+        TorchSession(DecoderWrapper(model, spec.num_layers), replace(io, kv_mode="concat")),
         OrtSession(artifact / emit.MODEL_FILE, io),
         max_positions=spec.max_positions,
         dtype=recorded["flags"]["dtype"],
@@ -137,6 +143,32 @@ def verify(artifact: Path, checkpoint_dir: Path, *, allow_pickle: bool = False) 
     )
     require_parity(report, str(artifact))
     return report
+
+
+def expected_fusions(spec: DecoderSpec) -> dict[str, int]:
+    """How often each fusion should fire on this architecture; shortfalls are explained."""
+    return {"attention": spec.num_layers, "attention_ort": spec.num_layers}
+
+
+def _graph_contract(model: ir.Model, io: DecoderIO) -> DecoderIO:
+    """The contract the passes made of the exported one, applied to the graph's I/O:
+    `shared` KV when every present tensor comes from an op that updates the cache in
+    place, `last` logits when the LM head only sees the last position."""
+    outputs = {v.name: v for v in model.graph.outputs}
+    producers = {name: v.producer() for name, v in outputs.items()}
+    in_place = all(
+        (node := producers.get(name)) is not None and (node.domain, node.op_type) == _IN_PLACE_CACHE_OP
+        for name in io.present_names
+    )
+    logits_shape = outputs["logits"].shape
+    last_only = logits_shape is not None and len(logits_shape) == 3 and logits_shape[1] == 1
+    final = replace(io, kv_mode="shared" if in_place else "concat", logits_positions="last" if last_only else "all")
+    apply_contract(model.graph, final)
+    return final
+
+
+# The op that writes present into the past buffer when both are bound to the same memory.
+_IN_PLACE_CACHE_OP = ("com.microsoft", "GroupQueryAttention")
 
 
 @contextmanager

@@ -50,7 +50,15 @@ def main(verbose: bool) -> None:
 @click.argument("checkpoint", type=_CHECKPOINT)
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Artifact directory to create.")
 @click.option("--force", is_flag=True, help="Replace an existing artifact at --output.")
-@click.option("--report", is_flag=True, help="Print what each graph pass did (nodes before/after, time).")
+@click.option(
+    "--target",
+    type=click.Choice(["ort-cpu", "onnx"]),
+    default="ort-cpu",
+    show_default=True,
+    help="ort-cpu: onnxruntime's fused ops and an in-place KV cache; onnx: standard ONNX ops only (portable).",
+)
+@click.option("--report", is_flag=True, help="Print what each graph pass did (nodes before/after, fusions, time).")
+@click.option("--explain", is_flag=True, help="For each expected fusion that did not fire: the node and the reason.")
 @click.option(
     "--allow-pickle", is_flag=True, help="Accept pytorch_model.bin (read with torch.load(weights_only=True))."
 )
@@ -62,16 +70,26 @@ def main(verbose: bool) -> None:
     help="Greedy decode steps the verification gate compares.",
 )
 @_guarded
-def build(checkpoint: Path, output: Path, force: bool, report: bool, allow_pickle: bool, decode_steps: int) -> None:
+def build(
+    checkpoint: Path,
+    output: Path,
+    target: str,
+    force: bool,
+    report: bool,
+    explain: bool,
+    allow_pickle: bool,
+    decode_steps: int,
+) -> None:
     """Export CHECKPOINT, lower it to ONNX, verify it against the eager model, publish it to -o."""
     from toolchain.build import BuildOptions
     from toolchain.build import build as run_build
 
-    result = run_build(
-        checkpoint, output, BuildOptions(force=force, allow_pickle=allow_pickle, decode_steps=decode_steps)
-    )
+    options = BuildOptions(force=force, allow_pickle=allow_pickle, decode_steps=decode_steps, target=target)
+    result = run_build(checkpoint, output, options)
     if report:
         click.echo(result.passes.summary(), err=True)
+    if explain:
+        click.echo(result.passes.explanation(), err=True)
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items())
     click.echo(f"built {result.output} ({stages})", err=True)
     click.echo(result.parity.summary(), err=True)

@@ -46,7 +46,7 @@ def eager_model(checkpoint: Checkpoint, spec: DecoderSpec, dtype: torch.dtype = 
             config=config,
             state_dict=checkpoint.state_dict(),
             dtype=dtype,
-            attn_implementation="eager",  # plain ops: exact, traceable, and softcapping-aware
+            attn_implementation=_attention_implementation(config),
             output_loading_info=True,
             ignore_mismatched_sizes=True,
         )
@@ -58,6 +58,13 @@ def eager_model(checkpoint: Checkpoint, spec: DecoderSpec, dtype: torch.dtype = 
             "check that config.json belongs to these weights"
         )
     return model.eval()
+
+
+def _attention_implementation(config: Any) -> str:
+    """SDPA traces to one ONNX Attention op (opset 23), the form every fusion starts from.
+    transformers' SDPA path ignores attention-logit softcapping, so softcapped models
+    (gemma2) keep the eager path, whose plain MatMul/Softmax ops are exact."""
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
 
 
 def _first_line(error: Exception) -> str:

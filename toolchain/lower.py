@@ -13,7 +13,8 @@ from runners.errors import ExportError
 
 log = logging.getLogger(__name__)
 
-OPSET = 20
+# 23: the first opset with Attention, RMSNormalization and RotaryEmbedding.
+OPSET = 23
 # Node metadata kept from the exporter: module scopes help explain a graph; stack traces
 # and FX dumps carry machine paths, which would make artifacts differ between machines.
 _KEPT_NODE_METADATA = ("pkg.torch.onnx.name_scopes",)
@@ -33,13 +34,13 @@ def to_onnx(program: ExportedProgram, io: DecoderIO) -> ir.Model:
     if onnx_program is None:  # only when exporting to a file, which we do not
         raise ExportError("ONNX lowering returned no program; please report it")
     model = onnx_program.model
-    _apply_contract(model.graph, io)
+    apply_contract(model.graph, io)
     _strip_machine_metadata(model)
     _name_initializers_as_checkpoint(model.graph)
     return model
 
 
-def _apply_contract(graph: ir.Graph, io: DecoderIO) -> None:
+def apply_contract(graph: ir.Graph, io: DecoderIO) -> None:
     for values, specs, kind in ((graph.inputs, io.inputs, "inputs"), (graph.outputs, io.outputs, "outputs")):
         if len(values) != len(specs):
             raise ExportError(f"lowered graph has {len(values)} {kind}, the contract expects {len(specs)}")

@@ -176,11 +176,15 @@ def _prefill_errors(
 ) -> Iterable[OutputError]:
     io = reference.io
     ids, mask = left_pad(prompts, pad_id=0)
-    ref_logits, ref_cache = forward(reference, ids, mask, empty_cache(io, len(prompts)))
-    cand_logits, cand_cache = forward(candidate, ids, mask, empty_cache(io, len(prompts)))
+    total = ids.shape[1]
+    ref_logits, ref_cache = forward(reference, ids, mask, empty_cache(io, len(prompts), total))
+    cand_logits, cand_cache = forward(candidate, ids, mask, empty_cache(candidate.io, len(prompts), total))
     real = mask.astype(bool)  # [batch, seq]; pad positions are never read, so not compared
-    yield compare("logits", ref_logits[real], cand_logits[real], tol)
+    if candidate.io.logits_positions == "last":
+        yield compare("logits (last position)", ref_logits[:, -1:], cand_logits, tol)
+    else:
+        yield compare("logits", ref_logits[real], cand_logits[real], tol)
     for past, present in zip(io.past_names, io.present_names):
-        # [batch, heads, total, dim] -> [real positions, heads, dim]
-        ref_kv, cand_kv = (c[past].transpose(0, 2, 1, 3)[real] for c in (ref_cache, cand_cache))
+        # [batch, heads, total, dim] -> [real positions, heads, dim]; a shared buffer's valid part
+        ref_kv, cand_kv = (c[past][:, :, :total].transpose(0, 2, 1, 3)[real] for c in (ref_cache, cand_cache))
         yield compare(present, ref_kv, cand_kv, tol)

@@ -28,7 +28,7 @@ def test_kv_bytes_equal_the_present_tensors_a_step_returns(built_artifact: Calla
     engine = Engine.load(built_artifact("llama"))
     io = engine.session.io
     ids, mask = left_pad([[5, 6, 7, 8, 9], [3, 4, 5, 6, 7]], pad_id=0)
-    _, cache = forward(engine.session, ids, mask, empty_cache(io, 2))
+    _, cache = forward(engine.session, ids, mask, empty_cache(io, 2, capacity=5))
     assert sum(a.nbytes for a in cache.values()) == kv_bytes_per_step(io, context=5, batch=2)
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from runners.engine import Engine
 from runners.errors import ArtifactError, GenerationError
+from runners.generate import empty_cache
 
 pytestmark = pytest.mark.slow
 
@@ -139,8 +140,7 @@ def test_greedy_logits_match_session_directly(engine: Engine) -> None:
         "attention_mask": np.ones((1, len(ids)), np.int64),
         "position_ids": np.arange(len(ids))[None],
     }
-    io = engine.session.io
-    feeds.update({n: np.zeros((1, io.num_kv_heads, 0, io.head_dim), np.float32) for n in io.past_names})
+    feeds.update(empty_cache(engine.session.io, 1, capacity=len(ids)))
     first = int(engine.session.run(feeds)["logits"][0, -1].argmax())
     assert engine.generate_tokens([ids], max_new_tokens=1, temperature=0.0)[0] == [first]
 

@@ -84,7 +84,7 @@ def test_manifest_records_hashes_versions_contract_and_parity(
     checkpoint = tiny_checkpoint("llama")
     assert manifest["sources"]["model.safetensors"] == sha256_file(checkpoint / "model.safetensors")
     assert manifest["tools"]["torch"] and manifest["tools"]["onnxruntime"]
-    assert manifest["spec"]["num_layers"] == 2 and manifest["io"]["kv_mode"] == "concat"
+    assert manifest["spec"]["num_layers"] == 2 and manifest["io"]["kv_mode"] == "shared"
     assert manifest["parity"]["passed"] and manifest["parity"]["prefill"]
     passes = manifest["passes"]
     assert sum(passes["histogram_after"].values()) < sum(passes["histogram_before"].values())

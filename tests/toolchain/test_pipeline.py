@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from runners.engine import Engine
+from runners.generate import empty_cache, forward
 from tests.tiny import SUPPORTED, hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -66,7 +67,7 @@ def test_graph_io_follows_contract(built_artifact: Callable[..., Path]) -> None:
     assert inputs[3:] == [f"past_key_values.{i}.{k}" for i in range(2) for k in ("key", "value")]
     assert outputs == ["logits"] + [f"present.{i}.{k}" for i in range(2) for k in ("key", "value")]
     past = model.graph.input[3].type.tensor_type.shape.dim
-    assert [d.dim_param or d.dim_value for d in past] == ["batch", 2, "past", 16]
+    assert [d.dim_param or d.dim_value for d in past] == ["batch", 2, "capacity", 16]  # ort-cpu: shared KV buffer
     # every weight lives in the external data file
     weights = [t for t in model.graph.initializer if np.prod(t.dims) * 4 > 1024]
     assert weights and all(t.data_location == onnx.TensorProto.EXTERNAL for t in weights)
@@ -76,12 +77,12 @@ def test_prefill_with_empty_past_and_single_token_decode(built_artifact: Callabl
     """No 0/1 specialization: past length 0, then seq 1, run on the same graph."""
     engine = Engine.load(built_artifact("qwen2"))
     io = engine.session.io
-    feeds: dict[str, np.ndarray] = {
-        "input_ids": np.array([[5]], dtype=np.int64),
-        "attention_mask": np.ones((1, 1), dtype=np.int64),
-        "position_ids": np.zeros((1, 1), dtype=np.int64),
-    }
-    feeds.update({n: np.zeros((1, io.num_kv_heads, 0, io.head_dim), np.float32) for n in io.past_names})
-    out = engine.session.run(feeds)
-    assert out["logits"].shape == (1, 1, io.vocab_size)
-    assert out["present.0.key"].shape == (1, io.num_kv_heads, 1, io.head_dim)
+    cache = empty_cache(io, 1, capacity=2)
+    logits, cache = forward(engine.session, np.array([[5]]), np.ones((1, 1), np.int64), cache)
+    assert logits.shape == (1, 1, io.vocab_size)
+    first_key = cache["past_key_values.0.key"][:, :, :1].copy()
+    assert np.abs(first_key).sum() > 0  # written at position 0 of the shared buffer
+    logits, cache = forward(engine.session, np.array([[6]]), np.ones((1, 2), np.int64), cache)
+    assert logits.shape == (1, 1, io.vocab_size)
+    np.testing.assert_array_equal(cache["past_key_values.0.key"][:, :, :1], first_key)  # earlier position kept
+    assert np.abs(cache["past_key_values.0.key"][:, :, 1]).sum() > 0

@@ -1,0 +1,268 @@
+"""Attention with its KV-cache update: one op per layer, standard first, then onnxruntime's.
+
+torch.onnx lowers SDPA to a standard `Attention` op (opset 23) but leaves the KV cache
+around it: the cache update is a `Concat` and grouped-query attention repeats every KV
+head with `Unsqueeze` / `Expand` / `Reshape` before attending. Two rule sets:
+
+- `attention_fusion` (portable): the cache update and the head repeat move into the
+  `Attention` op itself (its `past_key` / `past_value` inputs, `present_*` outputs),
+  which handles grouped heads natively. Standard ops only.
+- `attention_lowering_ort`: that `Attention` becomes onnxruntime's `GroupQueryAttention`,
+  which can write the new keys and values in place into a preallocated cache that
+  past and present share (the contract's `shared` KV mode): decode reads the cache
+  but never copies it, so its cost stays flat as the context grows. The graph's mask
+  (causal, padding, sliding window) becomes GQA's additive `attention_bias`, so
+  left-padded batches and windowed layers mean exactly what they meant before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+from onnxscript.rewriter import pattern
+from onnxscript.rewriter._basics import MatchResult
+
+from passes.rewrite import FusionPass
+
+_BHSD_TO_BSHD = [0, 2, 1, 3]
+
+
+def _static_heads(value: ir.Value | None, what: str, result: MatchResult) -> tuple[int, int] | None:
+    """(heads, head_dim) of a [batch, heads, seq, head_dim] value, or None after recording why not."""
+    shape = value.shape if value is not None else None
+    if shape is None or len(shape) != 4:
+        result.fail(f"{what} is not known to be 4-D [batch, heads, seq, head_dim]", value)
+        return None
+    heads, head_dim = shape[1], shape[3]
+    if not isinstance(heads, int) or not isinstance(head_dim, int):
+        result.fail(f"{what} has no static head count or head size (shape {shape})", value)
+        return None
+    return heads, head_dim
+
+
+def _attribute(node: ir.Node, name: str, default: Any) -> Any:
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+class AttentionWithCache(pattern.RewriteRuleClassBase):
+    """The cache update and KV-head repeat around an `Attention` move into the op.
+
+    ```
+    past_k  k_new              past_v  v_new
+       Concat(axis=-2) ──► present_k   Concat ──► present_v
+          │ [repeat: Unsqueeze(2) → Expand → Reshape]   │ [repeat ...]
+    q ─► Attention(q, K, V, mask) ──► y
+    ```
+    becomes `y, present_k, present_v = Attention(q, k_new, v_new, mask, past_k, past_v)`.
+    `repeat=False` is the plain multi-head form (as many KV heads as query heads).
+    """
+
+    def __init__(self, repeat: bool) -> None:
+        super().__init__("AttentionWithCache" + ("GQA" if repeat else "MHA"), remove_nodes=False)
+        self._repeat = repeat
+
+    def _repeated(self, op: Any, present: Any, which: str) -> Any:
+        if not self._repeat:
+            return present
+        grouped = op.Expand(op.Unsqueeze(present, [2]), pattern.ANY_VALUE)
+        return op.Reshape(grouped, pattern.ANY_VALUE, _allow_other_attributes=True, _outputs=[f"{which}_all"])
+
+    def pattern(self, op: Any, q: Any, k: Any, v: Any, past_k: Any, past_v: Any, mask: Any) -> Any:
+        present_k = op.Concat(past_k, k, axis=-2, _outputs=["present_k"])
+        present_v = op.Concat(past_v, v, axis=-2, _outputs=["present_v"])
+        y = op.Attention(
+            q,
+            self._repeated(op, present_k, "k"),
+            self._repeated(op, present_v, "v"),
+            mask,
+            _allow_other_attributes=True,
+            _outputs=["y"],
+        )
+        return y, present_k, present_v
+
+    def check(  # type: ignore[override]
+        self, context: Any, q: Any, k: Any, past_k: Any, mask: Any, y: Any, **values: Any
+    ) -> MatchResult:
+        result = MatchResult()
+        attention = y.producer()
+        if _attribute(attention, "is_causal", 0):
+            # With a cache, Attention's causal flag aligns to the top-left corner, not to the
+            # end of the cache; only an explicit mask keeps the meaning the model had.
+            return result.fail("is_causal=1: the fused form needs the explicit mask", attention)
+        if len(attention.outputs) > 1 and any(o.uses() for o in attention.outputs[1:]):
+            return result.fail("the Attention op already has cache outputs in use", attention)
+        query = _static_heads(q, "query", result)
+        key = _static_heads(k, "new keys", result)
+        if query is None or key is None:
+            return result
+        (heads, head_dim), (kv_heads, kv_head_dim) = query, key
+        if head_dim != kv_head_dim:
+            return result.fail(f"query head size {head_dim} differs from key head size {kv_head_dim}", k)
+        if not self._repeat and heads != kv_heads:
+            return result.fail(f"{heads} query heads over {kv_heads} KV heads without a repeat", k)
+        if self._repeat:
+            if heads % kv_heads:
+                return result.fail(f"{heads} query heads are not a multiple of {kv_heads} KV heads", k)
+            for which in ("k", "v"):
+                repeated = _static_heads(values[f"{which}_all"], f"repeated {which}", result)
+                if repeated != (heads, head_dim):
+                    return result.fail(f"repeated {which} does not have {heads} heads of size {head_dim}")
+        return result
+
+    def rewrite(self, op: Any, q: Any, k: Any, v: Any, past_k: Any, past_v: Any, mask: Any, y: Any, **_: Any) -> Any:
+        attributes = {name: attr.value for name, attr in y.producer().attributes.items()}
+        return op.Attention(q, k, v, mask, past_k, past_v, **attributes, _outputs=3)
+
+
+class AttentionToGroupQueryAttention(pattern.RewriteRuleClassBase):
+    """A standard `Attention` with cache becomes onnxruntime's `GroupQueryAttention`.
+
+    ```
+    y, present_k, present_v = Attention(q, k, v, mask, past_k, past_v)      [B,H,S,D] 4-D
+    ```
+    becomes
+    ```
+    out, present_k, present_v = com.microsoft.GroupQueryAttention(
+        q', k', v', past_k, past_v, seqlens_k = T-1 per row, total_sequence_length = T,
+        attention_bias = Where(mask, 0, lowest))             q' = [B,S,H*D] (Transpose, Reshape)
+    y = Transpose(Reshape(out, [B,S,H,D]))
+    ```
+    T is the mask's last dimension (past plus new positions). Every row keeps T slots,
+    padding included, exactly as the mask has them, so positions and the cache layout are
+    those of the standard graph and the runner may share one buffer for past and present.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("AttentionToGroupQueryAttention", remove_nodes=False)
+
+    def pattern(self, op: Any, q: Any, k: Any, v: Any, mask: Any, past_k: Any, past_v: Any) -> Any:
+        return op.Attention(
+            q, k, v, mask, past_k, past_v, _allow_other_attributes=True, _outputs=["y", "present_k", "present_v"]
+        )
+
+    def check(  # type: ignore[override]
+        self, context: Any, q: Any, k: Any, mask: Any, past_k: Any, y: Any, **_: Any
+    ) -> MatchResult:
+        result = MatchResult()
+        attention = y.producer()
+        if len(attention.outputs) > 3 and attention.outputs[3].uses():
+            return result.fail("the QK product output is used", attention)
+        if _attribute(attention, "is_causal", 0):
+            return result.fail("is_causal=1: GroupQueryAttention here takes the mask as a bias", attention)
+        if mask is None or mask.dtype is None:
+            return result.fail("no mask, or a mask of unknown type", attention)
+        if mask.shape is None or len(mask.shape) != 4:
+            return result.fail("the mask is not 4-D [batch, 1, seq, total]", mask)
+        if q.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
+            return result.fail(f"query dtype {q.dtype} is not float32 or float16", q)
+        if past_k is None or past_k.dtype != q.dtype:
+            return result.fail("the cache dtype differs from the query dtype", past_k)
+        query = _static_heads(q, "query", result)
+        key = _static_heads(k, "keys", result)
+        if query is None or key is None:
+            return result
+        if query[1] != key[1] or query[0] % key[0]:
+            return result.fail(f"query heads/size {query} do not group over key heads/size {key}", k)
+        return result
+
+    def rewrite(self, op: Any, q: Any, k: Any, v: Any, mask: Any, past_k: Any, past_v: Any, y: Any, **_: Any) -> Any:
+        attention = y.producer()
+        heads, head_dim = q.shape[1], q.shape[3]
+        dtype = q.dtype.numpy()
+        to_3d = op.Constant(value_ints=[0, 0, -1])
+
+        def packed(x: Any) -> Any:
+            return op.Reshape(op.Transpose(x, perm=_BHSD_TO_BSHD), to_3d)
+
+        if mask.dtype == ir.DataType.BOOL:
+            zero = op.Constant(value=ir.tensor(np.array(0, dtype=dtype)))
+            lowest = op.Constant(value=ir.tensor(np.array(np.finfo(dtype).min, dtype=dtype)))
+            bias = op.Where(mask, zero, lowest)
+        else:
+            bias = mask
+        total = op.Shape(mask, start=3, end=4)
+        one = op.Constant(value_ints=[1])
+        seqlens = op.Expand(op.Cast(op.Sub(total, one), to=ir.DataType.INT32), op.Shape(q, start=0, end=1))
+        total_scalar = op.Cast(op.Squeeze(total), to=ir.DataType.INT32)
+        attributes: dict[str, Any] = {"num_heads": heads, "kv_num_heads": k.shape[1]}
+        for name in ("scale", "softcap"):
+            if name in attention.attributes:
+                attributes[name] = float(attention.attributes[name].value)
+        out, present_k, present_v = op.GroupQueryAttention(
+            packed(q),
+            packed(k),
+            packed(v),
+            past_k,
+            past_v,
+            seqlens,
+            total_scalar,
+            None,
+            None,
+            None,
+            bias,
+            _domain="com.microsoft",
+            _outputs=3,
+            **attributes,
+        )
+        split = op.Constant(value_ints=[0, 0, heads, head_dim])
+        return op.Transpose(op.Reshape(out, split), perm=_BHSD_TO_BSHD), present_k, present_v
+
+
+class PastLengthFromMask(InPlacePass):
+    """Read the past length as `attention_mask` length minus `input_ids` length, not from
+    the past tensors' shape.
+
+    Equal under the `concat` contract; under the `shared` one the past tensor is the whole
+    preallocated buffer, so its length says nothing about how many positions are filled.
+    Rewrites `Shape(past_key_values.*, start=2, end=3)`, the only form the canonical
+    graph reads it in.
+    """
+
+    def __init__(self, mask_input: str = "attention_mask", ids_input: str = "input_ids") -> None:
+        super().__init__()
+        self.mask_input = mask_input
+        self.ids_input = ids_input
+
+    def call(self, model: ir.Model) -> PassResult:
+        graph = model.graph
+        inputs = {v.name: v for v in graph.inputs}
+        mask, ids = inputs.get(self.mask_input), inputs.get(self.ids_input)
+        if mask is None or ids is None:
+            return PassResult(model, modified=False)
+        reads = [
+            node
+            for node in graph
+            if node.op_type == "Shape"
+            and node.domain == ""
+            and node.inputs[0] is not None
+            and node.inputs[0].is_graph_input()
+            and node.inputs[0] not in (mask, ids)
+            and _attribute(node, "start", 0) == 2
+            and _attribute(node, "end", None) == 3
+        ]
+        for node in reads:
+            total = ir.node("Shape", [mask], attributes={"start": 1, "end": 2})
+            seq = ir.node("Shape", [ids], attributes={"start": 1, "end": 2})
+            past = ir.node("Sub", [total.outputs[0], seq.outputs[0]])
+            graph.insert_before(node, [total, seq, past])
+            node.outputs[0].replace_all_uses_with(past.outputs[0])
+            graph.remove(node, safe=True)
+        return PassResult(model, modified=bool(reads))
+
+
+def attention_fusion() -> FusionPass:
+    return FusionPass(
+        "attention",
+        {
+            "attention_gqa_cache": AttentionWithCache.rule(repeat=True),
+            "attention_mha_cache": AttentionWithCache.rule(repeat=False),
+        },
+    )
+
+
+def attention_lowering_ort() -> FusionPass:
+    return FusionPass("attention_ort", {"group_query_attention": AttentionToGroupQueryAttention.rule()})

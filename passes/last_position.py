@@ -1,0 +1,87 @@
+"""Run the LM head only on the last position, the only one generation samples from.
+
+A prefill of S tokens otherwise multiplies S hidden states by the [hidden, vocab]
+matrix, by far the largest matmul of a small model (for a 32000-word vocabulary and a
+1024-token prompt, more work than all layers' projections together), and throws all but
+the last row away.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+
+# Position-wise ops the walk from the logits back to the LM head may pass through: each
+# computes every position from that position alone, so slicing before them is exact.
+_POSITION_WISE = {"Cast", "Div", "Mul", "Add", "Sub", "Tanh", "Softcap"}
+
+
+class LastPositionLogits(InPlacePass):
+    """`logits = MatMul(h, W_vocab) [position-wise ops]` becomes the same on
+    `Slice(h, starts=-1, ends=MAX, axes=1)`: logits [batch, 1, vocab].
+
+    ```
+    h [B,S,H] ─► MatMul(W) ─► (Mul/Tanh/... softcap) ─► logits [B,S,V]
+    h [B,S,H] ─► Slice(axis 1, last) ─► MatMul(W) ─► ... ─► logits [B,1,V]
+    ```
+    The LM head is the MatMul with a constant weight found by walking back from the
+    output through position-wise ops; anything else leaves the graph unchanged.
+    """
+
+    def __init__(self, output: str = "logits") -> None:
+        super().__init__()
+        self.output = output
+
+    def call(self, model: ir.Model) -> PassResult:
+        graph = model.graph
+        logits = next((v for v in graph.outputs if v.name == self.output), None)
+        head = _lm_head(logits) if logits is not None else None
+        if head is None or logits is None:
+            return PassResult(model, modified=False)
+        hidden = head.inputs[0]
+        assert hidden is not None
+        starts = ir.val("last_position_starts", const_value=ir.tensor(np.array([-1], dtype=np.int64)))
+        ends = ir.val("last_position_ends", const_value=ir.tensor(np.array([np.iinfo(np.int64).max], dtype=np.int64)))
+        axes = ir.val("last_position_axes", const_value=ir.tensor(np.array([1], dtype=np.int64)))
+        for value in (starts, ends, axes):
+            graph.register_initializer(value)
+        last = ir.node("Slice", [hidden, starts, ends, axes], name="last_position")
+        graph.insert_before(head, last)
+        head.replace_input_with(0, last.outputs[0])
+        if logits.shape is not None and len(logits.shape) == 3:
+            logits.shape = ir.Shape([logits.shape[0], 1, logits.shape[2]])
+        return PassResult(model, modified=True)
+
+
+def _lm_head(logits: ir.Value) -> ir.Node | None:
+    """The MatMul with a constant right operand that `logits` derives from position-wise."""
+    node = logits.producer()
+    while node is not None and node.domain == "":
+        if node.op_type == "MatMul":
+            hidden, weight = node.inputs[0], node.inputs[1]
+            constant = weight is not None and (weight.const_value is not None or _is_transposed_constant(weight))
+            already_sliced = hidden is not None and _is_last_position(hidden)
+            return node if constant and not already_sliced else None
+        if node.op_type not in _POSITION_WISE:
+            return None
+        varying = [v for v in node.inputs if v is not None and v.const_value is None]
+        if len(varying) != 1:
+            return None
+        node = varying[0].producer()
+    return None
+
+
+def _is_last_position(value: ir.Value) -> bool:
+    producer = value.producer()
+    return producer is not None and producer.op_type == "Slice" and producer.name == "last_position"
+
+
+def _is_transposed_constant(value: ir.Value) -> bool:
+    producer = value.producer()
+    return (
+        producer is not None
+        and producer.op_type == "Transpose"
+        and producer.inputs[0] is not None
+        and producer.inputs[0].const_value is not None
+    )

@@ -1,0 +1,63 @@
+"""Shared by the fusion tests: run a graph on onnxruntime with its own optimizations off,
+and the canonicalized graph of a tiny checkpoint, which is what real fusions see."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+
+from passes.pipeline import canonicalize
+from passes.rewrite import FusionPass
+
+
+def ort_outputs(model: ir.Model, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """All graph outputs, computed by onnxruntime with every graph optimization disabled,
+    so a fused op is executed as written, not re-fused or re-split by onnxruntime."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    proto = ir.to_proto(model)
+    onnx.checker.check_model(proto)
+    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return [np.asarray(v) for v in session.run(None, dict(feeds))]
+
+
+def op_count(model: ir.Model, op_type: str, domain: str = "") -> int:
+    nodes = ir.traversal.RecursiveGraphIterator(model.graph)
+    return sum(1 for n in nodes if n.op_type == op_type and n.domain == domain)
+
+
+def check_modified_is_exact(fusion: FusionPass, model: ir.Model) -> None:
+    """A fusion reports `modified` when it fired, and a second run finds nothing to do."""
+    first = fusion(model)
+    assert first.modified == any(fusion.counts.values())
+    second = fusion(model)
+    assert not second.modified and not any(fusion.counts.values())
+
+
+@cache
+def _canonical_proto(model_type: str, directory: Path) -> bytes:
+    from runners.contract import DecoderIO
+    from tests.tiny import make_checkpoint
+    from toolchain import checkpoint as checkpoints
+    from toolchain.export import eager_model, export_decoder
+    from toolchain.lower import to_onnx
+    from toolchain.spec import DecoderSpec
+
+    ckpt = checkpoints.load(make_checkpoint(directory / model_type, model_type))
+    spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
+    io = DecoderIO.for_spec(spec)
+    model = to_onnx(export_decoder(eager_model(ckpt, spec), spec, io), io)
+    for p in canonicalize():
+        model = p(model).model
+    return ir.to_proto(model).SerializeToString()
+
+
+def canonical_graph(model_type: str, scratch: Path) -> ir.Model:
+    """The tiny `model_type` checkpoint exported, lowered and canonicalized (a fresh copy each call)."""
+    return ir.from_proto(onnx.load_from_string(_canonical_proto(model_type, scratch)))
