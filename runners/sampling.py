@@ -171,18 +171,40 @@ def apply_top_p(logits: FloatArray, top_p: float) -> FloatArray:
     A token is kept when the mass of the tokens ranked above it is still below
     ``top_p``, so the most likely token always survives. Equal logits are ranked by
     lower token id first, which makes the cut deterministic.
+
+    Only the head of the distribution is sorted: candidates are the tokens at or above
+    the m-th largest logit (ties included), m doubling until their mass reaches
+    ``top_p``. Every token outside has a smaller logit than every candidate, so it ranks
+    below all of them and its mass above is at least ``top_p``: it is dropped, exactly as
+    a full sort would drop it.
     """
     result = np.array(logits, dtype=np.float64, copy=True)
     if top_p >= 1.0:
         return result
-    order = np.argsort(-result, axis=-1, kind="stable")
-    sorted_probs = np.take_along_axis(softmax(result), order, axis=-1)
-    mass_above = np.cumsum(sorted_probs, axis=-1) - sorted_probs
-    drop_sorted = mass_above >= top_p
-    drop = np.zeros_like(drop_sorted)
-    np.put_along_axis(drop, order, drop_sorted, axis=-1)
-    result[drop] = -np.inf
+    probs = softmax(result)
+    for row in range(result.shape[0]):
+        result[row, _top_p_dropped(result[row], probs[row], top_p)] = -np.inf
     return result
+
+
+_TOP_P_FIRST_CANDIDATES = 64
+
+
+def _top_p_dropped(logits: FloatArray, probs: FloatArray, top_p: float) -> npt.NDArray[np.bool_]:
+    vocab = logits.shape[0]
+    m = min(_TOP_P_FIRST_CANDIDATES, vocab)
+    while True:
+        kth = np.partition(logits, vocab - m)[vocab - m]
+        candidates = np.flatnonzero(logits >= kth)  # ascending ids: the stable sort ranks ties by id
+        if m == vocab or probs[candidates].sum() >= top_p:
+            break
+        m = min(2 * m, vocab)
+    order = candidates[np.argsort(-logits[candidates], kind="stable")]
+    sorted_probs = probs[order]
+    mass_above = np.cumsum(sorted_probs) - sorted_probs
+    dropped = np.ones(vocab, dtype=bool)
+    dropped[order[mass_above < top_p]] = False
+    return dropped
 
 
 def apply_min_p(logits: FloatArray, min_p: float) -> FloatArray:

@@ -525,3 +525,25 @@ def test_the_same_seed_gives_the_same_tokens(data: st.DataObject) -> None:
     first, second = make_rng(params.seed), make_rng(params.seed)
     for _ in range(3):  # over several steps, as the generation loop draws them
         assert sample(logits, params, first).tolist() == sample(logits, params, second).tolist()
+
+
+def _top_p_by_full_sort(logits: np.ndarray, top_p: float) -> np.ndarray:
+    """The definition, over a stable sort of the whole vocabulary."""
+    result = logits.astype(np.float64).copy()
+    for row in range(result.shape[0]):
+        order = np.argsort(-result[row], kind="stable")
+        probs = np.exp(result[row] - result[row].max())
+        probs /= probs.sum()
+        mass_above = np.cumsum(probs[order]) - probs[order]
+        result[row, order[mass_above >= top_p]] = -np.inf
+    return result
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_top_p_on_a_partial_sort_equals_the_full_sort_with_ties_and_flat_tails(top_p: float) -> None:
+    """The nucleus grows its candidate set until it covers top_p; the cut is the full sort's, ties included."""
+    rng = np.random.default_rng(3)
+    peaked = rng.standard_normal((2, 5000)) * 4
+    flat = np.round(rng.standard_normal((2, 5000)), 1)  # many exact ties, mass spread over thousands of tokens
+    logits = np.concatenate([peaked, flat])
+    np.testing.assert_array_equal(apply_top_p(logits, top_p), _top_p_by_full_sort(logits, top_p))
