@@ -56,7 +56,20 @@ class FusionPass(InPlacePass):
             tracer = MatchingTracer()
             RewriteRuleSet([rule]).apply_to_model(model, tracer=tracer)
             misses.append(_closest_miss(name, tracer))
+        _detach_unplaced_users(model)
         return misses
+
+
+def _detach_unplaced_users(model: ir.Model) -> None:
+    """The tracer still builds each rule's replacement without inserting it; those nodes
+    remain users of graph values and would keep later rewrites from removing them."""
+    graph = model.graph
+    values = [*graph.inputs, *graph.initializers.values()]
+    values += [out for node in ir.traversal.RecursiveGraphIterator(graph) for out in node.outputs]
+    for value in values:
+        for user, index in list(value.uses()):
+            if user.graph is None:
+                user.replace_input_with(index, None)
 
 
 def _node_ids(model: ir.Model) -> set[int]:

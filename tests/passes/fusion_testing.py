@@ -40,6 +40,27 @@ def check_modified_is_exact(fusion: FusionPass, model: ir.Model) -> None:
     assert not second.modified and not any(fusion.counts.values())
 
 
+def decoder_feeds(model: ir.Model, batch: int = 2, seq: int = 3, past: int = 4) -> dict[str, np.ndarray]:
+    """Feeds for a decoder graph's inputs (the KV-cache contract's names), random but fixed."""
+    rng = np.random.default_rng(0)
+    feeds: dict[str, np.ndarray] = {}
+    for value in model.graph.inputs:
+        name = value.name or ""
+        if name == "input_ids":
+            feeds[name] = rng.integers(3, 300, (batch, seq), dtype=np.int64)
+        elif name == "attention_mask":
+            feeds[name] = np.ones((batch, past + seq), dtype=np.int64)
+        elif name == "position_ids":
+            feeds[name] = np.tile(np.arange(past, past + seq, dtype=np.int64), (batch, 1))
+        elif name.startswith("past_key_values."):
+            assert value.shape is not None
+            _, heads, _, head_dim = value.shape
+            feeds[name] = rng.standard_normal((batch, heads, past, head_dim)).astype(np.float32)
+        else:
+            raise AssertionError(f"no feed for decoder input {name}")
+    return feeds
+
+
 @cache
 def _canonical_proto(model_type: str, directory: Path) -> bytes:
     from runners.contract import DecoderIO

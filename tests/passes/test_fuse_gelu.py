@@ -15,7 +15,7 @@ import pytest
 from onnx import helper
 
 from passes.fuse_gelu import gelu_fusion, gelu_lowering_ort
-from tests.passes.fusion_testing import canonical_graph, check_modified_is_exact, op_count, ort_outputs
+from tests.passes.fusion_testing import canonical_graph, check_modified_is_exact, decoder_feeds, op_count, ort_outputs
 from tests.passes.test_fuse_norm import (
     ATOL,
     MS,
@@ -23,7 +23,6 @@ from tests.passes.test_fuse_norm import (
     D,
     activation,
     const,
-    decoder_feeds,
     feeds_for,
     fresh,
     input_names,

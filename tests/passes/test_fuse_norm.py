@@ -16,8 +16,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from passes.fuse_norm import norm_fusion, norm_lowering_ort
-from tests.passes.fusion_testing import canonical_graph, check_modified_is_exact, op_count, ort_outputs
-from tests.tiny import ARCH_CONFIGS, VOCAB_SIZE
+from tests.passes.fusion_testing import canonical_graph, check_modified_is_exact, decoder_feeds, op_count, ort_outputs
+from tests.tiny import ARCH_CONFIGS
 
 D = 16
 EPS = 1e-6
@@ -293,26 +293,6 @@ SKIP_OP = {"RMSNormalization": "SkipSimplifiedLayerNormalization", "LayerNormali
 def layer_count(arch: str) -> int:
     config = ARCH_CONFIGS[arch]
     return int(config.get("num_hidden_layers", config.get("n_layer", 0)))
-
-
-def decoder_feeds(model: ir.Model, seed: int = 0) -> dict[str, np.ndarray]:
-    """Feeds for a tiny decoder graph: a prompt of 5 tokens after 3 cached ones, batch 1."""
-    rng = np.random.default_rng(seed)
-    batch, seq, past = 1, 5, 3
-    sizes = {"batch": batch, "seq": seq, "past": past, "total": past + seq}
-    feeds: dict[str, np.ndarray] = {}
-    for value in model.graph.inputs:
-        assert value.shape is not None and value.name is not None
-        shape = [d if isinstance(d, int) else sizes[str(d.value)] for d in value.shape]
-        if value.name == "input_ids":
-            feeds[value.name] = rng.integers(3, VOCAB_SIZE, size=shape, dtype=np.int64)
-        elif value.name == "attention_mask":
-            feeds[value.name] = np.ones(shape, dtype=np.int64)
-        elif value.name == "position_ids":
-            feeds[value.name] = np.broadcast_to(np.arange(past, past + seq, dtype=np.int64), shape).copy()
-        else:
-            feeds[value.name] = rng.standard_normal(shape).astype(np.float32)
-    return feeds
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,163 @@
+"""Rotary position embedding, as Hugging Face writes it, -> ONNX opset-23 `RotaryEmbedding`.
+
+The exporter leaves rotary as `q * cos + rotate_half(q) * sin` per head tensor, with cos/sin built once from
+`Concat(freqs, freqs)`. `RotaryEmbedding` takes the half-width tables directly (`[batch, seq, rotary_dim / 2]`,
+no position_ids input), so the replacement computes `Cos(freqs)` / `Sin(freqs)` from the existing freqs: the
+same values, exactly, since both halves of the concatenated table are equal. Each match makes its own pair;
+common-subexpression elimination afterwards leaves one pair shared by every layer, and removes the old table.
+
+onnxscript's `RotaryEmbedding23Fusion` matches these graphs too, but does not check that the tables line up
+with the input's batch and sequence dims (onnxruntime rejects a broadcast `[1, seq, d]` table that the
+decomposed Mul accepted), needs a static head count that the 4-D form does not use, handles partial rotary
+as a second rule over its own output, and matches the shared table, so it must keep matched nodes
+(`remove_nodes=False`), after which onnxscript sweeps the whole graph for dead nodes whether or not the rule
+fired (a pass that reports no change could still have changed the graph). This rule matches the per-head
+nodes only and verifies the table in `check`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
+from onnxscript.rewriter.pattern import MatchResult
+
+from passes.rewrite import FusionPass
+
+
+def rotary_fusion() -> FusionPass:
+    """Full and partial rotary -> RotaryEmbedding. Partial first: its inner rotation is a full one in shape."""
+    return FusionPass("rotary", {"rotary_partial": RotaryFusion.rule(partial=True), "rotary": RotaryFusion.rule()})
+
+
+class RotaryFusion(pattern.RewriteRuleClassBase):
+    """`x * cos + rotate_half(x) * sin` on `x [B, H, S, D]` -> `RotaryEmbedding(x, Cos(freqs), Sin(freqs))`.
+
+    Matched, full rotary (`r = D`)::
+
+        x ─┬──────────────────────────────────────────── Mul(x, cos) ─┐
+           ├─ Slice(x, 0, r/2) ───────────────┐                       ├─ Add ─> y
+           └─ Slice(x, r/2, end) ─ Neg ─ Concat(-x2, x1) ─ Mul(·, sin) ┘
+
+    With `partial=True` (phi3, gpt_neox: only the first `r < D` channels rotate), `x` above is
+    `Slice(x, 0, r)` and the result is `Concat(y, Slice(x, r, end))`.
+
+    Checked, not matched (shared by q and k and by every layer, so it stays for CSE to clean up)::
+
+        cos = Unsqueeze(Cos(Concat(freqs, freqs, axis=-1)), [1]),  sin = the same with Sin
+
+    Replacement::
+
+        RotaryEmbedding(x, Cos(freqs), Sin(freqs), interleaved=0[, rotary_embedding_dim=r]) ─> y
+    """
+
+    def __init__(self, partial: bool = False) -> None:
+        super().__init__(name="PartialRotaryEmbedding" if partial else "RotaryEmbedding")
+        self._partial = partial
+
+    def pattern(self, op: Any, x: Any, cos: Any, sin: Any) -> Any:
+        rotated = _slice(op, x, "rot") if self._partial else x
+        half_turned = op.Concat(op.Neg(_slice(op, rotated, "hi")), _slice(op, rotated, "lo"), axis=-1)
+        y = op.Add(op.Mul(rotated, cos), op.Mul(half_turned, sin))
+        return op.Concat(y, _slice(op, x, "pass"), axis=-1) if self._partial else y
+
+    def check(self, context: Any, x: ir.Value, cos: ir.Value, sin: ir.Value, **bound: Any) -> MatchResult:  # type: ignore[override]
+        result = MatchResult()
+        shape = x.shape
+        if shape is None or len(shape) != 4 or not isinstance(shape[3], int):
+            return result.fail(f"{x.name} is not known to be 4-D with a static head_dim: {shape}", x)
+        head_dim = rotary_dim = shape[3]
+        if self._partial:
+            rotated, kept = _last_axis_slice(bound, "rot"), _last_axis_slice(bound, "pass")
+            if rotated is None or rotated[0] != 0 or not 0 < rotated[1] < head_dim:
+                return result.fail(f"rotated part is not x[..., :r] with 0 < r < {head_dim}: {rotated}", x)
+            rotary_dim = rotated[1]
+            if kept is None or kept[0] != rotary_dim or kept[1] < head_dim:
+                return result.fail(f"pass-through part is not x[..., {rotary_dim}:]: {kept}", x)
+        half = rotary_dim // 2
+        low, high = _last_axis_slice(bound, "lo"), _last_axis_slice(bound, "hi")
+        if rotary_dim % 2 or low != (0, half) or high is None or high[0] != half or high[1] < rotary_dim:
+            return result.fail(f"rotate_half does not split {rotary_dim} channels at {half}: {low}, {high}", x)
+        freqs = _frequencies(cos, sin)
+        if freqs is None:
+            return result.fail("cos/sin are not Unsqueeze(Cos/Sin(Concat(freqs, freqs, axis=-1)), axes=[1])", cos)
+        return _check_table(result, x, freqs, half)
+
+    def rewrite(self, op: Any, x: ir.Value, cos: ir.Value, sin: ir.Value, **bound: Any) -> Any:
+        freqs = _frequencies(cos, sin)
+        assert freqs is not None  # check passed
+        half_cos, half_sin = op.Cos(freqs), op.Sin(freqs)
+        if not self._partial:
+            return op.RotaryEmbedding(x, half_cos, half_sin, interleaved=0)
+        rotated = _last_axis_slice(bound, "rot")
+        assert rotated is not None  # check passed
+        return op.RotaryEmbedding(x, half_cos, half_sin, interleaved=0, rotary_embedding_dim=rotated[1])
+
+
+def _slice(op: Any, x: Any, name: str) -> Any:
+    """`Slice(x, starts, ends, axes, steps)`, its operands bound as `{name}_start` .. `{name}_steps` for `check`."""
+    return op.Slice(x, *(pattern.Var(f"{name}_{operand}") for operand in ("start", "end", "axes", "steps")))
+
+
+def _frequencies(cos: ir.Value, sin: ir.Value) -> ir.Value | None:
+    """`freqs` if cos and sin are Unsqueeze(Cos / Sin(Concat(freqs, freqs, axis=-1)), [1]) of one Concat."""
+    tables = []
+    for value, trig in ((cos, "Cos"), (sin, "Sin")):
+        unsqueeze = _producer(value, "Unsqueeze")
+        if unsqueeze is None or _ints(unsqueeze.inputs[1]) != [1]:
+            return None
+        node = _producer(unsqueeze.inputs[0], trig)
+        if node is None:
+            return None
+        tables.append(node.inputs[0])
+    concat = _producer(tables[0], "Concat")
+    if tables[0] is not tables[1] or concat is None or len(concat.inputs) != 2:
+        return None
+    freqs = concat.inputs[0]
+    if freqs is None or freqs.shape is None or concat.inputs[1] is not freqs:
+        return None
+    axis = concat.attributes.get_int("axis")
+    return freqs if axis in (-1, len(freqs.shape) - 1) else None
+
+
+def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
+    node = value.producer() if value is not None else None
+    return node if node is not None and node.op_type == op_type and node.domain == "" else None
+
+
+def _check_table(result: MatchResult, x: ir.Value, freqs: ir.Value, half: int) -> MatchResult:
+    """freqs must be `[batch, seq, rotary_dim / 2]` with x's batch and seq: RotaryEmbedding does not broadcast."""
+    table, shape = freqs.shape, x.shape
+    if table is None or shape is None or len(table) != 3:
+        return result.fail(f"freqs {freqs.name} is not known to be 3-D [batch, seq, rotary_dim / 2]", freqs)
+    if table[2] != half:
+        return result.fail(f"freqs {freqs.name} has {table[2]} channels, rotate_half expects {half}", freqs)
+    if not (_same_dim(table[0], shape[0]) and _same_dim(table[1], shape[2])):
+        return result.fail(f"freqs {freqs.name} {table} does not match the batch and seq of {x.name} {shape}", freqs)
+    return result
+
+
+def _same_dim(a: int | ir.SymbolicDim, b: int | ir.SymbolicDim) -> bool:
+    """Provably equal: the same static size, or the same named symbolic dim (an unnamed one proves nothing)."""
+    if isinstance(a, ir.SymbolicDim):
+        return isinstance(b, ir.SymbolicDim) and a.value is not None and a.value == b.value
+    return a == b
+
+
+def _last_axis_slice(bound: dict[str, Any], prefix: str) -> tuple[int, int] | None:
+    """(start, end) of the bound `Slice(_, start, end, axes, steps)` if on the last of 4 axes with step 1."""
+    start, end = _ints(bound[f"{prefix}_start"]), _ints(bound[f"{prefix}_end"])
+    axes, steps = _ints(bound[f"{prefix}_axes"]), _ints(bound[f"{prefix}_steps"])
+    if axes not in ([3], [-1]) or steps != [1] or start is None or end is None or len(start) != 1 or len(end) != 1:
+        return None
+    return start[0], end[0]
+
+
+def _ints(value: ir.Value | None) -> list[int] | None:
+    if value is None:
+        return None
+    tensor = ir.convenience.get_const_tensor(value)
+    if tensor is None:
+        return None
+    return [int(v) for v in tensor.numpy().reshape(-1)]
