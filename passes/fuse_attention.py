@@ -254,6 +254,75 @@ class PastLengthFromMask(InPlacePass):
         return PassResult(model, modified=bool(reads))
 
 
+class AttentionToTensorScatter(pattern.RewriteRuleClassBase):
+    """A standard `Attention` with cache becomes a `TensorScatter` cache update (opset 24)
+    into a fixed-size buffer, and an `Attention` over the whole buffer.
+
+    ```
+    y, present_k, present_v = Attention(q, k, v, mask, past_k, past_v)
+    ```
+    becomes
+    ```
+    w = T - S per row                                   (the write index: past length)
+    present_k = TensorScatter(past_k, k, w, axis=-2)    [B, Hkv, capacity, D]; same for v
+    y = Attention(q, present_k, present_v, Pad(mask, to capacity, False))
+    ```
+    Standard ops only, and the cache never grows: past and present may be one buffer
+    (the contract's `shared` mode), which is the form TensorRT's KV-cache update layer
+    takes. Rows keep their padding slots, so one write index serves the whole batch.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("AttentionToTensorScatter", remove_nodes=False)
+
+    def pattern(self, op: Any, q: Any, k: Any, v: Any, mask: Any, past_k: Any, past_v: Any) -> Any:
+        return op.Attention(
+            q, k, v, mask, past_k, past_v, _allow_other_attributes=True, _outputs=["y", "present_k", "present_v"]
+        )
+
+    def check(  # type: ignore[override]
+        self, context: Any, mask: Any, y: Any, **_: Any
+    ) -> MatchResult:
+        result = MatchResult()
+        attention = y.producer()
+        if len(attention.outputs) > 3 and attention.outputs[3].uses():
+            return result.fail("the QK product output is used", attention)
+        if _attribute(attention, "is_causal", 0):
+            return result.fail("is_causal=1: the fixed-size cache needs an explicit mask", attention)
+        if mask is None or mask.dtype != ir.DataType.BOOL or mask.shape is None or len(mask.shape) != 4:
+            return result.fail("the mask is not a 4-D boolean [batch, 1, seq, total]", attention)
+        return result
+
+    def rewrite(self, op: Any, q: Any, k: Any, v: Any, mask: Any, past_k: Any, past_v: Any, y: Any, **_: Any) -> Any:
+        attention = y.producer()
+        total = op.Shape(mask, start=3, end=4)
+        written = op.Sub(total, op.Shape(q, start=2, end=3))
+        write_indices = op.Expand(written, op.Shape(q, start=0, end=1))
+        present_k = op.TensorScatter(past_k, k, write_indices, axis=-2, mode="linear")
+        present_v = op.TensorScatter(past_v, v, write_indices, axis=-2, mode="linear")
+        free = op.Sub(op.Shape(past_k, start=2, end=3), total)
+        pads = op.Concat(op.Constant(value_ints=[0] * 7), free, axis=0)
+        full_mask = op.Pad(mask, pads, op.Constant(value=ir.tensor(np.array(False))))
+        attributes = {name: attr.value for name, attr in attention.attributes.items()}
+        return op.Attention(q, present_k, present_v, full_mask, **attributes), present_k, present_v
+
+
+class RequireOpset(InPlacePass):
+    """Raise the default-domain opset import to `version` when an op of that opset is present."""
+
+    def __init__(self, version: int, op_types: tuple[str, ...]) -> None:
+        super().__init__()
+        self.version = version
+        self.op_types = op_types
+
+    def call(self, model: ir.Model) -> PassResult:
+        needed = any(n.op_type in self.op_types and n.domain == "" for n in model.graph)
+        if not needed or model.opset_imports.get("", 0) >= self.version:
+            return PassResult(model, modified=False)
+        model.opset_imports[""] = self.version
+        return PassResult(model, modified=True)
+
+
 def attention_fusion() -> FusionPass:
     return FusionPass(
         "attention",
@@ -262,6 +331,10 @@ def attention_fusion() -> FusionPass:
             "attention_mha_cache": AttentionWithCache.rule(repeat=False),
         },
     )
+
+
+def attention_scatter() -> FusionPass:
+    return FusionPass("attention_scatter", {"tensor_scatter_cache": AttentionToTensorScatter.rule()})
 
 
 def attention_lowering_ort() -> FusionPass:

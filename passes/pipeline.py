@@ -18,7 +18,13 @@ from onnx_ir.passes import PassBase, common
 from onnxscript.optimizer._constant_folding import FoldConstantsPass
 from onnxscript.rewriter.rules import common as rules
 
-from passes.fuse_attention import PastLengthFromMask, attention_fusion, attention_lowering_ort
+from passes.fuse_attention import (
+    PastLengthFromMask,
+    RequireOpset,
+    attention_fusion,
+    attention_lowering_ort,
+    attention_scatter,
+)
 from passes.fuse_gelu import gelu_fusion, gelu_lowering_ort
 from passes.fuse_norm import norm_fusion
 from passes.fuse_rotary import rotary_fusion
@@ -102,10 +108,22 @@ def lower_ort() -> list[PassBase]:
     return [PastLengthFromMask(), attention_lowering_ort(), gelu_lowering_ort()]
 
 
+def fixed_cache() -> list[PassBase]:
+    """The KV cache becomes a fixed-size buffer updated by TensorScatter (opset 24), read
+    whole by Attention under a mask: standard ops only, past and present one buffer."""
+    return [PastLengthFromMask(), attention_scatter(), RequireOpset(24, ("TensorScatter",))]
+
+
 # target -> phases, in order. A phase is a name and the passes it runs. `finalize`
 # re-runs the canonical clean-up: fusions leave shape ops and transposes that now cancel.
 PIPELINES: dict[str, list[tuple[str, Callable[[], list[PassBase]]]]] = {
-    "onnx": [("canonicalize", canonicalize), ("fuse", fuse), ("pack", pack), ("finalize", canonicalize)],
+    "onnx": [
+        ("canonicalize", canonicalize),
+        ("fuse", fuse),
+        ("pack", pack),
+        ("fixed-cache", fixed_cache),
+        ("finalize", canonicalize),
+    ],
     "ort-cpu": [("canonicalize", canonicalize), ("fuse", fuse), ("lower-ort", lower_ort), ("finalize", canonicalize)],
 }
 TARGETS = tuple(PIPELINES)
