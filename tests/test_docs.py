@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 import pytest
 
+from runners.manifest import SCHEMA_VERSION
 from toolchain.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,5 +101,5 @@ QUOTED_MESSAGES = [
 def test_troubleshooting_quotes_real_messages(fragment: str) -> None:
     source = "\n".join(p.read_text() for d in ("toolchain", "runners") for p in sorted((ROOT / d).glob("*.py")))
     assert fragment in source, f"no raise site says {fragment!r} any more; update docs/troubleshooting.md"
-    rendered = fragment.format(CONFIG="config.json", MANIFEST="manifest.json", SCHEMA_VERSION=1)
+    rendered = fragment.format(CONFIG="config.json", MANIFEST="manifest.json", SCHEMA_VERSION=SCHEMA_VERSION)
     assert rendered in (ROOT / "docs" / "troubleshooting.md").read_text()
