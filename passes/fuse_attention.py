@@ -43,6 +43,11 @@ def _static_heads(value: ir.Value | None, what: str, result: MatchResult) -> tup
     return heads, head_dim
 
 
+def _is_read(value: ir.Value) -> bool:
+    """Used by a node or returned by the graph (`uses()` counts only the former)."""
+    return bool(value.uses()) or value.is_graph_output()
+
+
 def _attribute(node: ir.Node, name: str, default: Any) -> Any:
     attr = node.attributes.get(name)
     return default if attr is None else attr.value
@@ -93,7 +98,7 @@ class AttentionWithCache(pattern.RewriteRuleClassBase):
             # With a cache, Attention's causal flag aligns to the top-left corner, not to the
             # end of the cache; only an explicit mask keeps the meaning the model had.
             return result.fail("is_causal=1: the fused form needs the explicit mask", attention)
-        if len(attention.outputs) > 1 and any(o.uses() for o in attention.outputs[1:]):
+        if len(attention.outputs) > 1 and any(_is_read(o) for o in attention.outputs[1:]):
             return result.fail("the Attention op already has cache outputs in use", attention)
         query = _static_heads(q, "query", result)
         key = _static_heads(k, "new keys", result)
@@ -149,7 +154,7 @@ class AttentionToGroupQueryAttention(pattern.RewriteRuleClassBase):
     ) -> MatchResult:
         result = MatchResult()
         attention = y.producer()
-        if len(attention.outputs) > 3 and attention.outputs[3].uses():
+        if len(attention.outputs) > 3 and _is_read(attention.outputs[3]):
             return result.fail("the QK product output is used", attention)
         if _attribute(attention, "is_causal", 0):
             return result.fail("is_causal=1: GroupQueryAttention here takes the mask as a bias", attention)
@@ -222,10 +227,13 @@ class PastLengthFromMask(InPlacePass):
     graph reads it in.
     """
 
-    def __init__(self, mask_input: str = "attention_mask", ids_input: str = "input_ids") -> None:
+    def __init__(
+        self, mask_input: str = "attention_mask", ids_input: str = "input_ids", past_prefix: str = "past_key_values."
+    ) -> None:
         super().__init__()
         self.mask_input = mask_input
         self.ids_input = ids_input
+        self.past_prefix = past_prefix
 
     def call(self, model: ir.Model) -> PassResult:
         graph = model.graph
@@ -240,7 +248,7 @@ class PastLengthFromMask(InPlacePass):
             and node.domain == ""
             and node.inputs[0] is not None
             and node.inputs[0].is_graph_input()
-            and node.inputs[0] not in (mask, ids)
+            and (node.inputs[0].name or "").startswith(self.past_prefix)
             and _attribute(node, "start", 0) == 2
             and _attribute(node, "end", None) == 3
         ]
@@ -249,7 +257,8 @@ class PastLengthFromMask(InPlacePass):
             seq = ir.node("Shape", [ids], attributes={"start": 1, "end": 2})
             past = ir.node("Sub", [total.outputs[0], seq.outputs[0]])
             graph.insert_before(node, [total, seq, past])
-            node.outputs[0].replace_all_uses_with(past.outputs[0])
+            past.outputs[0].type, past.outputs[0].shape = node.outputs[0].type, node.outputs[0].shape
+            node.outputs[0].replace_all_uses_with(past.outputs[0], replace_graph_outputs=True)
             graph.remove(node, safe=True)
         return PassResult(model, modified=bool(reads))
 
@@ -285,7 +294,7 @@ class AttentionToTensorScatter(pattern.RewriteRuleClassBase):
     ) -> MatchResult:
         result = MatchResult()
         attention = y.producer()
-        if len(attention.outputs) > 3 and attention.outputs[3].uses():
+        if len(attention.outputs) > 3 and _is_read(attention.outputs[3]):
             return result.fail("the QK product output is used", attention)
         if _attribute(attention, "is_causal", 0):
             return result.fail("is_causal=1: the fixed-size cache needs an explicit mask", attention)

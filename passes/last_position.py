@@ -60,12 +60,12 @@ def _lm_head(logits: ir.Value) -> ir.Node | None:
     while node is not None and node.domain == "":
         if node.op_type == "MatMul":
             hidden, weight = node.inputs[0], node.inputs[1]
-            constant = weight is not None and (weight.const_value is not None or _is_transposed_constant(weight))
+            constant = weight is not None and (_is_constant(weight) or _is_transposed_constant(weight))
             already_sliced = hidden is not None and _is_last_position(hidden)
             return node if constant and not already_sliced else None
         if node.op_type not in _POSITION_WISE:
             return None
-        varying = [v for v in node.inputs if v is not None and v.const_value is None]
+        varying = [v for v in node.inputs if v is not None and not _is_constant(v)]
         if len(varying) != 1:
             return None
         node = varying[0].producer()
@@ -83,5 +83,10 @@ def _is_transposed_constant(value: ir.Value) -> bool:
         producer is not None
         and producer.op_type == "Transpose"
         and producer.inputs[0] is not None
-        and producer.inputs[0].const_value is not None
+        and _is_constant(producer.inputs[0])
     )
+
+
+def _is_constant(value: ir.Value) -> bool:
+    """An initializer or a Constant node's output, folded in this process or not."""
+    return ir.convenience.get_const_tensor(value) is not None
