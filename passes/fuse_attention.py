@@ -43,6 +43,36 @@ def _static_heads(value: ir.Value | None, what: str, result: MatchResult) -> tup
     return heads, head_dim
 
 
+def _bsd_source(x: ir.Value) -> ir.Value | None:
+    """`s` when x = Transpose(Reshape(s, [.., .., H, D]), perm 0213) and s is [B, S, H*D]."""
+    transpose = x.producer()
+    if transpose is None or transpose.op_type != "Transpose" or transpose.domain != "":
+        return None
+    if list(_attribute(transpose, "perm", [])) != _BHSD_TO_BSHD or transpose.inputs[0] is None:
+        return None
+    reshape = transpose.inputs[0].producer()
+    if reshape is None or reshape.op_type != "Reshape" or reshape.domain != "" or reshape.inputs[0] is None:
+        return None
+    source = reshape.inputs[0]
+    heads = _static_heads(x, "x", MatchResult())
+    if heads is None or source.shape is None or len(source.shape) != 3 or source.shape[2] != heads[0] * heads[1]:
+        return None
+    return source
+
+
+def _rotary_of_bsd(x: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value, dict[str, Any]] | None:
+    """(s, cos, sin, attributes) when x = RotaryEmbedding(heads of s [B,S,H*D], cos, sin), no position ids."""
+    rotary = x.producer()
+    if rotary is None or rotary.op_type != "RotaryEmbedding" or rotary.domain != "" or len(rotary.inputs) != 3:
+        return None
+    split, cos, sin = rotary.inputs
+    source = _bsd_source(split) if split is not None else None
+    if source is None or cos is None or sin is None:
+        return None
+    attributes = {k: a.value for k, a in rotary.attributes.items() if k in ("interleaved", "rotary_embedding_dim")}
+    return source, cos, sin, attributes
+
+
 def _is_read(value: ir.Value) -> bool:
     """Used by a node or returned by the graph (`uses()` counts only the former)."""
     return bool(value.uses()) or value.is_graph_output()
@@ -181,6 +211,13 @@ class AttentionToGroupQueryAttention(pattern.RewriteRuleClassBase):
         to_3d = op.Constant(value_ints=[0, 0, -1])
 
         def packed(x: Any) -> Any:
+            bsd = _bsd_source(x)
+            if bsd is not None:  # x was [B,S,H*D] split into heads: take it as it was
+                return bsd
+            rotated = _rotary_of_bsd(x)
+            if rotated is not None:  # rotate [B,S,H*D] directly, as RotaryEmbedding-23 allows
+                source, cos, sin, attributes = rotated
+                return op.RotaryEmbedding(source, cos, sin, num_heads=x.shape[1], **attributes)
             return op.Reshape(op.Transpose(x, perm=_BHSD_TO_BSHD), to_3d)
 
         if mask.dtype == ir.DataType.BOOL:
@@ -191,7 +228,8 @@ class AttentionToGroupQueryAttention(pattern.RewriteRuleClassBase):
             bias = mask
         total = op.Shape(mask, start=3, end=4)
         one = op.Constant(value_ints=[1])
-        seqlens = op.Expand(op.Cast(op.Sub(total, one), to=ir.DataType.INT32), op.Shape(q, start=0, end=1))
+        batch = op.Shape(past_k, start=0, end=1)  # not q's: the rotated q may be rebuilt from [B,S,H*D]
+        seqlens = op.Expand(op.Cast(op.Sub(total, one), to=ir.DataType.INT32), batch)
         total_scalar = op.Cast(op.Squeeze(total), to=ir.DataType.INT32)
         attributes: dict[str, Any] = {"num_heads": heads, "kv_num_heads": k.shape[1]}
         for name in ("scale", "softcap"):
@@ -261,6 +299,49 @@ class PastLengthFromMask(InPlacePass):
             node.outputs[0].replace_all_uses_with(past.outputs[0], replace_graph_outputs=True)
             graph.remove(node, safe=True)
         return PassResult(model, modified=bool(reads))
+
+
+class GroupQueryAttentionOutput(pattern.RewriteRuleClassBase):
+    """The heads round trip after GroupQueryAttention collapses to its [B, S, H*D] output.
+
+    ```
+    out [B,S,H*D] ─► Reshape [B,S,H,D] ─► Transpose ─► Reshape (same shape) ─► Transpose ─► Reshape [B,S,H*D]
+    ```
+    becomes `out`: the lowering split the heads back out for the model's own
+    `transpose(1, 2).reshape(B, S, H*D)`, which undoes exactly that.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("GroupQueryAttentionOutput", remove_nodes=False)
+
+    def pattern(self, op: Any, out: Any, split: Any, same: Any, merged: Any) -> Any:
+        heads_first = op.Transpose(op.Reshape(out, split), perm=_BHSD_TO_BSHD, _outputs=["heads_first"])
+        again = op.Reshape(heads_first, same, _allow_other_attributes=True, _outputs=["again"])
+        return op.Reshape(
+            op.Transpose(again, perm=_BHSD_TO_BSHD), merged, _allow_other_attributes=True, _outputs=["merged_out"]
+        )
+
+    def check(  # type: ignore[override]
+        self, context: Any, out: Any, heads_first: Any, again: Any, merged_out: Any, **_: Any
+    ) -> MatchResult:
+        result = MatchResult()
+        producer = out.producer()
+        if producer is None or (producer.domain, producer.op_type) != ("com.microsoft", "GroupQueryAttention"):
+            return result.fail("not the output of a GroupQueryAttention", out)
+        if heads_first.shape is None or heads_first.shape != again.shape:
+            return result.fail("the middle Reshape is not known to keep the shape", again)
+        if any(_is_read(v) and len(v.uses()) != 1 for v in (heads_first, again)):
+            return result.fail("an intermediate of the round trip is read elsewhere", again)
+        b, h, s, d = heads_first.shape
+        expected = (b, s, h * d) if isinstance(h, int) and isinstance(d, int) else None
+        if merged_out.shape is None or expected is None or tuple(merged_out.shape) != expected:
+            return result.fail(
+                f"the merged result is not [batch, seq, heads*head_dim] ({merged_out.shape})", merged_out
+            )
+        return result
+
+    def rewrite(self, op: Any, out: Any, **_: Any) -> Any:
+        return op.Identity(out)
 
 
 class AttentionToTensorScatter(pattern.RewriteRuleClassBase):
@@ -347,4 +428,10 @@ def attention_scatter() -> FusionPass:
 
 
 def attention_lowering_ort() -> FusionPass:
-    return FusionPass("attention_ort", {"group_query_attention": AttentionToGroupQueryAttention.rule()})
+    return FusionPass(
+        "attention_ort",
+        {
+            "group_query_attention": AttentionToGroupQueryAttention.rule(),
+            "group_query_attention_output": GroupQueryAttentionOutput.rule(),
+        },
+    )
