@@ -10,7 +10,6 @@ measured in one run, not absolute numbers across runs.
 
 from __future__ import annotations
 
-import os
 import resource
 import statistics
 import time
@@ -27,6 +26,7 @@ from runners.engine import Engine
 from runners.generate import generate_steps
 from runners.manifest import read_manifest
 from runners.sampling import SamplingParams
+from runners.session import usable_cpus
 
 _BANDWIDTH_BYTES = 256 << 20  # far beyond any CPU cache, so the copy streams from memory
 
@@ -50,12 +50,14 @@ class BenchResult:
 
 
 def memory_bandwidth(size_bytes: int = _BANDWIDTH_BYTES, repeats: int = 5, threads: int | None = None) -> float:
-    """Bytes per second of a large array copy on every core (each copy reads and writes).
+    """Bytes per second of a large array copy on every core (each copy reads and writes),
+    the best of `repeats`: the roofline is what the machine can stream, and on a shared
+    machine every disturbance only makes a copy slower.
 
     onnxruntime decodes with a thread per core, so a one-thread copy would understate what
     the machine can stream.
     """
-    threads = threads or os.cpu_count() or 1
+    threads = threads or usable_cpus()
     source = np.ones(size_bytes // 8, dtype=np.float64)
     target = np.empty_like(source)
     pairs = list(zip(np.array_split(target, threads), np.array_split(source, threads)))
@@ -67,7 +69,7 @@ def memory_bandwidth(size_bytes: int = _BANDWIDTH_BYTES, repeats: int = 5, threa
             return time.perf_counter() - start
 
         copy()  # touch every page first
-        return 2 * source.nbytes / statistics.median(copy() for _ in range(repeats))
+        return 2 * source.nbytes / min(copy() for _ in range(repeats))
 
 
 def weight_bytes_per_step(artifact: Path, manifest: dict[str, Any]) -> int:
@@ -132,9 +134,9 @@ def bench(
 ) -> tuple[list[BenchResult], list[str], float]:
     """Results per (prompt, batch), the configurations skipped and why, and the bandwidth used."""
     engine = Engine.load(artifact)  # generate_steps without eos ids: every run has its full length
-    bandwidth = bandwidth or memory_bandwidth()
+    measured_before = bandwidth or memory_bandwidth()
     weights = weight_bytes_per_step(artifact, read_manifest(artifact))
-    results, skipped = [], []
+    timings, skipped = [], []
     for prompt in prompts:
         if prompt + new_tokens > engine.max_positions:
             skipped.append(f"prompt {prompt}: + {new_tokens} new tokens exceeds the context of {engine.max_positions}")
@@ -142,7 +144,13 @@ def bench(
         for batch in batches:
             first, decode = measure(engine, prompt, batch, new_tokens, repeats)
             step = weights + kv_bytes_per_step(engine.session.io, prompt + new_tokens // 2, batch)
-            results.append(BenchResult(prompt, batch, new_tokens, first * 1000, decode, step, batch * bandwidth / step))
+            timings.append((prompt, batch, first, decode, step))
+    # Measured again after the runs (unless given): the machine's best, not one disturbed moment.
+    bandwidth = measured_before if bandwidth else max(measured_before, memory_bandwidth())
+    results = [
+        BenchResult(prompt, batch, new_tokens, first * 1000, decode, step, batch * bandwidth / step)
+        for prompt, batch, first, decode, step in timings
+    ]
     return results, skipped, bandwidth
 
 

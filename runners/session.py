@@ -7,6 +7,7 @@ onnxruntime and the eager torch reference (`runners.torch_session`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence, Set
 from pathlib import Path
 from typing import Protocol
@@ -16,6 +17,13 @@ import numpy as np
 from runners.contract import DecoderIO
 from runners.errors import ArtifactError
 from runners.external_data import check_external_data
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask where the OS has one, which a container's
+    cpuset narrows (onnxruntime's own default counts the host's cores and would oversubscribe)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 class Session(Protocol):
@@ -44,6 +52,7 @@ class OrtSession:
 
         options = ort.SessionOptions()
         options.log_severity_level = 3
+        options.intra_op_num_threads = usable_cpus()
         try:
             self._session = ort.InferenceSession(str(model_path), options, providers=list(providers))
         except Exception as e:  # onnxruntime raises its own untyped errors
