@@ -228,7 +228,9 @@ class AttentionToGroupQueryAttention(pattern.RewriteRuleClassBase):
             bias = mask
         total = op.Shape(mask, start=3, end=4)
         one = op.Constant(value_ints=[1])
-        batch = op.Shape(past_k, start=0, end=1)  # not q's: the rotated q may be rebuilt from [B,S,H*D]
+        # The batch from the mask every layer shares, so one seqlens serves all layers after CSE
+        # (not q's: the rotated q may be rebuilt from [B,S,H*D]); a broadcast mask has batch 1.
+        batch = op.Shape(past_k if mask.shape[0] == 1 else mask, start=0, end=1)
         seqlens = op.Expand(op.Cast(op.Sub(total, one), to=ir.DataType.INT32), batch)
         total_scalar = op.Cast(op.Squeeze(total), to=ir.DataType.INT32)
         attributes: dict[str, Any] = {"num_heads": heads, "kv_num_heads": k.shape[1]}
