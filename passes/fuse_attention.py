@@ -153,7 +153,27 @@ class AttentionWithCache(pattern.RewriteRuleClassBase):
         return op.Attention(q, k, v, mask, past_k, past_v, **attributes, _outputs=3)
 
 
-class AttentionToGroupQueryAttention(pattern.RewriteRuleClassBase):
+class _CachedAttentionLowering(pattern.RewriteRuleClassBase):
+    """What both lowerings of `y, present_k, present_v = Attention(q, k, v, mask, past_k, past_v)` match,
+    and the conditions both need: the QK product unused, and causality given by the mask."""
+
+    def pattern(self, op: Any, q: Any, k: Any, v: Any, mask: Any, past_k: Any, past_v: Any) -> Any:
+        return op.Attention(
+            q, k, v, mask, past_k, past_v, _allow_other_attributes=True, _outputs=["y", "present_k", "present_v"]
+        )
+
+    @staticmethod
+    def _common_check(attention: ir.Node, result: MatchResult, target: str) -> bool:
+        if len(attention.outputs) > 3 and _is_read(attention.outputs[3]):
+            result.fail("the QK product output is used", attention)
+            return False
+        if _attribute(attention, "is_causal", 0):
+            result.fail(f"is_causal=1: {target} needs the explicit mask", attention)
+            return False
+        return True
+
+
+class AttentionToGroupQueryAttention(_CachedAttentionLowering):
     """A standard `Attention` with cache becomes onnxruntime's `GroupQueryAttention`.
 
     ```
@@ -174,20 +194,13 @@ class AttentionToGroupQueryAttention(pattern.RewriteRuleClassBase):
     def __init__(self) -> None:
         super().__init__("AttentionToGroupQueryAttention", remove_nodes=False)
 
-    def pattern(self, op: Any, q: Any, k: Any, v: Any, mask: Any, past_k: Any, past_v: Any) -> Any:
-        return op.Attention(
-            q, k, v, mask, past_k, past_v, _allow_other_attributes=True, _outputs=["y", "present_k", "present_v"]
-        )
-
     def check(  # type: ignore[override]
         self, context: Any, q: Any, k: Any, mask: Any, past_k: Any, y: Any, **_: Any
     ) -> MatchResult:
         result = MatchResult()
         attention = y.producer()
-        if len(attention.outputs) > 3 and _is_read(attention.outputs[3]):
-            return result.fail("the QK product output is used", attention)
-        if _attribute(attention, "is_causal", 0):
-            return result.fail("is_causal=1: GroupQueryAttention here takes the mask as a bias", attention)
+        if not self._common_check(attention, result, "GroupQueryAttention, which takes it as a bias,"):
+            return result
         if mask is None or mask.dtype is None:
             return result.fail("no mask, or a mask of unknown type", attention)
         if mask.shape is None or len(mask.shape) != 4:
@@ -346,7 +359,7 @@ class GroupQueryAttentionOutput(pattern.RewriteRuleClassBase):
         return op.Identity(out)
 
 
-class AttentionToTensorScatter(pattern.RewriteRuleClassBase):
+class AttentionToTensorScatter(_CachedAttentionLowering):
     """A standard `Attention` with cache becomes a `TensorScatter` cache update (opset 24)
     into a fixed-size buffer, and an `Attention` over the whole buffer.
 
@@ -367,20 +380,13 @@ class AttentionToTensorScatter(pattern.RewriteRuleClassBase):
     def __init__(self) -> None:
         super().__init__("AttentionToTensorScatter", remove_nodes=False)
 
-    def pattern(self, op: Any, q: Any, k: Any, v: Any, mask: Any, past_k: Any, past_v: Any) -> Any:
-        return op.Attention(
-            q, k, v, mask, past_k, past_v, _allow_other_attributes=True, _outputs=["y", "present_k", "present_v"]
-        )
-
     def check(  # type: ignore[override]
         self, context: Any, mask: Any, y: Any, **_: Any
     ) -> MatchResult:
         result = MatchResult()
         attention = y.producer()
-        if len(attention.outputs) > 3 and _is_read(attention.outputs[3]):
-            return result.fail("the QK product output is used", attention)
-        if _attribute(attention, "is_causal", 0):
-            return result.fail("is_causal=1: the fixed-size cache needs an explicit mask", attention)
+        if not self._common_check(attention, result, "the fixed-size cache"):
+            return result
         if mask is None or mask.dtype != ir.DataType.BOOL or mask.shape is None or len(mask.shape) != 4:
             return result.fail("the mask is not a 4-D boolean [batch, 1, seq, total]", attention)
         return result
