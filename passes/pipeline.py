@@ -150,14 +150,6 @@ class PassReport:
     # fusion -> [rule: why it fell short], for fusions that fired fewer times than expected
     missed: dict[str, list[str]] = field(default_factory=dict)
 
-    def fusion_counts(self) -> dict[str, int]:
-        """Times each fusion pass fired, over the whole pipeline."""
-        counts: Counter[str] = Counter()
-        for record in self.passes:
-            if record.fusions:
-                counts[record.name] += sum(record.fusions.values())
-        return dict(counts)
-
     def to_dict(self, timings: bool = True) -> dict[str, Any]:
         """JSON-able; without timings it is the same for the same graph (for reproducible manifests)."""
         data = asdict(self)

@@ -600,11 +600,6 @@ FUSED_BY = {
 }
 
 
-@pytest.fixture(scope="session")
-def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.getbasetemp()
-
-
 def cache_names(model: ir.Model) -> dict[str, str]:
     """past input -> present output, by the contract's names."""
     pasts = [v.name for v in model.graph.inputs if v.name and v.name.startswith("past_key_values.")]

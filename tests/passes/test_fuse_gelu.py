@@ -174,11 +174,6 @@ def test_standard_gelu_is_not_lowered() -> None:
 ARCHITECTURES = {"gpt2": (1, 0), "gpt_neox": (0, 1), "gemma2": (0, 0)}
 
 
-@pytest.fixture(scope="session")
-def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.getbasetemp()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_tiny_decoders(arch: str, scratch: Path) -> None:

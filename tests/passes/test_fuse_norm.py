@@ -295,11 +295,6 @@ def layer_count(arch: str) -> int:
     return int(config.get("num_hidden_layers", config.get("n_layer", 0)))
 
 
-@pytest.fixture(scope="session")
-def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.getbasetemp()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_tiny_decoders(arch: str, scratch: Path) -> None:

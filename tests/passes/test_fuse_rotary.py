@@ -142,11 +142,6 @@ def test_near_misses_are_left_alone_and_explained(
         np.testing.assert_array_equal(actual, reference)
 
 
-@pytest.fixture(scope="session")
-def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.getbasetemp()
-
-
 # Rotations per layer (q and k) by rule; gpt2 has learned positions.
 ROTARY_PER_LAYER = {
     "llama": {"rotary": 2},

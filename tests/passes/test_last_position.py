@@ -177,11 +177,6 @@ def test_softcap_with_constant_nodes_is_sliced() -> None:
 # --- the canonicalized graphs of tiny checkpoints ------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.getbasetemp()
-
-
 def decoder_feeds(model: ir.Model, batch: int = 2, seq: int = 4, past: int = 3) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     feeds: dict[str, np.ndarray] = {

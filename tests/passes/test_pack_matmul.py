@@ -185,11 +185,6 @@ def test_gate_up_misses_are_left_alone_and_explained(make: Callable[[], ir.Model
     assert any(m.rule == "gate_up_silu" and reason in m.reason for m in misses), misses
 
 
-@pytest.fixture(scope="session")
-def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.getbasetemp()
-
-
 # Packs per layer by rule: phi3 ships qkv_proj and gate_up_proj packed, gpt2 and gpt_neox a packed
 # query_key_value and an ungated MLP.
 PACKS_PER_LAYER = {
