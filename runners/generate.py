@@ -115,6 +115,8 @@ def last_logits(logits: np.ndarray, active: np.ndarray, vocab_size: int, step: i
             f"[{active.shape[0]}, seq, {vocab_size}] floats; the artifact does not match its manifest, rebuild it"
         )
     last = array[:, -1, :]
+    if np.isfinite(last).all():  # one pass when all is well; the details only on failure
+        return last
     problems = (
         ("contain NaN", np.isnan(last).any(axis=-1)),
         ("contain +inf", np.isposinf(last).any(axis=-1)),
@@ -160,12 +162,13 @@ def generate_steps(
         active = ~done
         last = last_logits(logits, active, session.io.vocab_size, step)
         # Finished rows are still computed; whatever they hold must not stop the others.
-        sampled = sample(np.where(active[:, None], last, 0.0), params, rng, seen)
+        sampled = sample(last if active.all() else np.where(active[:, None], last, 0.0), params, rng, seen)
         tokens = np.where(active, sampled, pad_id).astype(np.int64)
         yield Step(tokens, last, active)
         done |= np.isin(tokens, eos) & active
         if done.all() or step == max_new_tokens - 1:
             return
-        seen = [np.append(s, t) if a else s for s, t, a in zip(seen, tokens, active)]
+        if params.repetition_penalty != 1.0:  # only the penalty reads what each row has seen
+            seen = [np.append(s, t) if a else s for s, t, a in zip(seen, tokens, active)]
         mask = np.concatenate([mask, active[:, None].astype(np.int64)], axis=1)
         logits, cache = forward(session, tokens[:, None], mask, cache)

@@ -94,8 +94,8 @@ def make_rng(seed: int | None) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-def as_logits(logits: npt.ArrayLike) -> FloatArray:
-    """Check the shape and values of session logits and return a float64 copy."""
+def check_logits(logits: npt.ArrayLike) -> npt.NDArray[np.floating]:
+    """Check the shape and values of session logits ([batch, vocab]); returns them uncopied."""
     array = np.asarray(logits)
     if array.ndim != 2:
         raise GenerationError(
@@ -106,14 +106,19 @@ def as_logits(logits: npt.ArrayLike) -> FloatArray:
         raise GenerationError(f"logits have an empty vocabulary axis (shape {array.shape})")
     if not np.issubdtype(array.dtype, np.floating):
         raise GenerationError(f"logits must be a float array, got dtype {array.dtype}")
-    result = array.astype(np.float64, copy=True)
-    if np.isnan(result).any():
-        raise GenerationError("logits contain NaN; the model or session produced invalid output")
-    if np.isposinf(result).any():
-        raise GenerationError("logits contain +inf; the model or session overflowed")
-    if (result.max(axis=-1) == -np.inf).any():
-        raise GenerationError("a row of logits is all -inf: no token can be chosen")
-    return result
+    if not np.isfinite(array).all():  # one pass when all is well; the details only on failure
+        if np.isnan(array).any():
+            raise GenerationError("logits contain NaN; the model or session produced invalid output")
+        if np.isposinf(array).any():
+            raise GenerationError("logits contain +inf; the model or session overflowed")
+        if (array.max(axis=-1) == -np.inf).any():
+            raise GenerationError("a row of logits is all -inf: no token can be chosen")
+    return array
+
+
+def as_logits(logits: npt.ArrayLike) -> FloatArray:
+    """Check the shape and values of session logits and return a float64 copy."""
+    return check_logits(logits).astype(np.float64, copy=True)
 
 
 def apply_repetition_penalty(logits: FloatArray, seen: Sequence[npt.ArrayLike], penalty: float) -> FloatArray:
@@ -264,7 +269,10 @@ def sample(
     generated so far); it is required only when the penalty is on.
     """
     params.validate()
-    scores = as_logits(logits)
+    checked = check_logits(logits)
+    if params.greedy and params.repetition_penalty == 1.0:
+        return greedy(checked)  # the argmax needs no float64 copy
+    scores = checked.astype(np.float64)
     if params.repetition_penalty != 1.0:
         if seen is None:
             raise GenerationError(

@@ -8,15 +8,19 @@ onnxruntime and the eager torch reference (`runners.torch_session`).
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Sequence, Set
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from runners.contract import DecoderIO
 from runners.errors import ArtifactError
 from runners.external_data import check_external_data
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
 
 
 def usable_cpus() -> int:
@@ -68,6 +72,9 @@ class OrtSession:
                 "rebuild the artifact"
             )
         self._output_names = expected[1]
+        self._step_inputs = [name for name in expected[0] if name not in set(io.past_names)]
+        self._binding: ort.IOBinding | None = None
+        self._bound_cache: list[tuple[weakref.ref[np.ndarray], tuple[int, ...]]] = []
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.io.shared_kv:
@@ -77,17 +84,36 @@ class OrtSession:
 
     def _run_in_place(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Bind each past buffer as its present output too: the model writes the new
-        positions into the caller's arrays, and nothing of the cache is copied."""
+        positions into the caller's arrays, and nothing of the cache is copied.
+
+        The cache buffers are the same arrays at every step of a generation, so their
+        binding is made once and kept while the next call passes the same array objects
+        with the same shapes; each step rebinds only the small inputs and the logits.
+        """
+        buffers = [feeds[past] for past in self.io.past_names]
+        bound = self._bound_cache  # weak: a finished generation's cache is freed as soon as its caller drops it
+        same = len(bound) == len(buffers) and all(r() is a and s == a.shape for (r, s), a in zip(bound, buffers))
+        if self._binding is None or not same:
+            self._binding = self._bind_cache(feeds)
+            self._bound_cache = [(weakref.ref(a), a.shape) for a in buffers]
+        binding = self._binding
+        for name in self._step_inputs:
+            binding.bind_cpu_input(name, feeds[name])
+        ids = feeds["input_ids"]
+        positions = ids.shape[1] if self.io.logits_positions == "all" else 1
+        logits = np.empty((ids.shape[0], positions, self.io.vocab_size), dtype=self.io.logits_dtype)
+        binding.bind_output("logits", "cpu", 0, logits.dtype, list(logits.shape), logits.ctypes.data)
+        self._session.run_with_iobinding(binding)
+        outputs = {present: feeds[past] for past, present in zip(self.io.past_names, self.io.present_names)}
+        outputs["logits"] = logits  # a new array per step: the caller may keep it
+        return outputs
+
+    def _bind_cache(self, feeds: dict[str, np.ndarray]) -> ort.IOBinding:
         binding = self._session.io_binding()
-        for name, array in feeds.items():
-            binding.bind_cpu_input(name, array)
-        binding.bind_output("logits", "cpu")  # first: outputs come back in binding order
         for past, present in zip(self.io.past_names, self.io.present_names):
             buffer = feeds[past]
             if not (buffer.flags.c_contiguous and buffer.flags.writeable):
                 raise ValueError(f"{past}: a shared KV buffer must be a writeable C-contiguous array")
+            binding.bind_cpu_input(past, buffer)
             binding.bind_output(present, "cpu", 0, buffer.dtype, list(buffer.shape), buffer.ctypes.data)
-        self._session.run_with_iobinding(binding)
-        outputs = {present: feeds[past] for past, present in zip(self.io.past_names, self.io.present_names)}
-        outputs["logits"] = binding.get_outputs()[0].numpy()
-        return outputs
+        return binding

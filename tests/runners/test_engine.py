@@ -14,7 +14,8 @@ import pytest
 
 from runners.engine import Engine
 from runners.errors import ArtifactError, GenerationError
-from runners.generate import empty_cache
+from runners.generate import empty_cache, generate_steps
+from runners.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -143,6 +144,35 @@ def test_greedy_logits_match_session_directly(engine: Engine) -> None:
     feeds.update(empty_cache(engine.session.io, 1, capacity=len(ids)))
     first = int(engine.session.run(feeds)["logits"][0, -1].argmax())
     assert engine.generate_tokens([ids], max_new_tokens=1, temperature=0.0)[0] == [first]
+
+
+def test_one_session_serves_generations_of_any_shape(artifact: Path, engine: Engine) -> None:
+    """The session keeps its cache binding between steps; generations of other batch sizes and lengths in
+    between must not see a stale binding, and every step's logits stay as they were when returned."""
+    prompts = [engine.encode(PROMPT), engine.encode("import os")]
+
+    def steps(session_engine: Engine, batch: list[list[int]], new: int) -> list[np.ndarray]:
+        run = generate_steps(
+            session_engine.session,
+            batch,
+            max_new_tokens=new,
+            max_positions=session_engine.max_positions,
+            params=SamplingParams(temperature=0.0),
+            rng=np.random.default_rng(0),
+        )
+        return [step.logits for step in run]
+
+    first = steps(engine, prompts[:1], 6)
+    kept = [logits.copy() for logits in first]
+    mixed = steps(engine, prompts, 4)  # batch 2, another capacity: a new binding
+    again = steps(engine, prompts[:1], 6)
+    for got, want in zip(first, kept):
+        np.testing.assert_array_equal(got, want)  # not overwritten by later steps
+    fresh = Engine.load(artifact)
+    for got, want in zip(again, steps(fresh, prompts[:1], 6)):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(mixed, steps(fresh, prompts, 4)):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_a_stop_string_inside_the_prompt_does_not_stop_generation(engine: Engine) -> None:
