@@ -59,6 +59,9 @@ class DecoderIO:
     logits_dtype: str = "float32"
     kv_mode: str = "concat"
     logits_positions: str = "all"
+    # `shared` mode only: a capacity fixed in the graph (the tensorrt target's S_max), or None
+    # when the runner chooses it per request. Written to the manifest only when fixed.
+    capacity: int | None = None
 
     @classmethod
     def for_spec(cls, spec: _SpecLike, kv_dtype: str = "float32") -> DecoderIO:
@@ -83,8 +86,12 @@ class DecoderIO:
         return self.kv_mode == "shared"
 
     @property
+    def _capacity_dim(self) -> str | int:
+        return "capacity" if self.capacity is None else self.capacity
+
+    @property
     def inputs(self) -> tuple[TensorSpec, ...]:
-        kv = ("batch", self.num_kv_heads, "capacity" if self.shared_kv else "past", self.head_dim)
+        kv = ("batch", self.num_kv_heads, self._capacity_dim if self.shared_kv else "past", self.head_dim)
         return (
             TensorSpec("input_ids", "int64", ("batch", "seq")),
             TensorSpec("attention_mask", "int64", ("batch", "total")),
@@ -94,7 +101,7 @@ class DecoderIO:
 
     @property
     def outputs(self) -> tuple[TensorSpec, ...]:
-        kv = ("batch", self.num_kv_heads, "capacity" if self.shared_kv else "total", self.head_dim)
+        kv = ("batch", self.num_kv_heads, self._capacity_dim if self.shared_kv else "total", self.head_dim)
         positions = "seq" if self.logits_positions == "all" else 1
         return (
             TensorSpec("logits", self.logits_dtype, ("batch", positions, self.vocab_size)),
@@ -102,7 +109,8 @@ class DecoderIO:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        fixed = {} if self.capacity is None else {"capacity": self.capacity}
+        return fixed | {
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
@@ -135,6 +143,7 @@ class DecoderIO:
                 str(data["logits_dtype"]),
                 str(data["kv_mode"]),
                 str(data["logits_positions"]),
+                _capacity(data.get("capacity")),
             )
         except KeyError as e:
             raise ArtifactError(f"manifest.json: field io.{e.args[0]} is missing; rebuild the artifact") from e
@@ -154,8 +163,28 @@ class DecoderIO:
                 f"manifest.json: io.logits_positions {io.logits_positions[:40]!r} is not one of "
                 f"{', '.join(LOGITS_POSITIONS)}; upgrade kvforge or rebuild the artifact"
             )
+        if io.capacity is not None and not io.shared_kv:
+            raise ArtifactError(
+                f"manifest.json: io.capacity is set for kv_mode {io.kv_mode!r}; only a shared cache has a fixed "
+                "capacity, rebuild the artifact"
+            )
         if io.to_dict() != dict(data):
             raise ArtifactError(
                 "manifest.json: io section does not match the contract it declares; rebuild the artifact"
             )
         return io
+
+
+# A fixed cache capacity beyond this is no real graph's (2**24 positions).
+MAX_CAPACITY = 1 << 24
+
+
+def _capacity(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CAPACITY:
+        raise ArtifactError(
+            f"manifest.json: io.capacity must be an integer in [1, {MAX_CAPACITY}], got {str(value)[:80]}; "
+            "rebuild the artifact"
+        )
+    return value

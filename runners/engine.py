@@ -97,7 +97,8 @@ class Engine:
         manifest = read_manifest(directory)
         verify_files(directory, manifest)
         io = read_io(directory, manifest)
-        max_positions = read_max_positions(directory, manifest)
+        # A graph with a fixed cache (target tensorrt) holds at most io.capacity positions.
+        max_positions = min(read_max_positions(directory, manifest), io.capacity or 1 << 62)
         config = directory / GENERATION_CONFIG
         settings = generation_settings(
             read_json_object(config, missing_ok=True), manifest.get("spec"), source=str(config)

@@ -50,7 +50,16 @@ def position_ids(mask: np.ndarray, seq: int) -> np.ndarray:
 
 def empty_cache(io: DecoderIO, batch: int, capacity: int) -> dict[str, np.ndarray]:
     """The cache before the first step: empty (`concat`), or `capacity` positions preallocated
-    (`shared`), enough for the prompt and every token to be generated."""
+    (`shared`), enough for the prompt and every token to be generated. A graph with a fixed
+    capacity (`io.capacity`) takes buffers of exactly that length."""
+    if io.capacity is not None and io.shared_kv:
+        if capacity > io.capacity:
+            raise GenerationError(
+                f"prompt plus max_new_tokens need {capacity} cache positions, but the artifact's KV cache holds "
+                f"{io.capacity} (io.capacity in its manifest); shorten the prompt, lower --max-new-tokens, or "
+                "rebuild with a larger --capacity"
+            )
+        capacity = io.capacity
     length = capacity if io.shared_kv else 0
     shape = (batch, io.num_kv_heads, length, io.head_dim)
     return {name: np.zeros(shape, dtype=io.kv_dtype) for name in io.past_names}
