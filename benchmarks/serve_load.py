@@ -1,0 +1,162 @@
+"""Load on `kvforge serve`: time to first token and inter-token latency at several concurrencies.
+
+    python benchmarks/serve_load.py ARTIFACT [--concurrency 1 4 8] [--requests 8] [--prompt 64] [--new 64]
+    python benchmarks/serve_load.py --url http://127.0.0.1:8000 --model NAME ...
+
+Starts `kvforge serve ARTIFACT` on a free loopback port (or uses --url), then for each
+concurrency C runs C clients, each sending --requests streamed completions one after the
+other: a prompt of --prompt token ids, --new tokens with ignore_eos, greedy. Every figure
+comes from client timestamps: time to first token (request sent to first text event),
+inter-token latency (between consecutive text events), and tokens/s over the whole run.
+Only loopback is used; every request is bounded by --timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import http.client
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+
+@dataclass
+class Run:
+    ttft: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    tokens: int = 0
+
+
+def stream_one(url: str, body: dict[str, object], timeout: float) -> tuple[float, list[float], int]:
+    """One streamed completion: (time to first token, gaps between text events, tokens)."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
+    try:
+        began = time.perf_counter()
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
+        stamps: list[float] = []
+        tokens = 0
+        while True:
+            line = response.readline()
+            if not line:
+                break
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if event.get("choices") and event["choices"][0]["text"]:
+                stamps.append(time.perf_counter())
+        return stamps[0] - began, [b - a for a, b in zip(stamps, stamps[1:])], tokens
+    finally:
+        conn.close()
+
+
+def load(url: str, model: str, concurrency: int, args: argparse.Namespace) -> tuple[Run, float]:
+    rng = random.Random(concurrency)
+
+    def client(index: int) -> Run:
+        run = Run()
+        for _ in range(args.requests):
+            prompt = [rng.randrange(3, args.vocab) for _ in range(args.prompt)]
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": args.new,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            ttft, gaps, tokens = stream_one(url, body, args.timeout)
+            run.ttft.append(ttft)
+            run.gaps.extend(gaps)
+            run.tokens += tokens
+        return run
+
+    began = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        runs = list(pool.map(client, range(concurrency)))
+    wall = time.perf_counter() - began
+    total = Run()
+    for run in runs:
+        total.ttft += run.ttft
+        total.gaps += run.gaps
+        total.tokens += run.tokens
+    return total, wall
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def start_server(artifact: str, args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str, Path]:
+    log = Path(tempfile.mkstemp(prefix="serve-load-", suffix=".log")[1])
+    kvforge = Path(sys.executable).with_name("kvforge")
+    command = [str(kvforge), "serve", artifact, "--port", "0", "--max-num-seqs", str(max(args.concurrency))]
+    command += ["--prefill-chunk", str(args.prefill_chunk)]
+    with open(log, "wb") as err:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, env=dict(os.environ))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace")
+        if "ready:" in text:
+            return process, text.split("listening on ", 1)[1].split(",", 1)[0], log
+        if process.poll() is not None:
+            raise SystemExit(f"kvforge serve exited: {text}")
+        time.sleep(0.1)
+    process.kill()
+    raise SystemExit(f"kvforge serve was not ready in 120 s: {log.read_text()}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("artifact", nargs="?")
+    parser.add_argument("--url", help="a running server instead of starting one")
+    parser.add_argument("--model", help="the served model name (default: the artifact directory's name)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--requests", type=int, default=8, help="requests per client")
+    parser.add_argument("--prompt", type=int, default=64, help="prompt length in tokens")
+    parser.add_argument("--new", type=int, default=64, help="tokens generated per request")
+    parser.add_argument("--vocab", type=int, default=256, help="prompt ids are drawn from [3, vocab)")
+    parser.add_argument("--prefill-chunk", type=int, default=256, help="the server's --prefill-chunk")
+    parser.add_argument("--timeout", type=float, default=300.0)
+    args = parser.parse_args()
+    if not args.url and not args.artifact:
+        parser.error("give ARTIFACT or --url")
+    process = None
+    url = args.url
+    if not url:
+        process, url, _ = start_server(args.artifact, args)
+    model = args.model or Path(args.artifact).resolve().name
+    try:
+        print(f"{'conc':>4} {'reqs':>5} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} {'itl p99':>8} {'tok/s':>7}")
+        for concurrency in args.concurrency:
+            run, wall = load(url, model, concurrency, args)
+            print(
+                f"{concurrency:>4} {len(run.ttft):>5} {percentile(run.ttft, 0.5) * 1e3:>7.1f}ms "
+                f"{percentile(run.ttft, 0.99) * 1e3:>7.1f}ms {percentile(run.gaps, 0.5) * 1e3:>6.1f}ms "
+                f"{percentile(run.gaps, 0.99) * 1e3:>6.1f}ms {run.tokens / wall:>7.1f}"
+            )
+            sys.stdout.flush()
+    finally:
+        if process is not None:
+            process.send_signal(signal.SIGTERM)
+            process.wait(60)
+
+
+if __name__ == "__main__":
+    main()

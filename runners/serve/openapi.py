@@ -1,0 +1,265 @@
+"""The OpenAPI 3.0 description of the server, served at GET /openapi.json.
+
+It lists the fields this server reads (others are accepted and ignored) with the ranges it
+accepts, and every status each route answers with, so that schema-driven testers can check
+the server against it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_JSON = "application/json"
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {**schema, "nullable": True}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {_JSON: {"schema": _ref("ErrorResponse")}}}
+
+
+_ERRORS = {
+    "400": _error("Invalid request (field named in error.param), or context_length_exceeded."),
+    "404": _error("Unknown model (code model_not_found)."),
+    "429": _error("Every batch slot and queue place is taken; see Retry-After."),
+    "500": _error("The engine failed while generating this request."),
+    "503": _error("Loading, shutting down, or the engine has failed."),
+}
+
+_SAMPLING: dict[str, Any] = {
+    "max_tokens": _nullable({"type": "integer", "minimum": 1}),
+    "max_completion_tokens": _nullable({"type": "integer", "minimum": 1}),
+    "temperature": _nullable({"type": "number", "minimum": 0}),
+    "top_p": _nullable({"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1}),
+    "top_k": _nullable({"type": "integer", "minimum": -1}),
+    "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+    "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": True, "minimum": 0}),
+    "seed": _nullable({"type": "integer", "minimum": 0}),
+    "n": _nullable({"type": "integer", "enum": [1]}),
+    "stop": _nullable(
+        {
+            "oneOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16},
+            ]
+        }
+    ),
+    "stream": _nullable({"type": "boolean"}),
+    "ignore_eos": _nullable({"type": "boolean"}),
+    "stream_options": _nullable({"type": "object", "properties": {"include_usage": _nullable({"type": "boolean"})}}),
+}
+
+_USAGE = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {
+        k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+    },
+}
+_FINISH = {"type": "string", "enum": ["stop", "length"]}
+# One server-sent event: a JSON chunk (or an error) in data, then data: [DONE].
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string", "minLength": 1}, "event": {"type": "string", "enum": ["message"]}},
+}
+
+
+def _generation_route(summary: str, request: str, response: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {_JSON: {"schema": _ref(request)}}},
+            "responses": {
+                "200": {
+                    "description": "The completion; with stream: true, server-sent events ending in data: [DONE].",
+                    "content": {_JSON: {"schema": _ref(response)}, "text/event-stream": {"schema": _SSE_EVENT}},
+                },
+                **_ERRORS,
+            },
+        }
+    }
+
+
+def openapi_schema(model: str | None = None) -> dict[str, Any]:
+    """The document; with `model`, requests name it (an enum), so generated ones reach the engine."""
+    name: dict[str, Any] = {"type": "string", **({"enum": [model]} if model else {})}
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "kvforge serve", "version": "1", "description": "OpenAI-compatible completions."},
+        "paths": {
+            "/v1/completions": _generation_route("Complete a prompt.", "CompletionRequest", "Completion"),
+            "/v1/chat/completions": _generation_route(
+                "Answer a conversation, formatted with the model's chat template.",
+                "ChatCompletionRequest",
+                "ChatCompletion",
+            ),
+            "/v1/models": {
+                "get": {
+                    "summary": "The served model, with its context length (max_model_len).",
+                    "responses": {
+                        "200": {"description": "One model.", "content": {_JSON: {"schema": _ref("ModelList")}}},
+                        "503": _ERRORS["503"],
+                    },
+                }
+            },
+            "/health": {
+                "get": {
+                    "summary": "200 when ready; 503 while loading, shutting down or after an engine failure.",
+                    "responses": {
+                        "200": {"description": "Ready.", "content": {_JSON: {"schema": {"type": "object"}}}},
+                        "503": _ERRORS["503"],
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics (text exposition format).",
+                    "responses": {
+                        "200": {"description": "Metrics.", "content": {"text/plain": {"schema": {"type": "string"}}}}
+                    },
+                }
+            },
+        },
+        "components": {
+            "schemas": {
+                "ErrorResponse": {
+                    "type": "object",
+                    "required": ["error"],
+                    "properties": {
+                        "error": {
+                            "type": "object",
+                            "required": ["message", "type", "param", "code"],
+                            "properties": {
+                                "message": {"type": "string"},
+                                "type": {"type": "string"},
+                                "param": _nullable({"type": "string"}),
+                                "code": _nullable({"type": "string"}),
+                            },
+                        }
+                    },
+                },
+                "TextPart": {
+                    "type": "object",
+                    "required": ["type", "text"],
+                    "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
+                },
+                "CompletionRequest": {
+                    "type": "object",
+                    "required": ["model", "prompt"],
+                    "properties": {
+                        "model": name,
+                        "prompt": {
+                            "oneOf": [
+                                {"type": "string", "minLength": 1},
+                                {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+                            ]
+                        },
+                        **_SAMPLING,
+                    },
+                },
+                "ChatCompletionRequest": {
+                    "type": "object",
+                    "required": ["model", "messages"],
+                    "properties": {
+                        "model": name,
+                        "messages": {
+                            "type": "array",
+                            "minItems": 1,
+                            "items": {
+                                "type": "object",
+                                "required": ["role"],
+                                "properties": {
+                                    "role": {"type": "string", "minLength": 1},
+                                    "content": _nullable(
+                                        {
+                                            "oneOf": [
+                                                {"type": "string"},
+                                                {"type": "array", "items": _ref("TextPart")},
+                                            ]
+                                        }
+                                    ),
+                                },
+                            },
+                        },
+                        **_SAMPLING,
+                    },
+                },
+                "Completion": {
+                    "type": "object",
+                    "required": ["id", "object", "created", "model", "choices", "usage"],
+                    "properties": {
+                        "id": {"type": "string"},
+                        "object": {"type": "string", "enum": ["text_completion"]},
+                        "created": {"type": "integer"},
+                        "model": {"type": "string"},
+                        "choices": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["index", "text", "finish_reason"],
+                                "properties": {
+                                    "index": {"type": "integer"},
+                                    "text": {"type": "string"},
+                                    "finish_reason": _FINISH,
+                                },
+                            },
+                        },
+                        "usage": _USAGE,
+                    },
+                },
+                "ChatCompletion": {
+                    "type": "object",
+                    "required": ["id", "object", "created", "model", "choices", "usage"],
+                    "properties": {
+                        "id": {"type": "string"},
+                        "object": {"type": "string", "enum": ["chat.completion"]},
+                        "created": {"type": "integer"},
+                        "model": {"type": "string"},
+                        "choices": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["index", "message", "finish_reason"],
+                                "properties": {
+                                    "index": {"type": "integer"},
+                                    "message": {
+                                        "type": "object",
+                                        "required": ["role", "content"],
+                                        "properties": {"role": {"type": "string"}, "content": {"type": "string"}},
+                                    },
+                                    "finish_reason": _FINISH,
+                                },
+                            },
+                        },
+                        "usage": _USAGE,
+                    },
+                },
+                "ModelList": {
+                    "type": "object",
+                    "required": ["object", "data"],
+                    "properties": {
+                        "object": {"type": "string"},
+                        "data": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["id", "object", "max_model_len"],
+                                "properties": {
+                                    "id": {"type": "string"},
+                                    "object": {"type": "string"},
+                                    "max_model_len": {"type": "integer"},
+                                },
+                            },
+                        },
+                    },
+                },
+            }
+        },
+    }

@@ -1,0 +1,349 @@
+"""The OpenAI API's request fields and response shapes, as vLLM and llama.cpp's server serve them.
+
+`parse_request` checks everything about a request before any work is queued, and raises
+`ApiError` carrying OpenAI's error shape: the message names the field and value and says
+what to do. Fields the API has but this server does not use are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from runners.engine import Engine
+from runners.errors import GenerationError
+from runners.sampling import SamplingParams
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+_MAX_STOP_STRINGS = 16
+# OpenAI fields whose effect this server does not implement: refused unless neutral.
+_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "echo": False}
+
+
+class ApiError(Exception):
+    """An error response: status, and OpenAI's `{"error": {message, type, param, code}}` body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    chat: bool
+    ids: list[int]
+    params: SamplingParams
+    budget: int
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool = False
+
+
+def parse_request(raw: bytes, *, chat: bool, engine: Engine, served_name: str) -> ParsedRequest:
+    """Check a /v1/completions (or, with `chat`, /v1/chat/completions) body and encode its prompt."""
+    body = _json_object(raw)
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise ApiError(400, f"model must be a string naming the served model ({served_name!r})", "model")
+    if model != served_name:
+        raise ApiError(
+            404,
+            f"the model {model!r} does not exist; this server serves {served_name!r} (see GET /v1/models)",
+            "model",
+            "model_not_found",
+        )
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise ApiError(400, f"n must be 1 (one choice per request is supported), got {_preview(n)}", "n")
+    for name, neutral in _NEUTRAL.items():
+        value = body.get(name)
+        if value is not None and value != neutral:
+            raise ApiError(400, f"{name}={_preview(value)} is not supported; leave it out or set it to {neutral}", name)
+    stream, include_usage = _stream_fields(body)
+    params = _sampling(body, engine)
+    stop = _stop(body.get("stop"))
+    ids, where = (_chat_ids(body, engine), "messages") if chat else (_prompt_ids(body, engine), "prompt")
+    budget = _budget(body, len(ids), engine.max_positions, where)
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise ApiError(400, f"ignore_eos must be true or false, got {_preview(ignore_eos)}", "ignore_eos")
+    return ParsedRequest(chat, ids, params, budget, stop, stream, include_usage, bool(ignore_eos))
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as error:
+        raise ApiError(400, f"the request body is not valid JSON ({error}); send a JSON object") from error
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    try:  # JSON may spell lone UTF-16 surrogates (\ud800), which no tokenizer can take
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ApiError(
+            400, f"the request holds an unpaired surrogate ({error.reason}); send valid Unicode text"
+        ) from error
+    return body
+
+
+def _stream_fields(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise ApiError(400, f"stream must be true or false, got {_preview(stream)}", "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise ApiError(400, f"stream_options must be an object, got {_preview(options)}", "stream_options")
+    if not stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
+    include = options.get("include_usage")
+    if include is not None and not isinstance(include, bool):
+        raise ApiError(
+            400,
+            f"stream_options.include_usage must be true or false, got {_preview(include)}",
+            "stream_options.include_usage",
+        )
+    return stream, bool(include)
+
+
+def _sampling(body: Mapping[str, Any], engine: Engine) -> SamplingParams:
+    """Given fields replace the artifact's generation defaults; each is checked on its own so
+    that the error names it."""
+    given: dict[str, Any] = {}
+    for name in _SAMPLING_FIELDS:
+        value = body.get(name)
+        if value is None:
+            continue
+        if name == "top_k" and value == -1 and not isinstance(value, bool):
+            value = 0  # vLLM's spelling of "off"
+        try:
+            SamplingParams(**{name: value}).validate()  # type: ignore[arg-type]
+        except GenerationError as error:
+            raise ApiError(400, str(error), name) from error
+        given[name] = value
+    try:
+        return engine.sampling(**given)
+    except GenerationError as error:  # pragma: no cover - every field was checked above
+        raise ApiError(400, str(error)) from error
+
+
+def _stop(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(400, f"stop must be a non-empty string or a list of them, got {_preview(value)}", "stop")
+    if len(stops) > _MAX_STOP_STRINGS:
+        raise ApiError(400, f"stop holds {len(stops)} strings; at most {_MAX_STOP_STRINGS} are allowed", "stop")
+    return tuple(stops)
+
+
+def _prompt_ids(body: Mapping[str, Any], engine: Engine) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "prompt is empty; pass some text", "prompt")
+        ids = engine.tokenizer.encode(prompt)
+        if not ids:
+            raise ApiError(
+                400, f"prompt {_preview(prompt)} encodes to no tokens; pass text the tokenizer keeps", "prompt"
+            )
+        return ids
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        vocab = engine.session.io.vocab_size
+        for token in prompt:
+            if not 0 <= token < vocab:
+                raise ApiError(400, f"prompt holds token id {token}, outside the vocabulary [0, {vocab})", "prompt")
+        return [int(t) for t in prompt]
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise ApiError(400, "prompt holds several prompts; send one prompt per request", "prompt")
+    raise ApiError(400, f"prompt must be a string or a list of token ids, got {_preview(prompt)}", "prompt")
+
+
+def _chat_ids(body: Mapping[str, Any], engine: Engine) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, f"messages must be a non-empty list of messages, got {_preview(messages)}", "messages")
+    plain = [_message(index, m) for index, m in enumerate(messages)]
+    try:
+        text = engine.tokenizer.apply_chat_template(plain)
+    except GenerationError as error:
+        raise ApiError(400, str(error), "messages") from error
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise ApiError(400, "messages render to a prompt with no tokens; add some content", "messages")
+    return ids
+
+
+def _message(index: int, message: object) -> dict[str, str]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise ApiError(400, f"{where} must be an object with role and content, got {_preview(message)}", where)
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise ApiError(400, f"{where}.role must be a non-empty string, got {_preview(role)}", f"{where}.role")
+    content = message.get("content")
+    if content is None:
+        content = ""
+    elif isinstance(content, list):
+        content = "".join(_text_part(f"{where}.content[{i}]", part) for i, part in enumerate(content))
+    elif not isinstance(content, str):
+        raise ApiError(
+            400,
+            f"{where}.content must be a string or a list of text parts, got {_preview(content)}",
+            f"{where}.content",
+        )
+    return {"role": role, "content": content}
+
+
+def _text_part(where: str, part: object) -> str:
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return str(part["text"])
+    raise ApiError(400, f"{where} must be {{'type': 'text', 'text': ...}}: only text content is supported", where)
+
+
+def _budget(body: Mapping[str, Any], prompt_tokens: int, context: int, where: str) -> int:
+    """max_completion_tokens, else max_tokens, else what the context has left; refused past it."""
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    value = body.get(name)
+    if prompt_tokens >= context:
+        raise ApiError(
+            400,
+            f"the prompt has {prompt_tokens} tokens, but the model's context of {context} positions must also "
+            "hold at least one new token; shorten the prompt",
+            where,
+            "context_length_exceeded",
+        )
+    if value is None:
+        return context - prompt_tokens
+    if not _is_int(value) or value < 1:
+        raise ApiError(400, f"{name} must be an integer >= 1, got {_preview(value)}", name)
+    if prompt_tokens + value > context:
+        raise ApiError(
+            400,
+            f"prompt of {prompt_tokens} tokens + {name} {value} = {prompt_tokens + value} exceeds the model's "
+            f"context of {context} positions; shorten the prompt or lower {name} to at most "
+            f"{context - prompt_tokens}",
+            name,
+            "context_length_exceeded",
+        )
+    return int(value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _preview(value: object, limit: int = 60) -> str:
+    text = json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# -- responses --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What every response body of one request shares."""
+
+    chat: bool
+    model: str
+    id: str
+    created: int
+
+    @classmethod
+    def new(cls, chat: bool, model: str) -> Reply:
+        prefix = "chatcmpl" if chat else "cmpl"
+        return cls(chat, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        if self.chat:
+            kind = "chat.completion.chunk" if chunk else "chat.completion"
+        else:
+            kind = "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def complete(self, text: str, reason: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice.update(logprobs=None, finish_reason=reason)
+        body = self._head(chunk=False)
+        body.update(choices=[choice], usage=usage(prompt_tokens, completion_tokens))
+        return body
+
+    def chunk(
+        self, text: str, *, first: bool = False, reason: str | None = None, include_usage: bool
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            delta: dict[str, str] = {"role": "assistant"} if first else {}
+            if text or first:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text
+        choice.update(logprobs=None, finish_reason=reason)
+        body = self._head(chunk=True)
+        body["choices"] = [choice]
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        body = self._head(chunk=True)
+        body.update(choices=[], usage=usage(prompt_tokens, completion_tokens))
+        return body
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def model_list(name: str, context: int, created: int) -> dict[str, Any]:
+    entry = {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "kvforge",
+        "root": name,
+        "max_model_len": context,
+    }
+    return {"object": "list", "data": [entry]}
+
+
+def dumps(body: Any) -> bytes:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

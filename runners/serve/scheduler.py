@@ -1,0 +1,509 @@
+"""Continuous batching: one engine thread owns the session and steps every request together.
+
+Each step runs one decode for every row of the batch, then admits a waiting request and
+runs at most one prefill chunk, so a long prompt delays the others by one chunk at most.
+
+The batch lives in one KV buffer per past tensor, ``[slots, kv_heads, capacity, head_dim]``,
+and one attention mask ``[slots, capacity]``. Every row is right-aligned at a shared
+width ``W`` (the mask's length): row ``i`` holds its ``length_i`` cached positions in
+columns ``[W - length_i, W)``, the columns before it are left padding (mask 0), and a decode
+step writes every row's new position at column ``W``. This is exactly a left-padded batch,
+so each row attends to what it would alone, and position ids count real tokens only.
+
+- A request is prefilled alone (batch 1: onnxruntime's GroupQueryAttention takes several
+  new tokens over a non-empty cache only at batch 1), chunk by chunk, into a buffer of its
+  own; its KV is then copied into the next free row of the batch buffer, right-aligned at
+  ``W`` (a prompt longer than ``W`` first shifts the batch right to make room).
+- A finished or cancelled row leaves at once: the last row is moved into its slot.
+- ``W`` grows by one per step while rows come and go, so padding accumulates: when the
+  padding every row shares (``W`` minus the longest row) reaches the longest row, or
+  ``W`` reaches the capacity, the batch is shifted left by that amount (compaction). A row
+  never holds more than the model's context, so the capacity stays bounded.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runners.detokenizer import StreamingDetokenizer
+from runners.errors import KvforgeError
+from runners.generate import forward
+from runners.sampling import SamplingParams, greedy, make_rng, sample
+from runners.serve.metrics import Metrics
+from runners.session import Session
+
+logger = logging.getLogger(__name__)
+
+# Shared padding below this many columns is not worth a copy of the batch's cache.
+_MIN_COMPACTION = 16
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Text newly safe to show."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop" (eos or stop string) or "length"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+Event = Delta | Finished | Failed
+
+
+class Overloaded(KvforgeError):
+    """Every batch slot and queue place is taken; the client should retry later."""
+
+
+class Unavailable(KvforgeError):
+    """The engine is shutting down or has failed."""
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation: prompt ids, budget and sampler in; events out through `events`."""
+
+    ids: list[int]
+    params: SamplingParams
+    budget: int
+    detokenizer: StreamingDetokenizer
+    events: queue.SimpleQueue[Event] = field(default_factory=queue.SimpleQueue)
+    arrival: float = field(default_factory=time.perf_counter)
+    ignore_eos: bool = False  # generate the whole budget (vLLM's field, for load tests)
+    cancelled: bool = False
+    generated: int = 0
+    last_token_at: float = 0.0
+    released: bool = False
+
+    def __post_init__(self) -> None:
+        self.rng = make_rng(self.params.seed)
+        self.seen = np.asarray(self.ids, dtype=np.int64)
+
+    @property
+    def plain_greedy(self) -> bool:
+        return self.params.greedy and self.params.repetition_penalty == 1.0
+
+
+@dataclass(eq=False)
+class _Row:
+    request: Request
+    length: int  # positions cached
+    next_token: int  # sampled, not yet fed
+
+
+@dataclass(eq=False)
+class _Prefill:
+    request: Request
+    done: int = 0  # prompt tokens prefilled so far
+
+
+class BatchScheduler:
+    """The engine thread and its bounded queue; `submit` and `cancel` are thread-safe."""
+
+    def __init__(
+        self,
+        session: Session,
+        *,
+        max_positions: int,
+        eos_ids: Sequence[int],
+        max_num_seqs: int,
+        max_queued: int,
+        prefill_chunk: int,
+        metrics: Metrics,
+    ) -> None:
+        self.session = session
+        self.io = session.io
+        self.max_positions = max_positions
+        self.eos_ids = frozenset(int(i) for i in eos_ids)
+        self.max_num_seqs = max_num_seqs
+        self.max_queued = max_queued
+        self.prefill_chunk = prefill_chunk
+        self.metrics = metrics
+        self.failure: str | None = None
+        self.compactions = 0  # times the batch was shifted left over shared padding
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._in_system = 0  # accepted and not yet released
+        self._stopping = False
+        self._rows: list[_Row] = []
+        self._prefill: _Prefill | None = None
+        self._width = 0
+        self._kv: dict[str, np.ndarray] = {}
+        self._mask = np.zeros((0, 0), dtype=np.int64)
+        self._views: tuple[int, dict[str, np.ndarray]] | None = None
+        self._prefill_kv: dict[str, np.ndarray] = {}
+        # A graph with a fixed cache length takes buffers of exactly that length; otherwise
+        # leave room past the context for the padding that builds up between compactions.
+        self._fixed_capacity: int | None = getattr(self.io, "capacity", None)
+        self._capacity_limit = self._fixed_capacity or max_positions + max(_MIN_COMPACTION, max_positions // 4)
+        self._thread = threading.Thread(target=self._run, name="kvforge-engine", daemon=True)
+
+    # -- called from request threads ---------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: Request) -> None:
+        """Queue a request, or raise Overloaded (429) / Unavailable (503) at once."""
+        with self._cond:
+            if self.failure is not None:
+                raise Unavailable(f"the engine failed ({self.failure}); restart the server")
+            if self._stopping:
+                raise Unavailable("the server is shutting down; retry on another instance")
+            if self._in_system >= self.max_num_seqs + self.max_queued:
+                raise Overloaded(
+                    f"server at capacity: {self.max_num_seqs} requests running (--max-num-seqs) and "
+                    f"{self.max_queued} waiting (--max-queued); retry later"
+                )
+            self._in_system += 1
+            self._waiting.append(request)
+            self.metrics.waiting.set(len(self._waiting))
+            self._cond.notify_all()
+
+    def cancel(self, request: Request) -> None:
+        """Abort a request: a waiting one leaves the queue now, a running one at the next step."""
+        with self._cond:
+            if request.released:
+                return
+            request.cancelled = True
+            if request in self._waiting:
+                self._waiting.remove(request)
+                self.metrics.waiting.set(len(self._waiting))
+                self._release(request)
+                self.metrics.request_aborted.inc()
+            self._cond.notify_all()
+
+    @property
+    def in_system(self) -> int:
+        return self._in_system
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is waiting or running; False if `timeout` passed first."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._in_system:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread after its current step; requests still in flight fail."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._fail_all("the server is shutting down")
+
+    # -- the engine thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._rows or self._prefill or self._waiting or self._stopping):
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                self._step()
+        except Exception as error:  # the session itself failed: no request can go on
+            logger.exception("engine step failed")
+            with self._cond:
+                self.failure = f"{type(error).__name__}: {error}"
+            self._fail_all(f"the engine failed ({self.failure}); the server must be restarted")
+
+    def _step(self) -> None:
+        self._drop_cancelled()
+        if self._rows:
+            self._decode()
+        if self._prefill is None and len(self._rows) < self.max_num_seqs:
+            self._admit()
+        if self._prefill is not None:
+            self._prefill_step()
+        self._update_gauges()
+
+    def _admit(self) -> None:
+        with self._cond:
+            if not self._waiting:
+                return
+            request = self._waiting.popleft()
+            self.metrics.waiting.set(len(self._waiting))
+        self.metrics.queue_time.observe(time.perf_counter() - request.arrival)
+        self._prefill = _Prefill(request)
+
+    def _drop_cancelled(self) -> None:
+        for index in reversed(range(len(self._rows))):
+            request = self._rows[index].request
+            if request.cancelled:
+                self._remove_row(index)
+                self._abort(request)
+        if self._prefill is not None and self._prefill.request.cancelled:
+            self._abort(self._prefill.request)
+            self._prefill = None
+
+    # -- decode -------------------------------------------------------------------------
+
+    def _decode(self) -> None:
+        self._make_room()
+        rows, width = self._rows, self._width
+        n = len(rows)
+        ids = np.array([[row.next_token] for row in rows], dtype=np.int64)
+        self._mask[:n, width] = 1
+        mask = np.ascontiguousarray(self._mask[:n, : width + 1])
+        logits = self._forward(ids, mask, self._batch_cache(n), n, width)
+        self._width = width + 1
+        for row in rows:
+            row.length += 1
+        tokens = self._sample_rows(logits[:, -1, :], [row.request for row in rows])
+        for index in reversed(range(n)):
+            request = rows[index].request
+            token = tokens[index]
+            if token < 0 or self._deliver(request, int(token)):
+                self._remove_row(index)
+            else:
+                rows[index].next_token = int(token)
+
+    def _sample_rows(self, last: np.ndarray, requests: list[Request]) -> np.ndarray:
+        """One token per row, each with its own sampler; -1 where the row failed (and was told)."""
+        tokens = np.full(len(requests), -1, dtype=np.int64)
+        finite = np.isfinite(last).all(axis=-1)
+        plain = [i for i, r in enumerate(requests) if r.plain_greedy and finite[i]]
+        if plain:
+            tokens[plain] = greedy(last[plain])
+        for index, request in enumerate(requests):
+            if not finite[index]:
+                self._fail(request, "the model produced invalid logits (NaN or inf) for this request")
+            elif not request.plain_greedy:
+                try:
+                    tokens[index] = sample(last[index : index + 1], request.params, request.rng, [request.seen])[0]
+                except Exception as error:  # one request's sampler must not stop the others
+                    self._fail(request, f"sampling failed: {error}")
+        return tokens
+
+    def _deliver(self, request: Request, token: int) -> bool:
+        """Hand one sampled token to its request; True when the request has finished."""
+        now = time.perf_counter()
+        request.generated += 1
+        self.metrics.generation_tokens.inc()
+        if request.generated == 1:
+            self.metrics.time_to_first_token.observe(now - request.arrival)
+        else:
+            self.metrics.inter_token_latency.observe(now - request.last_token_at)
+        request.last_token_at = now
+        if token in self.eos_ids and not request.ignore_eos:
+            return self._finish(request, "stop")
+        try:
+            text = request.detokenizer.add(token)
+        except Exception as error:  # one request's detokenizer must not stop the others
+            self._fail(request, f"detokenizing failed: {error}")
+            return True
+        if text:
+            request.events.put(Delta(text))
+        if request.detokenizer.stopped:
+            return self._finish(request, "stop")
+        if request.generated >= request.budget:
+            return self._finish(request, "length")
+        if request.params.repetition_penalty != 1.0:
+            request.seen = np.append(request.seen, token)
+        return False
+
+    # -- prefill ------------------------------------------------------------------------
+
+    def _prefill_step(self) -> None:
+        assert self._prefill is not None
+        state = self._prefill
+        request = state.request
+        end = min(state.done + self.prefill_chunk, len(request.ids))
+        cache = self._prefill_cache()
+        ids = np.asarray(request.ids[state.done : end], dtype=np.int64)[None, :]
+        mask = np.ones((1, end), dtype=np.int64)
+        try:
+            logits = self._forward(ids, mask, cache, 1, state.done)
+        except Exception as error:  # a prefill is one request's: only that request fails
+            logger.exception("prefill failed")
+            self._prefill = None
+            self._fail(request, f"prefill failed: {type(error).__name__}: {error}")
+            return
+        state.done = end
+        if end < len(request.ids):
+            return
+        self._prefill = None
+        self.metrics.prompt_tokens.inc(len(request.ids))
+        token = int(self._sample_rows(logits[:, -1, :], [request])[0])
+        if token >= 0 and not self._deliver(request, token):
+            self._join(request, cache, token)
+
+    def _prefill_cache(self) -> dict[str, np.ndarray]:
+        if not self._prefill_kv:
+            shape = (1, self.io.num_kv_heads, self._fixed_capacity or self.max_positions, self.io.head_dim)
+            self._prefill_kv = {name: np.zeros(shape, dtype=self.io.kv_dtype) for name in self.io.past_names}
+        return self._prefill_kv
+
+    def _join(self, request: Request, cache: dict[str, np.ndarray], token: int) -> None:
+        """Copy a prefilled request's KV into the next free row, right-aligned at the width."""
+        length = len(request.ids)
+        n = len(self._rows)
+        self._compact(force=max(self._width, length) + 1 > self._mask.shape[1])
+        width = max(self._width, length)
+        self._reserve(n + 1, width + 1)
+        shift = width - self._width
+        if shift and n:  # a prompt longer than the batch's width: shift every row right
+            for buffer in self._kv.values():
+                buffer[:n, :, shift:width] = buffer[:n, :, : self._width]
+            self._mask[:n, shift:width] = self._mask[:n, : self._width]
+            self._mask[:n, :shift] = 0
+        for name, buffer in self._kv.items():
+            buffer[n, :, width - length : width] = cache[name][0, :, :length]
+        self._mask[n] = 0
+        self._mask[n, width - length : width] = 1
+        self._width = width
+        self._rows.append(_Row(request, length, token))
+        self._views = None
+
+    # -- the batch buffer ---------------------------------------------------------------
+
+    def _forward(
+        self, ids: np.ndarray, mask: np.ndarray, cache: dict[str, np.ndarray], rows: int, width: int
+    ) -> np.ndarray:
+        """Run the model on `rows` rows whose cache fills `width` columns; the new positions'
+        keys and values land in columns [width, width + seq) of `cache`."""
+        if self.io.shared_kv:
+            logits, _ = forward(self.session, ids, mask, cache)
+            return logits
+        past = {name: np.ascontiguousarray(buffer[:rows, :, :width]) for name, buffer in cache.items()}
+        logits, present = forward(self.session, ids, mask, past)
+        end = width + ids.shape[1]
+        for name, buffer in cache.items():
+            buffer[:rows, :, width:end] = present[name][:, :, width:end]
+        return logits
+
+    def _batch_cache(self, rows: int) -> dict[str, np.ndarray]:
+        """Views of the first `rows` rows, kept while the row count stays: the session keeps
+        its binding while it is given the same arrays."""
+        if self._views is None or self._views[0] != rows:
+            self._views = (rows, {name: buffer[:rows] for name, buffer in self._kv.items()})
+        return self._views[1]
+
+    def _make_room(self) -> None:
+        """Before a decode step: compact wasted padding, and make room for one more column."""
+        self._compact(force=self._width + 1 > self._mask.shape[1])
+        self._reserve(len(self._rows), self._width + 1)
+
+    def _compact(self, force: bool) -> None:
+        """Shift the batch left over the padding every row shares, when it is wasteful or `force`."""
+        if not self._rows:
+            return
+        n = len(self._rows)
+        longest = max(row.length for row in self._rows)
+        waste = self._width - longest
+        if waste > 0 and (force or waste >= max(longest, _MIN_COMPACTION)):
+            for buffer in self._kv.values():
+                buffer[:n, :, :longest] = buffer[:n, :, waste : self._width]
+            self._mask[:n, :longest] = self._mask[:n, waste : self._width]
+            self._mask[:n, longest:] = 0
+            self._width = longest
+            self.compactions += 1
+
+    def _reserve(self, rows: int, columns: int) -> None:
+        """Grow the batch buffer (doubling, up to the bounds) to hold `rows` x `columns`."""
+        slots, capacity = self._mask.shape
+        if rows <= slots and columns <= capacity:
+            return
+        new_slots = min(max(rows, 2 * slots, 1), self.max_num_seqs)
+        new_capacity = self._fixed_capacity or min(max(columns, 2 * capacity, 64), self._capacity_limit)
+        if columns > new_capacity or rows > new_slots:  # unreachable while requests fit the context
+            raise KvforgeError(f"batch buffer of {rows} x {columns} exceeds {new_slots} x {new_capacity}")
+        shape = (new_slots, self.io.num_kv_heads, new_capacity, self.io.head_dim)
+        n, width = len(self._rows), self._width
+        kv = {name: np.zeros(shape, dtype=self.io.kv_dtype) for name in self.io.past_names}
+        for name, buffer in self._kv.items():
+            kv[name][:n, :, :width] = buffer[:n, :, :width]
+        mask = np.zeros((new_slots, new_capacity), dtype=np.int64)
+        mask[:n, :width] = self._mask[:n, :width]
+        self._kv, self._mask, self._views = kv, mask, None
+
+    def _remove_row(self, index: int) -> None:
+        last = len(self._rows) - 1
+        width = self._width
+        if index != last:
+            for buffer in self._kv.values():
+                buffer[index, :, :width] = buffer[last, :, :width]
+            self._mask[index, :width] = self._mask[last, :width]
+            self._rows[index] = self._rows[last]
+        self._rows.pop()
+        self._mask[last] = 0
+        self._views = None
+        if not self._rows:
+            self._width = 0
+
+    # -- request endings ----------------------------------------------------------------
+
+    def _finish(self, request: Request, reason: str) -> bool:
+        try:
+            tail = request.detokenizer.finish()
+        except Exception as error:
+            self._fail(request, f"detokenizing failed: {error}")
+            return True
+        if tail:
+            request.events.put(Delta(tail))
+        request.events.put(Finished(reason, len(request.ids), request.generated))
+        self.metrics.request_success.inc(value=reason)
+        self.metrics.e2e_latency.observe(time.perf_counter() - request.arrival)
+        self._release_locked(request)
+        return True
+
+    def _fail(self, request: Request, message: str) -> None:
+        request.events.put(Failed(message))
+        self.metrics.request_failed.inc()
+        self._release_locked(request)
+
+    def _abort(self, request: Request) -> None:
+        self.metrics.request_aborted.inc()
+        self._release_locked(request)
+
+    def _release_locked(self, request: Request) -> None:
+        with self._cond:
+            self._release(request)
+
+    def _release(self, request: Request) -> None:
+        if not request.released:
+            request.released = True
+            self._in_system -= 1
+            self._cond.notify_all()
+
+    def _fail_all(self, message: str) -> None:
+        with self._cond:
+            pending = [*self._waiting, *(row.request for row in self._rows)]
+            if self._prefill is not None:
+                pending.append(self._prefill.request)
+            self._waiting.clear()
+        self._rows, self._prefill = [], None
+        for request in pending:
+            if not request.released:
+                self._fail(request, message)
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        self.metrics.running.set(len(self._rows) + (self._prefill is not None))
+        self.metrics.waiting.set(len(self._waiting))
+        cached = sum(row.length for row in self._rows)
+        self.metrics.kv_usage.set(cached / (self.max_num_seqs * self.max_positions))

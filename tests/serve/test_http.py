@@ -1,0 +1,248 @@
+"""The wire: SSE framing and headers, error shapes, routes, and /health while loading."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from runners.serve.metrics import Metrics
+from runners.serve.server import App, _Server
+from tests.serve.conftest import Server
+
+TIMEOUT_S = 60.0
+
+
+def connect(url: str) -> http.client.HTTPConnection:
+    parts = urlsplit(url)
+    assert parts.hostname is not None and parts.port is not None
+    return http.client.HTTPConnection(parts.hostname, parts.port, timeout=TIMEOUT_S)
+
+
+def call(
+    url: str, method: str, path: str, body: Any = None, raw: bytes | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    conn = connect(url)
+    try:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        conn.request(method, path, body=data, headers=headers)
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        conn.close()
+
+
+def sse_events(payload: bytes) -> list[str]:
+    """The data of each event; every event must be exactly `data: ...` followed by a blank line."""
+    text = payload.decode("utf-8")
+    assert text.endswith("\n\n")
+    events = text[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), events
+    return [e[len("data: ") :] for e in events]
+
+
+def assert_error_shape(body: bytes, param: str | None = None) -> dict[str, Any]:
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return dict(error)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_sse_framing_and_headers(shared_server: Server, path: str) -> None:
+    request: dict[str, Any] = {"model": "out", "max_tokens": 10, "temperature": 0, "stream": True}
+    if path.endswith("chat/completions"):
+        request["messages"] = [{"role": "user", "content": "def"}]
+    else:
+        request["prompt"] = "def"
+    request["stream_options"] = {"include_usage": True}
+    status, headers, payload = call(shared_server.url, "POST", path, request)
+    assert status == 200
+    assert headers["content-type"].startswith("text/event-stream")
+    assert headers["cache-control"] == "no-cache"
+    assert headers["x-accel-buffering"] == "no"
+    events = sse_events(payload)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len({c["id"] for c in chunks}) == 1
+    finished = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"] is not None]
+    assert len(finished) == 1 and finished[0]["choices"][0]["finish_reason"] in ("stop", "length")
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] >= 1
+    assert chunks.index(finished[0]) == len(chunks) - 2  # usage comes after the finish chunk
+    if path.endswith("chat/completions"):
+        assert chunks[0]["object"] == "chat.completion.chunk"
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    else:
+        assert chunks[0]["object"] == "text_completion"
+
+
+@pytest.mark.slow
+def test_invalid_streaming_request_is_refused_before_any_event(shared_server: Server) -> None:
+    request = {"model": "out", "prompt": "def", "stream": True, "temperature": "hot"}
+    status, headers, payload = call(shared_server.url, "POST", "/v1/completions", request)
+    assert status == 400 and headers["content-type"] == "application/json"
+    assert_error_shape(payload, "temperature")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("raw", "status", "param"),
+    [
+        (b"{not json", 400, None),
+        (b"[1, 2]", 400, None),
+        (b'{"model": "out"}', 400, "prompt"),
+        (b'{"model": "out", "prompt": ["a", "b"]}', 400, "prompt"),
+        (b'{"model": "out", "prompt": [99999]}', 400, "prompt"),
+        (b'{"model": 3, "prompt": "a"}', 400, "model"),
+        (b'{"model": "nope", "prompt": "a"}', 404, "model"),
+        (b'{"model": "out", "prompt": "a", "presence_penalty": 0.5}', 400, "presence_penalty"),
+        (b'{"model": "out", "prompt": "a\\ud800b"}', 400, None),
+    ],
+)
+def test_error_shapes(shared_server: Server, raw: bytes, status: int, param: str | None) -> None:
+    got, headers, payload = call(shared_server.url, "POST", "/v1/completions", raw=raw)
+    assert got == status and headers["content-type"] == "application/json"
+    error = assert_error_shape(payload, param)
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.slow
+def test_chat_message_errors_name_the_message(shared_server: Server) -> None:
+    for messages, param in (
+        ([], "messages"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        ([{"content": "hi"}], "messages[0].role"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content[0]"),
+    ):
+        status, _, payload = call(
+            shared_server.url, "POST", "/v1/chat/completions", {"model": "out", "messages": messages}
+        )
+        assert status == 400
+        assert_error_shape(payload, param)
+
+
+@pytest.mark.slow
+def test_unknown_fields_are_ignored(shared_server: Server) -> None:
+    request = {"model": "out", "prompt": "def", "max_tokens": 3, "temperature": 0, "user": "x", "logit_bias": {}}
+    status, _, payload = call(shared_server.url, "POST", "/v1/completions", request)
+    assert status == 200 and json.loads(payload)["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.slow
+def test_routes_and_methods(shared_server: Server) -> None:
+    status, _, payload = call(shared_server.url, "GET", "/v2/nothing")
+    assert status == 404
+    assert_error_shape(payload)
+    status, headers, payload = call(shared_server.url, "GET", "/v1/completions")
+    assert status == 405 and headers["allow"] == "POST"
+    assert_error_shape(payload)
+    status, _, payload = call(shared_server.url, "GET", "/health")
+    assert status == 200
+    status, headers, payload = call(shared_server.url, "GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    assert b"# TYPE kvforge:time_to_first_token_seconds histogram" in payload
+    status, _, payload = call(shared_server.url, "GET", "/openapi.json")
+    assert status == 200 and json.loads(payload)["openapi"].startswith("3.")
+
+
+@pytest.mark.slow
+def test_keep_alive_serves_several_requests_on_one_connection(shared_server: Server) -> None:
+    conn = connect(shared_server.url)
+    try:
+        for stream in (True, False, True):
+            body = {"model": "out", "prompt": "def", "max_tokens": 3, "temperature": 0, "stream": stream}
+            conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            payload = response.read()
+            assert response.status == 200
+            assert (payload.endswith(b"data: [DONE]\n\n")) == stream
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def loading_server() -> Iterator[str]:
+    """The HTTP side with no engine yet: what clients see while the model loads."""
+    server = _Server(("127.0.0.1", 0), App(Metrics()))
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_while_loading_health_and_generation_are_503(loading_server: str) -> None:
+    status, _, payload = call(loading_server, "GET", "/health")
+    assert status == 503 and "loading" in assert_error_shape(payload)["message"]
+    status, _, payload = call(loading_server, "GET", "/v1/models")
+    assert status == 503
+    status, _, payload = call(loading_server, "POST", "/v1/completions", {"model": "out", "prompt": "a"})
+    assert status == 503
+    assert_error_shape(payload)
+    status, _, _ = call(loading_server, "GET", "/metrics")
+    assert status == 200
+
+
+class _FailingDecode:
+    """The artifact's session, failing every decode step after the first few."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.io, self.decodes = inner, inner.io, 0
+
+    def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        if feeds["input_ids"].shape[1] == 1:
+            self.decodes += 1
+            if self.decodes > 3:
+                raise RuntimeError("injected decode failure")
+        return dict(self.inner.run(feeds))
+
+
+@pytest.mark.slow
+def test_an_engine_failure_mid_stream_is_an_error_event_and_health_turns_503(tiny_artifact: Any) -> None:
+    from runners.engine import Engine
+    from runners.serve.scheduler import BatchScheduler
+
+    engine = Engine.load(tiny_artifact)
+    app = App(Metrics())
+    scheduler = BatchScheduler(
+        _FailingDecode(engine.session),
+        max_positions=engine.max_positions,
+        eos_ids=engine.eos_ids,
+        max_num_seqs=2,
+        max_queued=2,
+        prefill_chunk=16,
+        metrics=app.metrics,
+    )
+    scheduler.start()
+    app.engine, app.scheduler, app.name = engine, scheduler, "out"
+    server = _Server(("127.0.0.1", 0), app)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        request = {"model": "out", "prompt": "def", "max_tokens": 50, "temperature": 0, "stream": True}
+        status, headers, payload = call(url, "POST", "/v1/completions", request)
+        assert status == 200 and headers["content-type"].startswith("text/event-stream")
+        events = sse_events(payload)
+        assert events[-1] == "[DONE]"
+        assert "injected decode failure" in assert_error_shape(events[-2].encode())["message"]
+        assert all("choices" in json.loads(e) for e in events[:-2])
+        status, _, payload = call(url, "GET", "/health")
+        assert status == 503 and "engine failed" in assert_error_shape(payload)["message"]
+        status, _, _ = call(url, "POST", "/v1/completions", request | {"stream": False})
+        assert status == 503
+    finally:
+        server.shutdown()
+        server.server_close()
+        scheduler.stop()
