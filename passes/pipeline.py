@@ -7,6 +7,7 @@ constructor arguments, and those arguments are recorded in the report.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -30,7 +31,10 @@ from passes.fuse_norm import norm_fusion
 from passes.fuse_rotary import rotary_fusion
 from passes.last_position import LastPositionLogits
 from passes.pack_matmul import pack_gate_up, pack_qkv
+from passes.quantize import QuantizeWeights, WeightQuantization
 from passes.rewrite import FusionPass
+from passes.tensorrt import tensorrt_form
+from passes.tensorrt_check import RequireTensorRT
 
 # Constant folding only touches tensors up to this many elements: shape arithmetic and
 # small tables fold, weight matrices keep their checkpoint names.
@@ -114,9 +118,32 @@ def fixed_cache() -> list[PassBase]:
     return [PastLengthFromMask(), attention_scatter(), RequireOpset(24, ("TensorScatter",))]
 
 
+def quantize(target: str, weights: WeightQuantization) -> list[PassBase]:
+    """Weight-only quantization in the form the target's runtime reads: onnxruntime's
+    MatMulNBits for its own targets, standard block-wise DequantizeLinear + MatMul otherwise."""
+    return [weights.make_pass(QUANTIZATION_FORMS.get(target, "dequantize_linear"))]
+
+
+QUANTIZATION_FORMS = {"ort-cpu": "matmul_nbits"}
+
+
+def tensorrt(capacity: int) -> list[PassBase]:
+    """The portable graph restricted to what TensorRT's ONNX parser imports natively: a
+    fixed-length cache of `capacity` positions, a boolean mask built with BOOL-capable ops,
+    RotaryEmbedding over position_ids (passes/tensorrt.py has each constraint's source)."""
+    return list(tensorrt_form(capacity))
+
+
+def finalize_tensorrt() -> list[PassBase]:
+    """The canonical clean-up, then the postcondition: every node one the parser imports."""
+    return [*canonicalize(), RequireTensorRT()]
+
+
 # target -> phases, in order. A phase is a name and the passes it runs. `finalize`
 # re-runs the canonical clean-up: fusions leave shape ops and transposes that now cancel.
-PIPELINES: dict[str, list[tuple[str, Callable[[], list[PassBase]]]]] = {
+# A phase's factory may take the build's settings by keyword (`capacity`); `phases` passes
+# those it names.
+PIPELINES: dict[str, list[tuple[str, Callable[..., list[PassBase]]]]] = {
     "onnx": [
         ("canonicalize", canonicalize),
         ("fuse", fuse),
@@ -124,7 +151,21 @@ PIPELINES: dict[str, list[tuple[str, Callable[[], list[PassBase]]]]] = {
         ("fixed-cache", fixed_cache),
         ("finalize", canonicalize),
     ],
-    "ort-cpu": [("canonicalize", canonicalize), ("fuse", fuse), ("lower-ort", lower_ort), ("finalize", canonicalize)],
+    "ort-cpu": [
+        ("canonicalize", canonicalize),
+        ("fuse", fuse),
+        ("pack", pack),
+        ("lower-ort", lower_ort),
+        ("finalize", canonicalize),
+    ],
+    "tensorrt": [
+        ("canonicalize", canonicalize),
+        ("fuse", fuse),
+        ("pack", pack),
+        ("fixed-cache", fixed_cache),
+        ("tensorrt", tensorrt),
+        ("finalize", finalize_tensorrt),
+    ],
 }
 TARGETS = tuple(PIPELINES)
 
@@ -177,7 +218,10 @@ class PassReport:
             return "every expected fusion fired"
         lines = []
         for fusion, reasons in self.missed.items():
-            lines.append(f"fusion {fusion} fired fewer times than expected:")
+            if fusion == QuantizeWeights.__name__:
+                lines.append("weights left at full precision:")
+            else:
+                lines.append(f"fusion {fusion} fired fewer times than expected:")
             lines.extend(f"  {reason}" for reason in reasons)
         return "\n".join(lines)
 
@@ -189,32 +233,63 @@ def histogram(model: ir.Model) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def run(model: ir.Model, target: str, expected: Mapping[str, int] | None = None) -> PassReport:
+def phases(
+    target: str, weights: WeightQuantization | None = None, capacity: int | None = None
+) -> list[tuple[str, list[PassBase]]]:
+    """The target's phases with their passes; quantization, when asked for, runs just before
+    `finalize`, after the fusions and packing whose MatMuls it quantizes."""
+    if target not in PIPELINES:
+        raise KeyError(f"no pass pipeline for target {target!r}; known: {', '.join(PIPELINES)}")
+    settings = {"capacity": capacity}
+    result = [(phase, _make(make_passes, settings)) for phase, make_passes in PIPELINES[target]]
+    if weights is not None:
+        result.insert(len(result) - 1, ("quantize", quantize(target, weights)))
+    return result
+
+
+def run(
+    model: ir.Model,
+    target: str,
+    expected: Mapping[str, int] | None = None,
+    weights: WeightQuantization | None = None,
+    capacity: int | None = None,
+) -> PassReport:
     """Run the target's pipeline on `model` in place and report what each pass did.
 
     `expected` maps fusion pass names to how often they should fire for this model; a
     fusion that falls short is explained (closest match, failed constraint) in `missed`.
+    `weights` adds the weight-only quantization phase. `capacity` is the fixed KV-cache
+    length of a target that needs one (`tensorrt`).
     """
-    if target not in PIPELINES:
-        raise KeyError(f"no pass pipeline for target {target!r}; known: {', '.join(PIPELINES)}")
     expected = dict(expected or {})
     report = PassReport(target, histogram_before=histogram(model))
-    for phase, make_passes in PIPELINES[target]:
-        for p in make_passes():
+    for phase, passes in phases(target, weights, capacity):
+        for p in passes:
             before = len(model.graph)
             start = time.perf_counter()
             result = p(model)
             seconds = time.perf_counter() - start
             model = result.model
             name = pass_name(p)
-            fusions = dict(p.counts) if isinstance(p, FusionPass) else {}
+            fusions = dict(p.counts) if isinstance(p, (FusionPass, QuantizeWeights)) else {}
             report.passes.append(
                 PassRecord(phase, name, _config(p), result.modified, before, len(model.graph), seconds, fusions)
             )
             if isinstance(p, FusionPass) and name in expected and sum(fusions.values()) < expected[name]:
                 report.missed[name] = [str(miss) for miss in p.explain(model)]
+            if isinstance(p, QuantizeWeights) and p.counts["skipped"]:
+                report.missed[name] = [f"{w}: {why}" for w, why in p.skipped.items() if not why.startswith("kept")]
     report.histogram_after = histogram(model)
     return report
+
+
+def _make(make_passes: Callable[..., list[PassBase]], settings: Mapping[str, Any]) -> list[PassBase]:
+    """Call a phase factory with the settings its signature names; a required one left unset is an error."""
+    wanted = inspect.signature(make_passes).parameters
+    missing = [name for name in wanted if settings.get(name) is None]
+    if missing:
+        raise ValueError(f"pass phase {make_passes.__name__} needs {', '.join(missing)}; pass it to pipeline.run")
+    return make_passes(**{name: settings[name] for name in wanted})
 
 
 def pass_name(p: PassBase) -> str:

@@ -9,7 +9,7 @@ best partial match stopped and the constraint that failed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import onnx_ir as ir
@@ -46,6 +46,7 @@ class FusionPass(InPlacePass):
     def call(self, model: ir.Model) -> PassResult:
         before = _node_ids(model)
         self.counts = {name: RewriteRuleSet([rule]).apply_to_model(model) for name, rule in self._rules.items()}
+        _release_matched_graphs(self._rules.values())
         # The rewriter also drops nodes left without uses, so a rule count of 0 is not "unchanged".
         return PassResult(model, modified=any(self.counts.values()) or _node_ids(model) != before)
 
@@ -56,8 +57,21 @@ class FusionPass(InPlacePass):
             tracer = MatchingTracer()
             RewriteRuleSet([rule]).apply_to_model(model, tracer=tracer)
             misses.append(_closest_miss(name, tracer))
+        _release_matched_graphs(self._rules.values())
         _detach_unplaced_users(model)
         return misses
+
+
+def _release_matched_graphs(rules: Iterable[RewriteRule]) -> None:
+    """Forget the graph each rule's matcher last looked at. onnxscript's matchers keep a
+    reference to it (and to the node and match), and many rules are module-level objects
+    shared by every build in the process: without this, the last graph a rule saw, with all
+    its weights, stays in memory until the process ends."""
+    for rule in rules:
+        matcher = getattr(rule, "_matcher", None)
+        for attribute in ("_graph", "_current_node", "_match"):
+            if matcher is not None and hasattr(matcher, attribute):
+                setattr(matcher, attribute, None)
 
 
 def _detach_unplaced_users(model: ir.Model) -> None:

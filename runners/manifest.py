@@ -15,7 +15,10 @@ from runners.contract import DecoderIO
 from runners.errors import ArtifactError
 
 MANIFEST = "manifest.json"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+# Version 3 only adds fields (io.capacity, flags.weights, engine, the distribution report):
+# artifacts of version 2 read the same.
+READABLE_SCHEMA_VERSIONS = (2, 3)
 _CHUNK = 1 << 20
 # Bounds on the io section's sizes, checked before DecoderIO derives names from them: a
 # manifest claiming 10**12 layers must fail at once, not while listing their inputs.
@@ -66,9 +69,10 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise ArtifactError(f"{path}: a symlink, not a plain file; rebuild the artifact")
     manifest = read_json_object(path)
     version = manifest.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if isinstance(version, bool) or version not in READABLE_SCHEMA_VERSIONS:
         raise ArtifactError(
-            f"{path}: schema_version {_short(version)} is not supported (expected {SCHEMA_VERSION}); "
+            f"{path}: schema_version {_short(version)} is not supported (expected one of "
+            f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}); "
             "rebuild the artifact with this kvforge version"
         )
     return manifest

@@ -8,10 +8,11 @@ published, and a previous artifact stays as it was.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -21,18 +22,32 @@ import onnx_ir as ir
 
 from passes import pipeline
 from passes.pipeline import PassReport
+from passes.quantize import WeightQuantization
+from passes.tensorrt_check import UnsupportedByTensorRT
 from runners.contract import DecoderIO
 from runners.errors import ArtifactError
 from runners.manifest import MANIFEST, read_manifest, verify_files
-from runners.session import OrtSession
+from runners.session import OrtSession, Session
+from runners.tokenizer import TokenizerBundle
 from runners.torch_session import TorchSession
 from toolchain import checkpoint as checkpoints
 from toolchain import emit, manifest
+from toolchain.emit import tensorrt as trt_engine
 from toolchain.export import DecoderWrapper, eager_model, export_decoder
+from toolchain.footprint import footprint, format_bytes
 from toolchain.lower import OPSET, apply_contract, to_onnx
 from toolchain.publish import check_output, publish, staged
 from toolchain.spec import DecoderSpec
-from toolchain.verify import ParityReport, check_parity, require_parity
+from toolchain.verify import (
+    DistributionReport,
+    ParityReport,
+    check_distribution,
+    compare_with_reference,
+    gate_tokens,
+    record_reference,
+    reference_log_probs,
+    require_parity,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +61,14 @@ class BuildOptions:
     allow_pickle: bool = False
     decode_steps: int = 8
     target: str = DEFAULT_TARGET
+    weights: WeightQuantization | None = None  # None: weights stay in the compute dtype
+    capacity: int | None = None  # tensorrt: the fixed KV-cache length S_max (None: the model's context)
+    engine: trt_engine.EngineOptions = trt_engine.EngineOptions()  # tensorrt, where TensorRT and a GPU are present
+    # Refuse up front when the runtime footprint (weights + KV cache for memory_batch sequences
+    # of memory_seq tokens; None: the model's context) exceeds this many bytes.
+    device_memory: int | None = None
+    memory_batch: int = 1
+    memory_seq: int | None = None
 
     def flags(self) -> dict[str, Any]:
         """What determines the artifact's bytes (not `force`, which only says where they may go)."""
@@ -55,16 +78,18 @@ class BuildOptions:
             "opset": OPSET,
             "allow_pickle": self.allow_pickle,
             "decode_steps": self.decode_steps,
-        }
+            "weights": None if self.weights is None else self.weights.to_dict(),
+        } | ({"capacity": self.capacity} if self.target == "tensorrt" else {})
 
 
 @dataclass
 class BuildResult:
     output: Path
     manifest: dict[str, Any]
-    parity: ParityReport
+    parity: ParityReport | DistributionReport
     passes: PassReport
     seconds: dict[str, float] = field(default_factory=dict)
+    next_step: str | None = None  # what completes the artifact elsewhere (tensorrt without TensorRT here)
 
 
 def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptions()) -> BuildResult:
@@ -77,32 +102,50 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
     spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
     checkpoints.check_against_spec(ckpt, spec)
     io = DecoderIO.for_spec(spec)
+    if options.device_memory is not None:
+        _check_fits(ckpt, spec, options)
+    if options.target == "tensorrt":
+        options = _tensorrt_options(options, spec)
     with _timed(seconds, "load"):
         model = eager_model(ckpt, spec)
+    with _timed(seconds, "reference"):  # the eager side of the gate, now: its weights are freed before verify
+        gate = _record_gate(TorchSession(DecoderWrapper(model, spec.num_layers), io), options.flags(), spec, ckpt.path)
     with _timed(seconds, "export"):
         program = export_decoder(model, spec, io)
     with _timed(seconds, "lower"):
         onnx_model = to_onnx(program, io)
     del program
     with _timed(seconds, "passes"):
-        pass_report = pipeline.run(onnx_model, options.target, expected_fusions(spec))
-    graph_io = _graph_contract(onnx_model, io)
+        try:
+            pass_report = pipeline.run(
+                onnx_model, options.target, expected_fusions(spec), options.weights, capacity=options.capacity
+            )
+        except UnsupportedByTensorRT as e:
+            raise ArtifactError(f"{checkpoint_dir}: {e}") from e
+    graph_io = _graph_contract(onnx_model, io, options.capacity)
+    engine_entry: dict[str, Any] | None = None
+    next_step = None
     try:
         with staged(output) as staging:
             with _timed(seconds, "emit"):
                 emit.write_onnx(onnx_model, staging)
-                del onnx_model
+                del onnx_model, model  # the compiled session never shares the machine with the eager weights
+                gc.collect()
                 emit.copy_tokenizer(ckpt, staging)
                 emit.write_generation_config(ckpt, spec, staging)
             with _timed(seconds, "verify"):
-                report = check_parity(
-                    TorchSession(DecoderWrapper(model, spec.num_layers), io),
-                    OrtSession(staging / emit.MODEL_FILE, graph_io),
-                    max_positions=spec.max_positions,
-                    dtype=COMPUTE_DTYPE,
-                    decode_steps=options.decode_steps,
-                )
+                report = gate(OrtSession(staging / emit.MODEL_FILE, graph_io))
                 require_parity(report, str(checkpoint_dir))
+            if options.target == "tensorrt":
+                if (missing := trt_engine.unavailable()) is None:
+                    with _timed(seconds, "engine"):
+                        engine_entry = trt_engine.build_engine(staging, graph_io, options.engine)
+                else:
+                    next_step = (
+                        f"the graph is built and verified; {missing}, so no engine was built: run "
+                        f"`kvforge build-engine {output}` on a machine with TensorRT >= {trt_engine.MIN_TENSORRT} "
+                        "and a GPU to add it"
+                    )
             written = manifest.write(
                 staging,
                 spec=spec,
@@ -112,15 +155,18 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
                 passes=pass_report.to_dict(timings=False),
                 parity=report.to_dict(),
             )
+            if engine_entry is not None:
+                written = trt_engine.with_engine(written, staging, engine_entry)
+                emit.write_json(staging / MANIFEST, written)
             publish(staging, output)
     except OSError as e:  # a full disk, a read-only or vanished directory: nothing was published
         where = e.filename or output.parent
         raise ArtifactError(f"{where}: cannot write the artifact ({e.strerror or e}); nothing was published") from e
     log.info("published %s (%s)", output, report.summary())
-    return BuildResult(output, written, report, pass_report, seconds)
+    return BuildResult(output, written, report, pass_report, seconds, next_step)
 
 
-def verify(artifact: Path, checkpoint_dir: Path, *, allow_pickle: bool = False) -> ParityReport:
+def verify(artifact: Path, checkpoint_dir: Path, *, allow_pickle: bool = False) -> ParityReport | DistributionReport:
     """Re-run the parity gate of a published artifact against its checkpoint."""
     recorded = read_manifest(artifact)
     verify_files(artifact, recorded)
@@ -134,15 +180,49 @@ def verify(artifact: Path, checkpoint_dir: Path, *, allow_pickle: bool = False) 
     checkpoints.check_against_spec(ckpt, spec)
     io = DecoderIO.from_dict(recorded["io"])
     model = eager_model(ckpt, spec)
-    report = check_parity(
-        TorchSession(DecoderWrapper(model, spec.num_layers), replace(io, kv_mode="concat")),
-        OrtSession(artifact / emit.MODEL_FILE, io),
-        max_positions=spec.max_positions,
-        dtype=recorded["flags"]["dtype"],
-        decode_steps=recorded["flags"]["decode_steps"],
-    )
+    eager = TorchSession(DecoderWrapper(model, spec.num_layers), replace(io, kv_mode="concat"))
+    gate = _record_gate(eager, recorded["flags"], spec, artifact)
+    del model, eager
+    gc.collect()
+    report = gate(OrtSession(artifact / emit.MODEL_FILE, io))
     require_parity(report, str(artifact))
     return report
+
+
+def _record_gate(
+    reference: Session, flags: dict[str, Any], spec: DecoderSpec, tokenizer_dir: Path
+) -> Callable[[Session], ParityReport | DistributionReport]:
+    """The verification gate the build's flags call for, its eager side run now: returns the
+    check of a compiled session against what the eager model gave. Within the dtype's
+    tolerance, or, for quantized weights, the same next-token distributions on the gate texts."""
+    weights = flags.get("weights")
+    if weights is None:
+        reference_run = record_reference(
+            reference, max_positions=spec.max_positions, decode_steps=flags["decode_steps"]
+        )
+        return lambda candidate: compare_with_reference(
+            reference_run, candidate, max_positions=spec.max_positions, dtype=flags["dtype"]
+        )
+    tokens = gate_tokens(TokenizerBundle.load(tokenizer_dir).encode)
+    expected = reference_log_probs(reference, tokens)
+    return lambda candidate: check_distribution(expected, candidate, tokens, f"int{weights['bits']}")
+
+
+def _check_fits(ckpt: checkpoints.Checkpoint, spec: DecoderSpec, options: BuildOptions) -> None:
+    """Refuse, before any work, a build whose artifact would not fit in --device-memory."""
+    assert options.device_memory is not None
+    seq = options.memory_seq or spec.max_positions
+    fp = footprint(ckpt, spec, batch=options.memory_batch, seq=seq)
+    precision = "fp32" if options.weights is None else options.weights.name
+    weights, kv = fp.weight_bytes_at[precision], fp.kv_bytes_total["fp32"]
+    if weights + kv > options.device_memory:
+        raise ArtifactError(
+            f"{ckpt.path}: the built model needs {format_bytes(weights + kv)} at run time ({precision} weights "
+            f"{format_bytes(weights)} + fp32 KV cache {format_bytes(kv)} for batch {options.memory_batch} × "
+            f"{seq} tokens), more than --device-memory {format_bytes(options.device_memory)}; "
+            + ("quantize the weights (--weights int4), " if precision != "int4" else "")
+            + "plan for a smaller --batch or --seq, or a larger device"
+        )
 
 
 def expected_fusions(spec: DecoderSpec) -> dict[str, int]:
@@ -150,7 +230,22 @@ def expected_fusions(spec: DecoderSpec) -> dict[str, int]:
     return {"attention": spec.num_layers, "attention_ort": spec.num_layers, "attention_scatter": spec.num_layers}
 
 
-def _graph_contract(model: ir.Model, io: DecoderIO) -> DecoderIO:
+def _tensorrt_options(options: BuildOptions, spec: DecoderSpec) -> BuildOptions:
+    """The tensorrt target's settings, resolved and checked before any work."""
+    capacity = options.capacity if options.capacity is not None else spec.max_positions
+    if not 1 <= capacity <= spec.max_positions:
+        raise ArtifactError(
+            f"--capacity {capacity} must be between 1 and the model's context of {spec.max_positions} positions"
+        )
+    if options.weights is not None and not options.weights.symmetric:
+        raise ArtifactError(
+            "--target tensorrt takes symmetric weight quantization only (TensorRT requires a zero zero-point); "
+            "drop the asymmetric setting"
+        )
+    return replace(options, capacity=capacity)
+
+
+def _graph_contract(model: ir.Model, io: DecoderIO, capacity: int | None = None) -> DecoderIO:
     """The contract the passes made of the exported one, applied to the graph's I/O:
     `shared` KV when every present tensor comes from an op that updates the cache in
     place, `last` logits when the LM head only sees the last position."""
@@ -162,7 +257,12 @@ def _graph_contract(model: ir.Model, io: DecoderIO) -> DecoderIO:
     )
     logits_shape = outputs["logits"].shape
     last_only = logits_shape is not None and len(logits_shape) == 3 and logits_shape[1] == 1
-    final = replace(io, kv_mode="shared" if in_place else "concat", logits_positions="last" if last_only else "all")
+    final = replace(
+        io,
+        kv_mode="shared" if in_place else "concat",
+        logits_positions="last" if last_only else "all",
+        capacity=capacity if in_place else None,
+    )
     apply_contract(model.graph, final)
     return final
 

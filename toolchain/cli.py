@@ -52,11 +52,42 @@ def main(verbose: bool) -> None:
 @click.option("--force", is_flag=True, help="Replace an existing artifact at --output.")
 @click.option(
     "--target",
-    type=click.Choice(["ort-cpu", "onnx"]),
+    type=click.Choice(["ort-cpu", "onnx", "tensorrt"]),
     default="ort-cpu",
     show_default=True,
-    help="ort-cpu: onnxruntime's fused ops and an in-place KV cache; onnx: standard ONNX ops only (portable).",
+    help="ort-cpu: onnxruntime's fused ops and an in-place KV cache; onnx: standard ONNX ops only (portable); "
+    "tensorrt: the portable graph as TensorRT's parser takes it, plus the engine where TensorRT and a GPU are present.",
 )
+@click.option(
+    "--capacity",
+    type=click.IntRange(1),
+    default=None,
+    help="tensorrt: the KV cache's fixed length S_max (prompt + new tokens). Default: the model's context.",
+)
+@click.option(
+    "--weights",
+    type=click.Choice(["int8", "int4"]),
+    default=None,
+    help="Weight-only quantization of the MatMul weights (round to nearest, block-wise). Default: none.",
+)
+@click.option(
+    "--block-size", type=click.Choice(["32", "64", "128"]), default="32", show_default=True, help="Weights per scale."
+)
+@click.option("--asymmetric", is_flag=True, help="Quantize with a zero point per block (default: symmetric).")
+@click.option(
+    "--keep",
+    multiple=True,
+    metavar="PATTERN",
+    help="Leave weights whose name matches this glob at full precision (repeatable); 'lm_head' names the LM head.",
+)
+@click.option(
+    "--device-memory",
+    metavar="SIZE",
+    default=None,
+    help="Refuse up front if weights + KV cache (for --batch × --seq) exceed SIZE, e.g. 24GiB.",
+)
+@click.option("--batch", default=1, show_default=True, type=click.IntRange(1), help="Sequences, for --device-memory.")
+@click.option("--seq", default=None, type=click.IntRange(1), help="Tokens per sequence, for --device-memory.")
 @click.option("--report", is_flag=True, help="Print what each graph pass did (nodes before/after, fusions, time).")
 @click.option("--explain", is_flag=True, help="For each expected fusion that did not fire: the node and the reason.")
 @click.option(
@@ -74,17 +105,40 @@ def build(
     checkpoint: Path,
     output: Path,
     target: str,
+    weights: str | None,
+    block_size: str,
+    asymmetric: bool,
+    keep: tuple[str, ...],
+    device_memory: str | None,
+    batch: int,
+    seq: int | None,
     force: bool,
     report: bool,
     explain: bool,
     allow_pickle: bool,
     decode_steps: int,
+    capacity: int | None,
 ) -> None:
     """Export CHECKPOINT, lower it to ONNX, verify it against the eager model, publish it to -o."""
+    from passes.quantize import WeightQuantization
     from toolchain.build import BuildOptions
     from toolchain.build import build as run_build
+    from toolchain.footprint import parse_bytes
 
-    options = BuildOptions(force=force, allow_pickle=allow_pickle, decode_steps=decode_steps, target=target)
+    quantization = None
+    if weights is not None:
+        quantization = WeightQuantization(int(weights[3:]), int(block_size), not asymmetric, keep)
+    options = BuildOptions(
+        force=force,
+        allow_pickle=allow_pickle,
+        decode_steps=decode_steps,
+        target=target,
+        weights=quantization,
+        capacity=capacity,
+        device_memory=None if device_memory is None else parse_bytes(device_memory),
+        memory_batch=batch,
+        memory_seq=seq,
+    )
     result = run_build(checkpoint, output, options)
     if report:
         click.echo(result.passes.summary(), err=True)
@@ -93,6 +147,49 @@ def build(
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items())
     click.echo(f"built {result.output} ({stages})", err=True)
     click.echo(result.parity.summary(), err=True)
+    if result.next_step:
+        click.echo(result.next_step, err=True)
+
+
+@main.command("build-engine")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1), help="Rows per step, both profiles.")
+@click.option(
+    "--max-prefill",
+    default=None,
+    type=click.IntRange(1),
+    help="New tokens per row in one prefill step; longer prompts are prefilled in chunks. Default: 512 or the "
+    "capacity, the smaller.",
+)
+@click.option(
+    "--opt-batch", default=1, show_default=True, type=click.IntRange(1), help="The batch kernels are tuned for."
+)
+@click.option(
+    "--optimization-level", default=3, show_default=True, type=click.IntRange(0, 5), help="TensorRT builder level."
+)
+@click.option(
+    "--workspace-mib", default=None, type=click.IntRange(1), help="Workspace memory limit. Default: TensorRT's."
+)
+@click.option(
+    "--timing-cache",
+    "timing_cache_dir",
+    default="~/.cache/kvforge/tensorrt",
+    show_default=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Directory of timing caches, one per TensorRT version and GPU.",
+)
+@_guarded
+def build_engine(artifact: Path, **engine: Any) -> None:
+    """Build the TensorRT engine of ARTIFACT (a --target tensorrt artifact) on this GPU machine."""
+    from toolchain.emit.tensorrt import EngineOptions, add_engine
+
+    written = add_engine(artifact, EngineOptions(**engine))
+    entry = written["engine"]
+    click.echo(
+        f"built {artifact / entry['file']} (TensorRT {entry['tensorrt']}, {entry['gpu']}, "
+        f"compute capability {entry['compute_capability']}, capacity {entry['capacity']})",
+        err=True,
+    )
 
 
 @main.command()
@@ -179,6 +276,50 @@ def bench(
         click.echo(json.dumps(data, indent=2))
     else:
         click.echo(format_results(results, skipped, bandwidth))
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port (0: a free one).")
+@click.option("--served-model-name", default=None, help="Model name clients pass. Default: ARTIFACT's directory name.")
+@click.option(
+    "--max-num-seqs", default=8, show_default=True, type=click.IntRange(1), help="Requests generating at once."
+)
+@click.option(
+    "--max-queued", default=64, show_default=True, type=click.IntRange(0), help="Requests waiting; beyond: 429."
+)
+@click.option(
+    "--prefill-chunk",
+    default=256,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Prompt tokens prefilled per engine step.",
+)
+@click.option(
+    "--drain-timeout",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="Seconds SIGTERM waits for in-flight requests.",
+)
+@_guarded
+def serve(
+    artifact: Path,
+    host: str,
+    port: int,
+    served_model_name: str | None,
+    max_num_seqs: int,
+    max_queued: int,
+    prefill_chunk: int,
+    drain_timeout: float,
+) -> None:
+    """Serve ARTIFACT over an OpenAI-compatible HTTP API with continuous batching."""
+    from runners.serve import ServeOptions
+    from runners.serve import serve as run_serve
+
+    options = ServeOptions(host, port, served_model_name, max_num_seqs, max_queued, prefill_chunk, drain_timeout)
+    run_serve(artifact, options, announce=lambda line: click.echo(f"kvforge serve: {line}", err=True))
 
 
 @main.command()

@@ -17,8 +17,8 @@ from toolchain.spec import DecoderSpec
 
 logger = logging.getLogger(__name__)
 
-QUANT_BLOCK = 32  # weights per quantization block, along the input (reduction) dimension
-SCALE_BYTES = 2  # one fp16 scale per block
+QUANT_BLOCK = 32  # weights per quantization block, along the input (reduction) dimension (--block-size)
+COMPUTE_BYTES = 4  # builds compute in fp32: scales and the weights that stay unquantized are fp32
 WEIGHT_PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
 KV_PRECISIONS: dict[str, int] = {"fp32": 4, "fp16": 2}
 _BITS = {"int8": 8, "int4": 4}
@@ -45,6 +45,7 @@ _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".atte
 _HEAD_NAMES = ("lm_head.weight", "embed_out.weight")
 # Embedding tables (token and learned position): looked up, not multiplied, so never quantized.
 _EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "wpe.weight", "embed_in.weight")
+_TOKEN_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "embed_in.weight")
 # Architectures whose 2-D matmul weights are stored [in_features, out_features] (Conv1D).
 _INPUT_FIRST = frozenset({"gpt2"})
 
@@ -58,11 +59,12 @@ class Footprint:
     """Weight and KV-cache memory of one model, in bytes.
 
     `weight_bytes_at` gives exact bytes at each precision. "fp32" / "fp16" store every
-    parameter at that width. "int8" / "int4" use block-wise symmetric quantization as
-    onnxruntime's MatMulNBits stores it: each 2-D matmul weight is cut along its input
-    dimension into blocks of 32 (the last block padded to 32) holding 8- or 4-bit values
-    plus one fp16 scale per block, no zero points; embeddings (token and position
-    tables, and the output head when it is tied to them), norms and biases stay fp16.
+    parameter at that width. "int8" / "int4" are what `kvforge build --weights int8|int4`
+    stores (symmetric, block 32, fp32 compute): each 2-D matmul weight is cut along its input
+    dimension into blocks of 32 (the last block padded to 32, as MatMulNBits stores it)
+    holding 8- or 4-bit codes plus one fp32 scale per block; embedding tables, norms and
+    biases stay fp32, and an output head tied to the embeddings is quantized as a copy of
+    its own (the lookup still reads the fp32 table).
     """
 
     parameters_by_dtype: dict[str, int]  # stored dtype name ("F32", "BF16", ...) -> count
@@ -153,7 +155,10 @@ def _bytes_at(precision: str, params: Mapping[str, TensorMeta], spec: DecoderSpe
         if len(shape) == 2 and not name.endswith(_EMBEDDING_SUFFIXES):
             total += quantized_bytes(_out_in(name, shape, spec), _BITS[precision])
         else:
-            total += 2 * math.prod(shape)
+            total += COMPUTE_BYTES * math.prod(shape)
+    if spec.tied_embeddings:  # the head's quantized copy of the token table, [vocab, hidden]
+        tables = [shape for name, (_, shape) in params.items() if name.endswith(_TOKEN_EMBEDDINGS) and len(shape) == 2]
+        total += sum(quantized_bytes((shape[0], shape[1]), _BITS[precision]) for shape in tables[:1])
     return total
 
 
@@ -166,10 +171,10 @@ def _out_in(name: str, shape: tuple[int, ...], spec: DecoderSpec) -> tuple[int, 
 
 
 def quantized_bytes(out_in: tuple[int, int], bits: int, block: int = QUANT_BLOCK) -> int:
-    """Bytes of an [out, in] weight quantized in blocks of `block` inputs, one fp16 scale each."""
+    """Bytes of an [out, in] weight quantized in blocks of `block` inputs, one fp32 scale each."""
     out_features, in_features = out_in
     blocks = out_features * math.ceil(in_features / block)
-    return blocks * (block * bits // 8 + SCALE_BYTES)
+    return blocks * (block * bits // 8 + COMPUTE_BYTES)
 
 
 # --- the CLI's table ----------------------------------------------------------------------
@@ -198,11 +203,32 @@ def format_footprint(fp: Footprint, spec: DecoderSpec) -> str:
 
 
 def _precision_label(precision: str) -> str:
-    return precision if precision not in _BITS else f"{precision} (block {QUANT_BLOCK}, fp16 scales)"
+    return precision if precision not in _BITS else f"{precision} (block {QUANT_BLOCK}, fp32 scales and rest)"
 
 
 def _size_row(label: str, nbytes: int) -> str:
     return _row(f"  {label}", f"{nbytes:,}", _gib(nbytes))
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20}
+_UNITS |= {"GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '512 MiB', '16GB', '1000000' -> bytes."""
+    number = text.strip().rstrip("bBiIkKmMgGtT ")
+    unit = text.strip()[len(number) :].strip().upper()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or not value > 0:
+        raise KvforgeError(f"memory size {text!r}: write a positive number with a unit, e.g. 24GiB, 512MiB or 16GB")
+    return int(value * _UNITS[unit])
+
+
+def format_bytes(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB"
 
 
 def _gib(nbytes: int) -> str:

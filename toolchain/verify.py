@@ -7,14 +7,14 @@ generation loop and must pick the same token at every step, with logits in toler
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from runners.errors import GenerationError, ParityError
-from runners.generate import empty_cache, forward, generate_steps, left_pad
+from runners.generate import Step, empty_cache, forward, generate_steps, left_pad
 from runners.sampling import SamplingParams
 from runners.session import Session
 
@@ -104,6 +104,38 @@ def compare(name: str, reference: np.ndarray, candidate: np.ndarray, tol: Tolera
     return OutputError(name, float(diff.max()), float(rel.max()), within)
 
 
+@dataclass
+class ReferenceRun:
+    """What the eager model gives on the gate's inputs, recorded so that it can be freed
+    before the compiled model is loaded (the two never hold their weights at once)."""
+
+    prompts: list[list[int]]
+    prefill_logits: np.ndarray
+    prefill_cache: dict[str, np.ndarray]
+    steps: list[Step]  # greedy decode through the runner's loop
+    error: str = ""  # the eager model's own logits were not finite
+
+
+def record_reference(reference: Session, *, max_positions: int, decode_steps: int = 8, seed: int = 0) -> ReferenceRun:
+    prompts = _prompts(reference.io.vocab_size, seed)
+    ids, mask = left_pad(prompts, pad_id=0)
+    logits, cache = forward(reference, ids, mask, empty_cache(reference.io, len(prompts), ids.shape[1]))
+    run = ReferenceRun(prompts, logits, cache, [])
+    try:
+        for step in generate_steps(
+            reference,
+            prompts,
+            max_new_tokens=decode_steps,
+            max_positions=max_positions,
+            params=SamplingParams(temperature=0.0),
+            rng=np.random.default_rng(seed),
+        ):
+            run.steps.append(step)
+    except GenerationError as e:
+        run.error = f"the eager model: {e}"
+    return run
+
+
 def check_parity(
     reference: Session,
     candidate: Session,
@@ -114,40 +146,34 @@ def check_parity(
     seed: int = 0,
 ) -> ParityReport:
     """Compare `candidate` (the compiled graph) with `reference` (the eager model)."""
+    recorded = record_reference(reference, max_positions=max_positions, decode_steps=decode_steps, seed=seed)
+    return compare_with_reference(recorded, candidate, max_positions=max_positions, dtype=dtype, seed=seed)
+
+
+def compare_with_reference(
+    reference: ReferenceRun, candidate: Session, *, max_positions: int, dtype: str = "float32", seed: int = 0
+) -> ParityReport:
+    """The prefill within tolerance, then the same greedy tokens with logits in tolerance."""
     tol = TOLERANCES[dtype]
     report = ParityReport(dtype, tol)
-    prompts = _prompts(reference.io.vocab_size, seed)
-    report.prefill = list(_prefill_errors(reference, candidate, prompts, tol))
+    report.prefill = list(_prefill_errors(reference, candidate, tol))
     if all(e.within for e in report.prefill):  # decoding from a wrong prefill only repeats the failure
-        _decode(report, reference, candidate, prompts, max_positions, decode_steps, seed)
+        _decode(report, reference, candidate, max_positions, seed)
     return report
 
 
-def _decode(
-    report: ParityReport,
-    reference: Session,
-    candidate: Session,
-    prompts: list[list[int]],
-    max_positions: int,
-    decode_steps: int,
-    seed: int,
-) -> None:
-    """Greedy decode on both through the runner's loop; stop at the first diverging token."""
-    steps = zip(
-        *(
-            generate_steps(
-                s,
-                prompts,
-                max_new_tokens=decode_steps,
-                max_positions=max_positions,
-                params=SamplingParams(temperature=0.0),
-                rng=np.random.default_rng(seed),
-            )
-            for s in (reference, candidate)
-        )
+def _decode(report: ParityReport, reference: ReferenceRun, candidate: Session, max_positions: int, seed: int) -> None:
+    """Greedy decode through the runner's loop; stop at the first token that differs from the eager model's."""
+    steps = generate_steps(
+        candidate,
+        reference.prompts,
+        max_new_tokens=max(len(reference.steps), 1),
+        max_positions=max_positions,
+        params=SamplingParams(temperature=0.0),
+        rng=np.random.default_rng(seed),
     )
     try:
-        for index, (ref_step, cand_step) in enumerate(steps):
+        for index, (ref_step, cand_step) in enumerate(zip(reference.steps, steps)):
             report.decode_steps = index + 1
             report.reference_tokens.append(ref_step.tokens.tolist())
             report.candidate_tokens.append(cand_step.tokens.tolist())
@@ -159,9 +185,11 @@ def _decode(
                 return
     except GenerationError as e:  # non-finite logits: the runner refuses to sample from them
         report.decode.append(OutputError(f"decode: {e}", float("inf"), float("inf"), False))
+    if reference.error:
+        report.decode.append(OutputError(f"decode: {reference.error}", float("inf"), float("inf"), False))
 
 
-def require_parity(report: ParityReport, where: str) -> None:
+def require_parity(report: ParityReport | DistributionReport, where: str) -> None:
     if not report.passed:
         raise ParityError(f"{where}: compiled model does not match the eager model: {report.failures()}")
 
@@ -171,14 +199,12 @@ def _prompts(vocab_size: int, seed: int) -> list[list[int]]:
     return [rng.integers(0, vocab_size, size=n).tolist() for n in _PROMPT_LENGTHS]
 
 
-def _prefill_errors(
-    reference: Session, candidate: Session, prompts: list[list[int]], tol: Tolerance
-) -> Iterable[OutputError]:
-    io = reference.io
-    ids, mask = left_pad(prompts, pad_id=0)
+def _prefill_errors(reference: ReferenceRun, candidate: Session, tol: Tolerance) -> Iterable[OutputError]:
+    io = candidate.io
+    ids, mask = left_pad(reference.prompts, pad_id=0)
     total = ids.shape[1]
-    ref_logits, ref_cache = forward(reference, ids, mask, empty_cache(io, len(prompts), total))
-    cand_logits, cand_cache = forward(candidate, ids, mask, empty_cache(candidate.io, len(prompts), total))
+    ref_logits, ref_cache = reference.prefill_logits, reference.prefill_cache
+    cand_logits, cand_cache = forward(candidate, ids, mask, empty_cache(io, len(reference.prompts), total))
     real = mask.astype(bool)  # [batch, seq]; pad positions are never read, so not compared
     if candidate.io.logits_positions == "last":
         yield compare("logits (last position)", ref_logits[:, -1:], cand_logits, tol)
@@ -188,3 +214,148 @@ def _prefill_errors(
         # [batch, heads, total, dim] -> [real positions, heads, dim]; a shared buffer's valid part
         ref_kv, cand_kv = (c[past][:, :, :total].transpose(0, 2, 1, 3)[real] for c in (ref_cache, cand_cache))
         yield compare(present, ref_kv, cand_kv, tol)
+
+
+# --- The distribution gate (quantized builds) ---------------------------------------------------------------
+#
+# A quantized graph cannot match the eager model within a float tolerance; it must instead
+# predict nearly the same next-token distribution. Both models read the same fixed texts
+# (prose, code, a list); at every compared position the gate measures whether the most
+# likely token agrees (top-1) and the KL divergence of the compiled distribution from the
+# eager one, and fails the build past the precision's thresholds.
+
+GATE_TEXTS = (
+    "The river rose slowly through the night, and by morning the low fields near the mill were under water. "
+    "Farmers moved their animals to the hills and waited for the rain to stop.",
+    "def merge_sorted(left, right):\n    result = []\n    i = j = 0\n    while i < len(left) and j < len(right):\n"
+    "        if left[i] <= right[j]:\n            result.append(left[i])\n            i += 1\n",
+    "Ingredients: two cups of flour, one teaspoon of salt, three eggs, a cup of milk and a little butter. "
+    "Mix the dry ingredients first, then add the eggs one at a time.",
+    "import json\nfrom pathlib import Path\n\n\ndef load_config(path):\n    with open(path) as f:\n"
+    "        return json.load(f)\n\n\nclass Cache:\n    def __init__(self, size):\n",
+)
+GATE_TOKENS = 48  # positions per text at most (the shortest text's token count when fewer)
+_GATE_PREFILL = 8  # the first positions go in one prefill; every later one is a teacher-forced decode step
+
+
+# Top-1 agreement is judged where the eager model has a clear favourite: its most likely
+# token beats the second by this many nats. Where two tokens are nearly tied (everywhere, in
+# a model with random weights) any rounding may swap them, and KL alone says how close the
+# two distributions are.
+DECISIVE_MARGIN = 0.5
+
+
+@dataclass(frozen=True)
+class Agreement:
+    min_top1: float  # fraction of decisive positions whose most likely token is the eager model's
+    max_kl: float  # mean KL(eager || compiled) per position, in nats
+
+
+# One table for every precision the distribution gate judges.
+AGREEMENT: dict[str, Agreement] = {
+    "int8": Agreement(min_top1=0.97, max_kl=0.01),
+    "int4": Agreement(min_top1=0.90, max_kl=0.10),
+}
+
+
+@dataclass
+class DistributionReport:
+    precision: str
+    threshold: Agreement
+    positions: int = 0
+    top1: float = 0.0  # over every position, for information
+    decisive_positions: int = 0
+    top1_decisive: float = 1.0  # over the decisive positions: the gated figure
+    kl_mean: float = float("inf")
+    kl_max: float = float("inf")
+    nll_eager: float = float("inf")  # mean negative log-likelihood of the texts' next tokens
+    nll_compiled: float = float("inf")
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.top1_decisive >= self.threshold.min_top1 and self.kl_mean <= self.threshold.max_kl)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["passed"] = self.passed
+        return data
+
+    def summary(self) -> str:
+        verdict = "passed" if self.passed else "FAILED"
+        return (
+            f"distribution {verdict} ({self.precision}, top-1 >= {self.threshold.min_top1:g} where decisive, "
+            f"mean KL <= {self.threshold.max_kl:g}): top-1 agreement {self.top1_decisive:.3f} at "
+            f"{self.decisive_positions} decisive positions ({self.top1:.3f} at all {self.positions}), "
+            f"mean KL {self.kl_mean:.4f} (max {self.kl_max:.3f}); perplexity eager "
+            f"{np.exp(self.nll_eager):.2f}, compiled {np.exp(self.nll_compiled):.2f}"
+        )
+
+    def failures(self) -> str:
+        return self.summary()
+
+
+def gate_tokens(encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """The gate texts as token ids, all cut to one length (so no row needs padding)."""
+    encoded = [encode(text)[:GATE_TOKENS] for text in GATE_TEXTS]
+    length = min(len(ids) for ids in encoded)
+    if length < _GATE_PREFILL + 2:
+        raise ParityError(
+            f"the tokenizer encodes a gate text to only {length} tokens (at least {_GATE_PREFILL + 2} are needed); "
+            "check tokenizer.json"
+        )
+    return [ids[:length] for ids in encoded]
+
+
+def reference_log_probs(reference: Session, tokens: list[list[int]]) -> np.ndarray:
+    """The eager model's log-probabilities at every compared position: [batch, positions, vocab].
+
+    Computed on their own, so the eager model can be freed before the compiled one is loaded."""
+    ids = np.asarray(tokens, dtype=np.int64)
+    mask = np.ones_like(ids)
+    logits, _ = forward(reference, ids, mask, empty_cache(reference.io, len(ids), ids.shape[1]))
+    return _log_softmax(logits[:, _GATE_PREFILL - 1 :])
+
+
+def check_distribution(
+    expected: np.ndarray, candidate: Session, tokens: list[list[int]], precision: str
+) -> DistributionReport:
+    """Compare the compiled model's next-token distributions with `expected` (from
+    `reference_log_probs`): a prefill, then one teacher-forced decode step per position,
+    so the decode path and its cache are what is judged."""
+    report = DistributionReport(precision, AGREEMENT[precision])
+    ids = np.asarray(tokens, dtype=np.int64)
+    got = _log_softmax(teacher_forced_logits(candidate, ids, _GATE_PREFILL))
+    with np.errstate(invalid="ignore"):  # NaN logits make NaN metrics, which fail the thresholds
+        kl = (np.exp(expected) * (expected - got)).sum(axis=-1)
+        targets = ids[:, _GATE_PREFILL:, None]  # the token each compared position predicts, but the last
+        report.positions = int(kl.size)
+        agree = expected.argmax(-1) == got.argmax(-1)
+        top2 = np.sort(np.partition(expected, -2, axis=-1)[..., -2:], axis=-1)
+        decisive = top2[..., 1] - top2[..., 0] >= DECISIVE_MARGIN
+        report.top1 = float(agree.mean())
+        report.decisive_positions = int(decisive.sum())
+        report.top1_decisive = float(agree[decisive].mean()) if decisive.any() else 1.0
+        report.kl_mean, report.kl_max = float(kl.mean()), float(kl.max())
+        report.nll_eager = float(-np.take_along_axis(expected[:, :-1], targets, -1).mean())
+        report.nll_compiled = float(-np.take_along_axis(got[:, :-1], targets, -1).mean())
+    return report
+
+
+def teacher_forced_logits(session: Session, ids: np.ndarray, prefill: int) -> np.ndarray:
+    """Next-token logits at positions prefill - 1 .. L - 1 of `ids` [batch, L] (no padding):
+    the first `prefill` tokens in one step, then each later token as a one-token decode step,
+    as generation feeds them. Works whatever positions the session's logits cover."""
+    batch, length = ids.shape
+    mask = np.ones_like(ids)
+    logits, cache = forward(session, ids[:, :prefill], mask[:, :prefill], empty_cache(session.io, batch, length))
+    steps = [logits[:, -1]]
+    for column in range(prefill, length):
+        logits, cache = forward(session, ids[:, column : column + 1], mask[:, : column + 1], cache)
+        steps.append(logits[:, -1])
+    return np.stack(steps, axis=1)
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))

@@ -75,3 +75,25 @@ def test_inspect_prints_exact_kv_bytes(tiny_checkpoint: Callable[..., Path]) -> 
     assert result.exit_code == 0, result.output
     # 2 (K and V) * 2 layers * 2 kv heads * 16 head dim * 4 bytes * 8 * 200 tokens
     assert f"{2 * 2 * 2 * 16 * 4 * 8 * 200:,}" in result.output
+
+
+def test_a_build_that_would_not_fit_the_device_is_refused_before_any_work(
+    tmp_path: Path, tiny_checkpoint: Callable[..., Path]
+) -> None:
+    """The refusal names the figures it compared; the same request fits once quantized or given room."""
+    from toolchain import checkpoint as checkpoints
+    from toolchain.footprint import footprint
+    from toolchain.spec import DecoderSpec
+
+    ckpt = tiny_checkpoint("llama")
+    loaded = checkpoints.load(ckpt)
+    fp = footprint(loaded, DecoderSpec.from_config(loaded.config), batch=4, seq=64)
+    need = fp.weight_bytes_at["fp32"] + fp.kv_bytes_total["fp32"]
+    args = ("build", str(ckpt), "-o", str(tmp_path / "out"), "--batch", "4", "--seq", "64")
+    result = CliRunner().invoke(main, [*args, "--device-memory", str(need - 1)])
+    assert result.exit_code == 2 and not (tmp_path / "out").exists()
+    assert all(part in result.output for part in ("fp32 weights", "batch 4 × 64 tokens", "--weights int4"))
+    quantized = fp.weight_bytes_at["int4"] + fp.kv_bytes_total["fp32"]
+    assert quantized < need  # the suggestion helps: int4 fits where fp32 did not
+    result = CliRunner().invoke(main, [*args, "--device-memory", "12 parsecs"])
+    assert result.exit_code == 2 and "memory size '12 parsecs'" in result.output

@@ -1,0 +1,63 @@
+"""Held-out perplexity of an artifact, computed by the runner the way generation feeds it.
+
+    python benchmarks/perplexity.py ARTIFACT FILE [FILE ...] [--window 256] [--batch 16]
+
+Each file is encoded with the artifact's tokenizer and followed by the end-of-text token, in
+one stream cut into non-overlapping windows; each window's first token is given, and every
+later token is predicted from a prefill of one token followed by one-token decode steps (so
+an artifact whose logits cover only the last position is measured the same way). For the bundled example model, the
+held-out files are the standard-library modules `examples/train_example.py` names in
+HELD_OUT, and the windows match `train_example.py --evaluate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from runners.engine import Engine  # noqa: E402
+from toolchain.verify import teacher_forced_logits  # noqa: E402
+
+
+def perplexity(artifact: Path, texts: list[str], window: int, batch: int) -> tuple[float, int]:
+    """(perplexity per predicted token, tokens predicted)."""
+    engine = Engine.load(artifact)
+    stream: list[int] = []
+    for text in texts:
+        stream += engine.tokenizer.encode(text, add_special_tokens=False) + list(engine.eos_ids[:1])
+    ids = np.asarray(stream, dtype=np.int64)
+    count = len(ids) // window
+    windows = ids[: count * window].reshape(count, window)
+    nll, predicted = 0.0, 0
+    for start in range(0, count, batch):
+        chunk = windows[start : start + batch]
+        logits = teacher_forced_logits(engine.session, chunk, prefill=1).astype(np.float64)
+        logits = logits[:, :-1]  # the last position predicts past the window
+        top = logits.max(axis=-1, keepdims=True)
+        log_z = top[..., 0] + np.log(np.exp(logits - top).sum(axis=-1))
+        picked = np.take_along_axis(logits, chunk[:, 1:, None], axis=-1)[..., 0]
+        nll += float((log_z - picked).sum())
+        predicted += picked.size
+    return math.exp(nll / predicted), predicted
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("files", type=Path, nargs="+")
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=16)
+    args = parser.parse_args()
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in args.files]
+    value, tokens = perplexity(args.artifact, texts, args.window, args.batch)
+    print(f"{args.artifact}: perplexity {value:.2f} over {tokens} predicted tokens")
+
+
+if __name__ == "__main__":
+    main()

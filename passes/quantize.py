@@ -1,0 +1,341 @@
+"""Weight-only quantization: MatMul weights to block-wise int8 / int4, round to nearest.
+
+One quantizer, two representations of its result:
+
+- `matmul_nbits` (onnxruntime targets): com.microsoft `MatMulNBits(A, B, scales[, zero_points])`,
+  B packed `[N, ⌈K / block⌉, block * bits / 8]` uint8 (low nibble first), scales `[N * ⌈K / block⌉]`,
+  zero points packed like B (absent when symmetric: the kernel's default is the middle code).
+- `dequantize_linear` (portable targets, standard opset 21+): `DequantizeLinear(Wq, scale[, zero_point],
+  axis=0, block_size)` feeding the MatMul's B, with Wq `[K, N]` int4 / int8 (uint4 / uint8 with a zero
+  point when asymmetric) and scale `[⌈K / block⌉, N]`. onnxruntime fuses this back into MatMulNBits.
+  When K is not a multiple of the block size, the last block is shorter (both ops allow it).
+
+Blocks run along K (the input features), as both ops define them. Symmetric: per block
+scale = max|w| / qmax (qmax 7 for int4, 127 for int8) and codes round(w / scale) in
+[-qmax, qmax]: scales are positive and there is no zero point, which TensorRT's block-wise
+DequantizeLinear requires; the most negative code stays unused. (onnxruntime's own quantizer
+maps the largest magnitude to -8 with a signed scale, which TensorRT rejects.) Asymmetric:
+the block's [min, max], widened to contain 0 so that 0 is exact, over 0 .. 2^bits - 1 with a
+zero point.
+
+Only MatMuls whose B is a constant 2-D float initializer (read directly `[K, N]` or through
+`Transpose` as exported, `[N, K]`) are quantized; the others stay as they are and are
+counted as skipped, with the reason, in `skipped`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import Counter
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+
+BITS = (4, 8)
+BLOCK_SIZES = (32, 64, 128)
+FORMS = ("matmul_nbits", "dequantize_linear")
+LM_HEAD = "lm_head"  # in `keep`: the projection that produces the logits, whatever its weight is named
+_MS_DOMAIN = "com.microsoft"
+_Tensor = ir.TensorProtocol
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A [N, K] weight (out, in features) in blocks of `block_size` along K."""
+
+    codes: np.ndarray  # [N, K]: int8 signed codes (symmetric) or uint8 0 .. 2^bits - 1 (asymmetric)
+    scales: np.ndarray  # [N, ⌈K / block⌉], the weight's float dtype
+    zero_points: np.ndarray | None  # [N, ⌈K / block⌉] uint8 in 0 .. 2^bits - 1; None when symmetric
+    bits: int
+    block_size: int
+
+    def dequantize(self) -> np.ndarray:
+        """The [N, K] float weight the codes stand for."""
+        n, k = self.codes.shape
+        codes = self.padded_codes().reshape(n, -1, self.block_size).astype(np.float32)
+        if self.zero_points is not None:
+            codes = codes - self.zero_points[..., None]
+        return (codes * self.scales[..., None].astype(np.float32)).reshape(n, -1)[:, :k]
+
+    def padded_codes(self) -> np.ndarray:
+        """[N, ⌈K / block⌉ * block]: the codes, the last block filled up with the code of 0."""
+        n, k = self.codes.shape
+        pad = -k % self.block_size
+        if not pad:
+            return self.codes
+        zero = np.zeros((n, 1), self.codes.dtype) if self.zero_points is None else self.zero_points[:, -1:]
+        return np.concatenate([self.codes, np.repeat(zero.astype(self.codes.dtype), pad, axis=1)], axis=1)
+
+
+def quantize_blockwise(
+    weight: np.ndarray, bits: int, block_size: int, symmetric: bool, rows_per_chunk: int = 4096
+) -> QuantizedWeight:
+    """Round-to-nearest block-wise quantization of a [N, K] weight; a last block shorter than
+    `block_size` is quantized as if filled up with zeros.
+
+    Rows are quantized `rows_per_chunk` at a time, so the float32 temporaries stay small next
+    to the weight however large it is (an LM head of 150k rows)."""
+    if bits not in BITS or block_size < 2 or weight.ndim != 2:
+        raise ValueError(f"cannot quantize a {weight.shape} weight to {bits} bits in blocks of {block_size}")
+    n, k = weight.shape
+    pad = -k % block_size
+    count = (k + pad) // block_size
+    codes = np.empty((n, k), np.int8 if symmetric else np.uint8)
+    scales = np.empty((n, count), np.float32)
+    zero_points = None if symmetric else np.empty((n, count), np.uint8)
+    for start in range(0, n, rows_per_chunk):
+        rows = slice(start, min(start + rows_per_chunk, n))
+        chunk_weight = weight[rows].astype(np.float32)
+        if pad:
+            chunk_weight = np.pad(chunk_weight, ((0, 0), (0, pad)))
+        blocks = chunk_weight.reshape(-1, count, block_size)
+        if symmetric:
+            qmax = 2 ** (bits - 1) - 1
+            scale = np.abs(blocks).max(axis=-1) / qmax
+            scale = np.where(scale > 0, scale, 1.0)  # an all-zero block: any scale is exact
+            chunk = np.clip(np.rint(blocks / scale[..., None]), -qmax, qmax)
+        else:
+            top = 2**bits - 1
+            low, high = np.minimum(blocks.min(axis=-1), 0.0), np.maximum(blocks.max(axis=-1), 0.0)
+            scale = (high - low) / top
+            scale = np.where(scale > 0, scale, 1.0)
+            zero = np.clip(np.rint(-low / scale), 0, top)
+            zero_points[rows] = zero  # type: ignore[index]
+            chunk = np.clip(np.rint(blocks / scale[..., None]) + zero[..., None], 0, top)
+        codes[rows] = chunk.reshape(-1, k + pad)[:, :k]
+        scales[rows] = scale
+    return QuantizedWeight(codes, scales.astype(weight.dtype), zero_points, bits, block_size)
+
+
+def _pack_nibbles(values: np.ndarray) -> np.ndarray:
+    """Pairs along the last axis into bytes, the first of each pair in the low nibble (odd lengths padded)."""
+    values = values.astype(np.uint8) & 0x0F
+    if values.shape[-1] % 2:
+        values = np.concatenate([values, np.zeros((*values.shape[:-1], 1), np.uint8)], axis=-1)
+    packed: np.ndarray = values[..., 0::2] | (values[..., 1::2] << 4)
+    return packed
+
+
+def matmul_nbits_inputs(q: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(B, scales, zero_points) as MatMulNBits reads them."""
+    codes = q.padded_codes()
+    n, k = codes.shape
+    blocks = k // q.block_size
+    # Stored unsigned: symmetric codes move up by the kernel's default zero point (8 or 128).
+    unsigned = codes.astype(np.int16) + (2 ** (q.bits - 1) if q.zero_points is None else 0)
+    unsigned = unsigned.astype(np.uint8).reshape(n, blocks, q.block_size)
+    b = _pack_nibbles(unsigned) if q.bits == 4 else unsigned
+    scales = q.scales.reshape(-1)
+    if q.zero_points is None:
+        return b, scales, None
+    zero_points = q.zero_points.astype(np.uint8)
+    return b, scales, (_pack_nibbles(zero_points) if q.bits == 4 else zero_points).reshape(-1)
+
+
+def dequantize_linear_inputs(q: QuantizedWeight) -> tuple[_Tensor, _Tensor, _Tensor | None]:
+    """(x, scale, zero_point) of DequantizeLinear over axis 0 of the [K, N] weight MatMul reads."""
+    signed = q.zero_points is None
+    dtype = {(4, True): ml_dtypes.int4, (4, False): ml_dtypes.uint4, (8, True): np.int8, (8, False): np.uint8}[
+        (q.bits, signed)
+    ]
+    codes = ir.tensor(np.ascontiguousarray(q.codes.T).astype(dtype))
+    scales = ir.tensor(np.ascontiguousarray(q.scales.T))
+    zero_points = None if signed else ir.tensor(np.ascontiguousarray(q.zero_points.T).astype(dtype))  # type: ignore[union-attr]
+    return codes, scales, zero_points
+
+
+class QuantizeWeights(InPlacePass):
+    """Quantize the constant weight of every eligible MatMul; `counts` says what happened to each.
+
+    `keep` holds glob patterns of weight names left at full precision (`lm_head` also names
+    the projection that produces the logits, which tied-embedding models read from the
+    embedding table).
+    """
+
+    def __init__(
+        self,
+        bits: int,
+        block_size: int = 32,
+        symmetric: bool = True,
+        form: str = "matmul_nbits",
+        keep: tuple[str, ...] = (),
+        accuracy_level: int = 0,
+    ) -> None:
+        super().__init__()
+        if bits not in BITS or block_size not in BLOCK_SIZES or form not in FORMS:
+            raise ValueError(f"unsupported quantization: bits={bits}, block_size={block_size}, form={form!r}")
+        self.bits = bits
+        self.block_size = block_size
+        self.symmetric = symmetric
+        self.form = form
+        self.keep = ",".join(keep)
+        self.accuracy_level = accuracy_level
+        self._keep = keep
+        self.counts: Counter[str] = Counter()
+        self.skipped: dict[str, str] = {}  # weight name -> why it stayed at full precision
+
+    def call(self, model: ir.Model) -> PassResult:
+        self.counts = Counter()
+        self.skipped = {}
+        graph = model.graph
+        head = _lm_head(graph) if LM_HEAD in self._keep else None
+        quantized: dict[str, tuple[ir.Value, ...]] = {}  # a weight read by several MatMuls is quantized once
+        for node in list(graph):
+            if node.op_type != "MatMul" or node.domain != "":
+                continue
+            found = _constant_weight(node)
+            if found is None:
+                continue
+            weight, transpose = found
+            name = weight.name or ""
+            reason = self._skip_reason(node, weight, head)
+            if reason:
+                self.skipped[name] = reason
+                self.counts["kept" if reason.startswith("kept") else "skipped"] += 1
+                continue
+            if name not in quantized:
+                quantized[name] = self._quantized_inputs(graph, weight, transposed=transpose is not None)
+            self._replace(graph, node, quantized[name])
+            self.counts["quantized"] += 1
+            for stale in (transpose, weight):
+                _remove_if_unused(graph, stale)
+        if quantized and self.form == "matmul_nbits":
+            model.opset_imports.setdefault(_MS_DOMAIN, 1)
+        return PassResult(model, modified=bool(quantized))
+
+    def _skip_reason(self, node: ir.Node, weight: ir.Value, head: ir.Node | None) -> str:
+        name = weight.name or ""
+        if node is head or any(fnmatch.fnmatchcase(name, pattern) for pattern in self._keep):
+            return "kept at full precision (--keep)"
+        tensor = weight.const_value
+        assert tensor is not None
+        if tensor.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+            return f"weight dtype {tensor.dtype} is not a float"
+        return ""
+
+    def _quantized_inputs(self, graph: ir.Graph, weight: ir.Value, transposed: bool) -> tuple[ir.Value, ...]:
+        """Initializers of the quantized weight, named after it."""
+        array = weight.const_value.numpy()  # type: ignore[union-attr]
+        if array.dtype == ml_dtypes.bfloat16:
+            array = array.astype(np.float32)
+        q = quantize_blockwise(array if transposed else array.T, self.bits, self.block_size, self.symmetric)
+        base = f"{weight.name}.q{self.bits}"
+        if self.form == "matmul_nbits":
+            b, scales, zero_points = matmul_nbits_inputs(q)
+            tensors = [ir.tensor(b), ir.tensor(scales), None if zero_points is None else ir.tensor(zero_points)]
+        else:
+            tensors = list(dequantize_linear_inputs(q))
+        values = []
+        for suffix, tensor in zip(("", ".scales", ".zero_points"), tensors):
+            if tensor is None:
+                continue
+            tensor.name = base + suffix
+            shape, kind = ir.Shape(tensor.shape.numpy()), ir.TensorType(tensor.dtype)
+            value = ir.Value(name=tensor.name, shape=shape, type=kind, const_value=tensor)
+            graph.register_initializer(value)
+            values.append(value)
+        return tuple(values)
+
+    def _replace(self, graph: ir.Graph, node: ir.Node, inputs: tuple[ir.Value, ...]) -> None:
+        x = node.inputs[0]
+        if self.form == "dequantize_linear":
+            dq = ir.node("DequantizeLinear", list(inputs), {"axis": 0, "block_size": self.block_size})
+            graph.insert_before(node, dq)
+            node.replace_input_with(1, dq.outputs[0])
+            return
+        k, n = _kn(node)
+        attributes = {"K": k, "N": n, "bits": self.bits, "block_size": self.block_size}
+        if self.accuracy_level:
+            attributes["accuracy_level"] = self.accuracy_level
+        fused = ir.node("MatMulNBits", [x, *inputs], attributes, domain=_MS_DOMAIN)
+        graph.insert_before(node, fused)
+        old = node.outputs[0]
+        new = fused.outputs[0]
+        new.shape, new.type = old.shape, old.type
+        ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+        new.name = old.name
+        graph.remove(node, safe=True)
+
+
+def _constant_weight(node: ir.Node) -> tuple[ir.Value, ir.Node | None] | None:
+    """(the 2-D initializer B reads, the Transpose it is read through or None), for a constant B."""
+    b = node.inputs[1] if len(node.inputs) > 1 else None
+    if b is None:
+        return None
+    transpose = None
+    producer = b.producer()
+    if producer is not None:
+        if producer.op_type != "Transpose" or producer.domain != "":
+            return None
+        perm = producer.attributes.get_ints("perm", None)
+        if perm is not None and list(perm) != [1, 0]:
+            return None
+        transpose, b = producer, producer.inputs[0]
+        if b is None:
+            return None
+    if not b.is_initializer() or b.is_graph_input() or b.const_value is None or len(b.const_value.shape) != 2:
+        return None
+    return b, transpose
+
+
+def _kn(node: ir.Node) -> tuple[int, int]:
+    found = _constant_weight(node)
+    assert found is not None
+    weight, transpose = found
+    rows, cols = weight.const_value.shape.numpy()  # type: ignore[union-attr]
+    return (cols, rows) if transpose is not None else (rows, cols)
+
+
+def _remove_if_unused(graph: ir.Graph, item: ir.Value | ir.Node | None) -> None:
+    if isinstance(item, ir.Node):
+        if not any(output.uses() for output in item.outputs):
+            graph.remove(item, safe=True)
+    elif item is not None and not item.uses() and item.name is not None and item.name in graph.initializers:
+        del graph.initializers[item.name]
+
+
+def _lm_head(graph: ir.Graph) -> ir.Node | None:
+    """The MatMul that produces the logits: walk back from the `logits` output through the ops
+    that follow it (softcapping, casts, reshapes: their first input)."""
+    value = next((v for v in graph.outputs if v.name == "logits"), None)
+    for _ in range(16):
+        node = value.producer() if value is not None else None
+        if node is None:
+            return None
+        if node.op_type == "MatMul" and node.domain == "":
+            return node
+        value = node.inputs[0] if node.inputs else None
+    return None
+
+
+@dataclass(frozen=True)
+class WeightQuantization:
+    """What `kvforge build --weights int8|int4` asks for; the target decides the representation."""
+
+    bits: int
+    block_size: int = 32
+    symmetric: bool = True
+    keep: tuple[str, ...] = ()
+    # MatMulNBits only: 4 quantizes the activations to int8 per block and multiplies in
+    # integers, as onnxruntime-genai builds for the CPU; 0 (unset) takes onnxruntime's float
+    # path, measured 2.5x slower at int4 and 25x slower at int8 on the 125M reference.
+    accuracy_level: int = 4
+
+    @property
+    def name(self) -> str:
+        return f"int{self.bits}"
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "bits": self.bits,
+            "block_size": self.block_size,
+            "symmetric": self.symmetric,
+            "keep": list(self.keep),
+            "accuracy_level": self.accuracy_level,
+        }
+
+    def make_pass(self, form: str) -> QuantizeWeights:
+        return QuantizeWeights(self.bits, self.block_size, self.symmetric, form, self.keep, self.accuracy_level)

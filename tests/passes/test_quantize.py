@@ -1,0 +1,117 @@
+"""Weight-only quantization: the quantizer's error bound, both representations on onnxruntime, what is kept."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper
+
+from passes.quantize import LM_HEAD, QuantizeWeights, quantize_blockwise
+from tests.passes.fusion_testing import op_count, ort_outputs
+
+RNG = np.random.default_rng(0)
+CASES = [(bits, symmetric) for bits in (4, 8) for symmetric in (True, False)]
+
+
+@pytest.mark.parametrize("bits, symmetric", CASES)
+@pytest.mark.parametrize("k", [64, 80, 50])  # whole blocks, a short last block, less than one block
+def test_every_weight_is_within_half_a_step_of_its_code(bits: int, symmetric: bool, k: int) -> None:
+    weight = RNG.standard_normal((24, k)).astype(np.float32)
+    weight[3] = 0.0  # an all-zero row: its blocks must still dequantize exactly
+    q = quantize_blockwise(weight, bits, 32, symmetric)
+    step = np.repeat(q.scales, 32, axis=1)[:, :k]
+    error = np.abs(q.dequantize() - weight)
+    assert (error <= step / 2 * (1 + 1e-5) + 1e-7).all()
+    assert np.array_equal(q.dequantize()[3], np.zeros(k, np.float32))
+    assert (q.scales > 0).all()  # TensorRT's block-wise DequantizeLinear needs positive scales
+    if symmetric:
+        qmax = 2 ** (bits - 1) - 1
+        assert q.zero_points is None and q.codes.min() >= -qmax and q.codes.max() <= qmax
+        # the largest magnitude of each block is exactly representable
+        first = np.abs(weight[:, :32]).max(axis=1)
+        np.testing.assert_allclose(np.abs(q.dequantize()[:, :32]).max(axis=1), first, rtol=1e-6)
+    else:
+        assert q.zero_points is not None and q.codes.max() <= 2**bits - 1 and q.zero_points.max() <= 2**bits - 1
+
+
+def projection_graph(k: int, n: int, weight: np.ndarray, transposed: bool = True, name: str = "w") -> ir.Model:
+    """y = x @ W: W stored [N, K] and read through Transpose as exported, or stored [K, N]."""
+    nodes = [helper.make_node("Transpose", [name], ["wt"], perm=[1, 0])] if transposed else []
+    nodes.append(helper.make_node("MatMul", ["x", "wt" if transposed else name], ["logits"]))
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, k])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [2, 3, n])],
+        [onnx.numpy_helper.from_array(weight, name)],
+    )
+    return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]))
+
+
+@pytest.mark.parametrize("form, op", [("matmul_nbits", "MatMulNBits"), ("dequantize_linear", "DequantizeLinear")])
+@pytest.mark.parametrize("bits, symmetric", CASES)
+@pytest.mark.parametrize("transposed", [True, False])
+def test_both_representations_compute_x_times_the_dequantized_weight(
+    form: str, op: str, bits: int, symmetric: bool, transposed: bool
+) -> None:
+    """onnxruntime, its optimizations off, computes exactly x @ dequantize(W) from either form; the float
+    weight and its Transpose leave the graph."""
+    k, n = 80, 24  # K with a short last block
+    weight_nk = RNG.standard_normal((n, k)).astype(np.float32)
+    model = projection_graph(k, n, weight_nk if transposed else np.ascontiguousarray(weight_nk.T), transposed)
+    x = RNG.standard_normal((2, 3, k)).astype(np.float32)
+    quantize = QuantizeWeights(bits, 32, symmetric, form)
+    result = quantize(model)
+    assert result.modified and quantize.counts == {"quantized": 1}
+    domain = "com.microsoft" if op == "MatMulNBits" else ""
+    assert op_count(model, op, domain) == 1 and op_count(model, "Transpose") == 0
+    assert "w" not in model.graph.initializers
+    (got,) = ort_outputs(model, {"x": x})
+    want = x @ quantize_blockwise(weight_nk, bits, 32, symmetric).dequantize().T
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
+    assert np.abs(got - x @ weight_nk.T).max() > 1e-3  # and it is not the float product
+    assert not quantize(model).modified  # nothing left to quantize: a second run changes nothing
+
+
+def test_a_weight_read_twice_is_quantized_once() -> None:
+    k, n = 64, 16
+    model = projection_graph(k, n, RNG.standard_normal((n, k)).astype(np.float32))
+    graph = model.graph
+    matmul = next(node for node in graph if node.op_type == "MatMul")
+    second = ir.node("MatMul", [matmul.inputs[0], matmul.inputs[1]])
+    graph.insert_after(matmul, second)
+    added = ir.node("Add", [matmul.outputs[0], second.outputs[0]])
+    graph.insert_after(second, added)
+    logits = graph.outputs[0]
+    ir.convenience.replace_all_uses_with(logits, added.outputs[0], replace_graph_outputs=True)
+    quantize = QuantizeWeights(4, 32, True, "matmul_nbits")
+    quantize(model)
+    assert quantize.counts == {"quantized": 2}
+    assert sorted(graph.initializers) == ["w.q4", "w.q4.scales"]
+
+
+@pytest.mark.parametrize("keep", [("w",), ("lm_*",), (LM_HEAD,)])
+def test_kept_weights_stay_at_full_precision(keep: tuple[str, ...]) -> None:
+    """By glob on the weight's name, or `lm_head`: the projection that produces the logits."""
+    k, n = 64, 16
+    name = "lm_head.weight" if keep == ("lm_*",) else "w"
+    model = projection_graph(k, n, RNG.standard_normal((n, k)).astype(np.float32), name=name)
+    quantize = QuantizeWeights(4, 32, True, "matmul_nbits", keep=keep)
+    assert not quantize(model).modified
+    assert quantize.counts == {"kept": 1} and op_count(model, "MatMul") == 1
+    assert "full precision" in quantize.skipped[name]
+
+
+def test_a_weight_that_is_not_float_is_skipped_with_the_reason() -> None:
+    model = projection_graph(64, 16, RNG.integers(-3, 3, (16, 64)).astype(np.int32))
+    quantize = QuantizeWeights(8, 32, True, "dequantize_linear")
+    assert not quantize(model).modified
+    assert quantize.counts == {"skipped": 1} and "not a float" in quantize.skipped["w"]
+
+
+def test_unsupported_settings_are_refused() -> None:
+    for bits, block, form in ((3, 32, "matmul_nbits"), (4, 48, "matmul_nbits"), (4, 32, "gguf")):
+        with pytest.raises(ValueError, match="unsupported quantization"):
+            QuantizeWeights(bits, block, True, form)

@@ -1,0 +1,85 @@
+"""Quantized builds end to end: each target's representation, the distribution gate, verify, refusal."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto
+
+import passes.quantize as quantize_module
+from passes.quantize import WeightQuantization
+from runners.engine import Engine
+from runners.errors import ParityError
+from toolchain import checkpoint as checkpoints
+from toolchain.build import BuildOptions, build, verify
+from toolchain.footprint import QUANT_BLOCK, footprint
+from toolchain.spec import DecoderSpec
+
+pytestmark = pytest.mark.slow
+
+
+def parameter_bytes(model_path: Path) -> int:
+    """Bytes of the initializers that hold the checkpoint's parameters (named after them)."""
+    model = onnx.load(model_path, load_external_data=False)
+    bits = {TensorProto.FLOAT: 32, TensorProto.UINT8: 8, TensorProto.INT8: 8, TensorProto.INT4: 4, TensorProto.UINT4: 4}
+    total = 0
+    for tensor in model.graph.initializer:
+        if tensor.name.startswith(("model.", "lm_head.")) and "rotary_emb" not in tensor.name:
+            total += (int(np.prod(tensor.dims)) * bits[tensor.data_type] + 7) // 8
+    return total
+
+
+@pytest.mark.parametrize(
+    "target, weights, op",
+    [
+        ("ort-cpu", WeightQuantization(4), "com.microsoft::MatMulNBits"),
+        ("onnx", WeightQuantization(8, block_size=64, symmetric=False), "DequantizeLinear"),
+    ],
+)
+def test_quantized_build_passes_the_distribution_gate_and_generates(
+    target: str, weights: WeightQuantization, op: str, tmp_path: Path, tiny_checkpoint: Callable[..., Path]
+) -> None:
+    checkpoint = tiny_checkpoint("llama")
+    result = build(checkpoint, tmp_path / "out", BuildOptions(target=target, weights=weights))
+    manifest = result.manifest
+    assert manifest["flags"]["weights"] == weights.to_dict()
+    parity = manifest["parity"]
+    assert parity["passed"] and parity["precision"] == weights.name and parity["positions"] > 0
+    assert 0 <= parity["kl_mean"] <= parity["threshold"]["max_kl"]
+    layers = manifest["spec"]["num_layers"]
+    after = manifest["passes"]["histogram_after"]
+    assert after.get(op, 0) >= 4 * layers  # q/k/v/o and the MLP's projections (packed or not)
+    # every projection is quantized: each MatMul left reads a dequantized weight, or none is left
+    assert after.get("MatMul", 0) == (after[op] if op == "DequantizeLinear" else 0)
+    # the weights really are smaller than the checkpoint's float32 ones (the embedding table stays float)
+    weights_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
+    assert (tmp_path / "out" / "model.onnx.data").stat().st_size < 0.7 * weights_bytes
+    # `kvforge inspect`'s figure for this precision is the artifact's parameter bytes, exactly
+    if weights.symmetric and weights.block_size == QUANT_BLOCK:
+        ckpt = checkpoints.load(checkpoint)
+        expected = footprint(ckpt, DecoderSpec.from_config(ckpt.config), batch=1, seq=1).weight_bytes_at[weights.name]
+        assert parameter_bytes(tmp_path / "out" / "model.onnx") == expected
+    engine = Engine.load(tmp_path / "out")
+    tokens = engine.generate_tokens([engine.encode("def main():")], max_new_tokens=6, temperature=0.0)[0]
+    assert len(tokens) >= 1
+    assert verify(tmp_path / "out", checkpoint).passed
+
+
+def test_a_quantization_that_breaks_the_model_fails_the_gate_and_publishes_nothing(
+    tmp_path: Path, tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = quantize_module.matmul_nbits_inputs
+
+    def wrong_scales(q):  # type: ignore[no-untyped-def]
+        b, scales, zero_points = real(q)
+        return b, np.ascontiguousarray(scales[::-1]) * 4, zero_points  # scales of other blocks, and too large
+
+    monkeypatch.setattr(quantize_module, "matmul_nbits_inputs", wrong_scales)
+    out = tmp_path / "out"
+    with pytest.raises(ParityError, match="distribution FAILED"):
+        build(tiny_checkpoint("llama"), out, BuildOptions(weights=WeightQuantization(4)))
+    assert not out.exists() and list(tmp_path.iterdir()) == []
