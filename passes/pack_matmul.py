@@ -2,9 +2,10 @@
 
 Attention's q/k/v projections and the MLP's gate/up projections each read the same hidden state; packed, they
 are one kernel launch instead of two or three and one wide GEMM for kernels that want one (fused attention
-with packed QKV input). On onnxruntime CPU at decode shapes the difference is within noise (measured: qkv
-768 -> 768+256+256 and gate/up 768 -> 2x2048, x [1, 1, 768]): the weights' bytes, which decode is bound by,
-do not change. Checkpoints such as phi3 ship these weights packed already; this makes the others look the
+with packed QKV input). On onnxruntime CPU at decode shapes fp32 gains little (the weights' bytes, which
+decode is bound by, do not change), quantized weights more (MatMulNBits quantizes its input once for the
+packed projection); passes/pipeline.py has the figures. Checkpoints such as phi3 ship these weights packed
+already; this makes the others look the
 same: the packed weight is a new initializer named like phi3's (`...qkv_proj.weight`, `...gate_up_proj.weight`),
 stored in the layout the projections were stored in (`[out, in]` read through `Transpose` as exported, so
 weight-only quantization sees the layout it expects), and the old weights leave the graph once nothing reads them.

@@ -95,9 +95,10 @@ def fuse() -> list[PassBase]:
 def pack() -> list[PassBase]:
     """Projections that read the same input become one MatMul over concatenated weights.
 
-    Portable target only: on onnxruntime's CPU kernels packing measured neutral at decode
-    shapes (the bytes read are the same; pack_matmul's docstring has the numbers), while
-    GPU runtimes save a kernel launch per packed projection.
+    Every target: GPU runtimes save a kernel launch per packed projection, and on
+    onnxruntime's CPU kernels the 125M reference decodes faster packed, measured side by
+    side: fp32 1.06x (about neutral: the bytes read are the same), int8 1.03x, int4 1.05x
+    (MatMulNBits quantizes its input once for q/k/v instead of three times).
     """
     return [pack_qkv(), pack_gate_up()]
 
