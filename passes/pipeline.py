@@ -121,11 +121,18 @@ def fixed_cache() -> list[PassBase]:
 
 def quantize(target: str, weights: WeightQuantization) -> list[PassBase]:
     """Weight-only quantization in the form the target's runtime reads: onnxruntime's
-    MatMulNBits for its own targets, standard block-wise DequantizeLinear + MatMul otherwise."""
-    return [weights.make_pass(QUANTIZATION_FORMS.get(target, "dequantize_linear"))]
+    MatMulNBits for its own targets, standard block-wise DequantizeLinear + MatMul otherwise
+    (per channel for TensorRT's int8)."""
+    form = QUANTIZATION_FORMS.get((target, weights.bits), "dequantize_linear")
+    return [weights.make_pass(form)]
 
 
-QUANTIZATION_FORMS = {"ort-cpu": "matmul_nbits"}
+# (target, bits) -> how the quantized weights are written; any other: block-wise DequantizeLinear
+QUANTIZATION_FORMS = {
+    ("ort-cpu", 4): "matmul_nbits",
+    ("ort-cpu", 8): "matmul_nbits",
+    ("tensorrt", 8): "dequantize_linear_channel",  # TensorRT's int8 weights are per channel
+}
 
 
 def tensorrt(capacity: int) -> list[PassBase]:

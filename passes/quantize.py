@@ -9,6 +9,9 @@ One quantizer, two representations of its result:
   axis=0, block_size)` feeding the MatMul's B, with Wq `[K, N]` int4 / int8 (uint4 / uint8 with a zero
   point when asymmetric) and scale `[⌈K / block⌉, N]`. onnxruntime fuses this back into MatMulNBits.
   When K is not a multiple of the block size, the last block is shorter (both ops allow it).
+- `dequantize_linear_channel`: the same with one block per output channel (a block of all
+  K inputs): `DequantizeLinear(Wq, scale[N], axis=1)`, the per-channel form TensorRT takes
+  for int8 weights.
 
 Blocks run along K (the input features), as both ops define them. Symmetric: per block
 scale = max|w| / qmax (qmax 7 for int4, 127 for int8) and codes round(w / scale) in
@@ -36,7 +39,7 @@ from onnx_ir.passes import InPlacePass, PassResult
 
 BITS = (4, 8)
 BLOCK_SIZES = (32, 64, 128)
-FORMS = ("matmul_nbits", "dequantize_linear")
+FORMS = ("matmul_nbits", "dequantize_linear", "dequantize_linear_channel")
 LM_HEAD = "lm_head"  # in `keep`: the projection that produces the logits, whatever its weight is named
 _MS_DOMAIN = "com.microsoft"
 _Tensor = ir.TensorProtocol
@@ -221,13 +224,20 @@ class QuantizeWeights(InPlacePass):
         array = weight.const_value.numpy()  # type: ignore[union-attr]
         if array.dtype == ml_dtypes.bfloat16:
             array = array.astype(np.float32)
-        q = quantize_blockwise(array if transposed else array.T, self.bits, self.block_size, self.symmetric)
+        kernel = array if transposed else array.T  # [N, K]
+        per_channel = self.form == "dequantize_linear_channel"
+        block = kernel.shape[1] if per_channel else self.block_size
+        q = quantize_blockwise(kernel, self.bits, block, self.symmetric)
         base = f"{weight.name}.q{self.bits}"
         if self.form == "matmul_nbits":
             b, scales, zero_points = matmul_nbits_inputs(q)
             tensors = [ir.tensor(b), ir.tensor(scales), None if zero_points is None else ir.tensor(zero_points)]
         else:
-            tensors = list(dequantize_linear_inputs(q))
+            codes, scale, zero_point = dequantize_linear_inputs(q)
+            if per_channel:  # [1, N] -> [N]
+                scale = ir.tensor(scale.numpy().reshape(-1))
+                zero_point = None if zero_point is None else ir.tensor(zero_point.numpy().reshape(-1))
+            tensors = [codes, scale, zero_point]
         values = []
         for suffix, tensor in zip(("", ".scales", ".zero_points"), tensors):
             if tensor is None:
@@ -241,8 +251,10 @@ class QuantizeWeights(InPlacePass):
 
     def _replace(self, graph: ir.Graph, node: ir.Node, inputs: tuple[ir.Value, ...]) -> None:
         x = node.inputs[0]
-        if self.form == "dequantize_linear":
-            dq = ir.node("DequantizeLinear", list(inputs), {"axis": 0, "block_size": self.block_size})
+        if self.form.startswith("dequantize_linear"):
+            per_channel = self.form == "dequantize_linear_channel"
+            attributes = {"axis": 1} if per_channel else {"axis": 0, "block_size": self.block_size}
+            dq = ir.node("DequantizeLinear", list(inputs), attributes)
             graph.insert_before(node, dq)
             node.replace_input_with(1, dq.outputs[0])
             return

@@ -50,7 +50,14 @@ def projection_graph(k: int, n: int, weight: np.ndarray, transposed: bool = True
     return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]))
 
 
-@pytest.mark.parametrize("form, op", [("matmul_nbits", "MatMulNBits"), ("dequantize_linear", "DequantizeLinear")])
+@pytest.mark.parametrize(
+    "form, op",
+    [
+        ("matmul_nbits", "MatMulNBits"),
+        ("dequantize_linear", "DequantizeLinear"),
+        ("dequantize_linear_channel", "DequantizeLinear"),
+    ],
+)
 @pytest.mark.parametrize("bits, symmetric", CASES)
 @pytest.mark.parametrize("transposed", [True, False])
 def test_both_representations_compute_x_times_the_dequantized_weight(
@@ -69,7 +76,8 @@ def test_both_representations_compute_x_times_the_dequantized_weight(
     assert op_count(model, op, domain) == 1 and op_count(model, "Transpose") == 0
     assert "w" not in model.graph.initializers
     (got,) = ort_outputs(model, {"x": x})
-    want = x @ quantize_blockwise(weight_nk, bits, 32, symmetric).dequantize().T
+    block = k if form == "dequantize_linear_channel" else 32  # per channel: one block of all K inputs
+    want = x @ quantize_blockwise(weight_nk, bits, block, symmetric).dequantize().T
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
     assert np.abs(got - x @ weight_nk.T).max() > 1e-3  # and it is not the float product
     assert not quantize(model).modified  # nothing left to quantize: a second run changes nothing

@@ -13,7 +13,7 @@ from onnx import TensorProto
 import passes.quantize as quantize_module
 from passes.quantize import WeightQuantization
 from runners.engine import Engine
-from runners.errors import ParityError
+from runners.errors import ArtifactError, ParityError
 from toolchain import checkpoint as checkpoints
 from toolchain.build import BuildOptions, build, verify
 from toolchain.footprint import QUANT_BLOCK, footprint
@@ -38,6 +38,8 @@ def parameter_bytes(model_path: Path) -> int:
     [
         ("ort-cpu", WeightQuantization(4), "com.microsoft::MatMulNBits"),
         ("onnx", WeightQuantization(8, block_size=64, symmetric=False), "DequantizeLinear"),
+        ("tensorrt", WeightQuantization(4), "DequantizeLinear"),  # block-wise, through the parser's checker
+        ("tensorrt", WeightQuantization(8), "DequantizeLinear"),  # per channel, as TensorRT takes int8
     ],
 )
 def test_quantized_build_passes_the_distribution_gate_and_generates(
@@ -59,7 +61,7 @@ def test_quantized_build_passes_the_distribution_gate_and_generates(
     weights_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
     assert (tmp_path / "out" / "model.onnx.data").stat().st_size < 0.7 * weights_bytes
     # `kvforge inspect`'s figure for this precision is the artifact's parameter bytes, exactly
-    if weights.symmetric and weights.block_size == QUANT_BLOCK:
+    if target != "tensorrt" and weights.symmetric and weights.block_size == QUANT_BLOCK:
         ckpt = checkpoints.load(checkpoint)
         expected = footprint(ckpt, DecoderSpec.from_config(ckpt.config), batch=1, seq=1).weight_bytes_at[weights.name]
         assert parameter_bytes(tmp_path / "out" / "model.onnx") == expected
@@ -83,3 +85,15 @@ def test_a_quantization_that_breaks_the_model_fails_the_gate_and_publishes_nothi
     with pytest.raises(ParityError, match="distribution FAILED"):
         build(tiny_checkpoint("llama"), out, BuildOptions(weights=WeightQuantization(4)))
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_asymmetric_weights_for_tensorrt_are_refused_before_any_work(
+    tmp_path: Path, tiny_checkpoint: Callable[..., Path]
+) -> None:
+    with pytest.raises(ArtifactError, match="symmetric"):
+        build(
+            tiny_checkpoint("llama"),
+            tmp_path / "out",
+            BuildOptions(target="tensorrt", weights=WeightQuantization(4, symmetric=False)),
+        )
+    assert list(tmp_path.iterdir()) == []
