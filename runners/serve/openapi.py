@@ -71,6 +71,29 @@ _SSE_EVENT = {
 }
 
 
+def _response(object_name: str, choice: dict[str, Any]) -> dict[str, Any]:
+    """A non-streamed response: `choice` holds what each choice carries besides its index and finish reason."""
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string", "enum": [object_name]},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["index", *choice, "finish_reason"],
+                    "properties": {"index": {"type": "integer"}, **choice, "finish_reason": _FINISH},
+                },
+            },
+            "usage": _USAGE,
+        },
+    }
+
+
 def _generation_route(summary: str, request: str, response: str) -> dict[str, Any]:
     return {
         "post": {
@@ -191,56 +214,17 @@ def openapi_schema(model: str | None = None) -> dict[str, Any]:
                         **_SAMPLING,
                     },
                 },
-                "Completion": {
-                    "type": "object",
-                    "required": ["id", "object", "created", "model", "choices", "usage"],
-                    "properties": {
-                        "id": {"type": "string"},
-                        "object": {"type": "string", "enum": ["text_completion"]},
-                        "created": {"type": "integer"},
-                        "model": {"type": "string"},
-                        "choices": {
-                            "type": "array",
-                            "items": {
-                                "type": "object",
-                                "required": ["index", "text", "finish_reason"],
-                                "properties": {
-                                    "index": {"type": "integer"},
-                                    "text": {"type": "string"},
-                                    "finish_reason": _FINISH,
-                                },
-                            },
-                        },
-                        "usage": _USAGE,
+                "Completion": _response("text_completion", {"text": {"type": "string"}}),
+                "ChatCompletion": _response(
+                    "chat.completion",
+                    {
+                        "message": {
+                            "type": "object",
+                            "required": ["role", "content"],
+                            "properties": {"role": {"type": "string"}, "content": {"type": "string"}},
+                        }
                     },
-                },
-                "ChatCompletion": {
-                    "type": "object",
-                    "required": ["id", "object", "created", "model", "choices", "usage"],
-                    "properties": {
-                        "id": {"type": "string"},
-                        "object": {"type": "string", "enum": ["chat.completion"]},
-                        "created": {"type": "integer"},
-                        "model": {"type": "string"},
-                        "choices": {
-                            "type": "array",
-                            "items": {
-                                "type": "object",
-                                "required": ["index", "message", "finish_reason"],
-                                "properties": {
-                                    "index": {"type": "integer"},
-                                    "message": {
-                                        "type": "object",
-                                        "required": ["role", "content"],
-                                        "properties": {"role": {"type": "string"}, "content": {"type": "string"}},
-                                    },
-                                    "finish_reason": _FINISH,
-                                },
-                            },
-                        },
-                        "usage": _USAGE,
-                    },
-                },
+                ),
                 "ModelList": {
                     "type": "object",
                     "required": ["object", "data"],
