@@ -116,11 +116,6 @@ def check_logits(logits: npt.ArrayLike) -> npt.NDArray[np.floating]:
     return array
 
 
-def as_logits(logits: npt.ArrayLike) -> FloatArray:
-    """Check the shape and values of session logits and return a float64 copy."""
-    return check_logits(logits).astype(np.float64, copy=True)
-
-
 def apply_repetition_penalty(logits: FloatArray, seen: Sequence[npt.ArrayLike], penalty: float) -> FloatArray:
     """Make already-seen tokens less likely, dividing positive and multiplying negative logits.
 

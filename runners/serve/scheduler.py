@@ -196,14 +196,8 @@ class BatchScheduler:
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is waiting or running; False if `timeout` passed first."""
-        deadline = time.monotonic() + timeout
         with self._cond:
-            while self._in_system:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
+            return self._cond.wait_for(lambda: not self._in_system, timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the engine thread after its current step; requests still in flight fail."""

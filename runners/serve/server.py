@@ -95,14 +95,8 @@ class App:
             self._cond.notify_all()
 
     def wait_idle(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
         with self._cond:
-            while self._active:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
+            return self._cond.wait_for(lambda: not self._active, timeout)
 
 
 class _Server(ThreadingHTTPServer):
