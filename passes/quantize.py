@@ -185,7 +185,9 @@ class QuantizeWeights(InPlacePass):
         self.skipped = {}
         graph = model.graph
         head = _lm_head(graph) if LM_HEAD in self._keep else None
-        quantized: dict[str, tuple[ir.Value, ...]] = {}  # a weight read by several MatMuls is quantized once
+        # a weight read by several MatMuls the same way is quantized once; read both directly and
+        # through Transpose, it is two different [N, K] matrices
+        quantized: dict[tuple[str, bool], tuple[ir.Value, ...]] = {}
         for node in list(graph):
             if node.op_type != "MatMul" or node.domain != "":
                 continue
@@ -199,9 +201,11 @@ class QuantizeWeights(InPlacePass):
                 self.skipped[name] = reason
                 self.counts["kept" if reason.startswith("kept") else "skipped"] += 1
                 continue
-            if name not in quantized:
-                quantized[name] = self._quantized_inputs(graph, weight, transposed=transpose is not None)
-            self._replace(graph, node, quantized[name])
+            key = (name, transpose is not None)
+            if key not in quantized:
+                quantized[key] = self._quantized_inputs(graph, weight, transposed=key[1])
+            rows, cols = weight.const_value.shape.numpy()  # type: ignore[union-attr]
+            self._replace(graph, node, quantized[key], (cols, rows) if key[1] else (rows, cols))
             self.counts["quantized"] += 1
             for stale in (transpose, weight):
                 _remove_if_unused(graph, stale)
@@ -229,6 +233,8 @@ class QuantizeWeights(InPlacePass):
         block = kernel.shape[1] if per_channel else self.block_size
         q = quantize_blockwise(kernel, self.bits, block, self.symmetric)
         base = f"{weight.name}.q{self.bits}"
+        if base in graph.initializers:  # the same weight, already quantized as read the other way
+            base += ".t"
         if self.form == "matmul_nbits":
             b, scales, zero_points = matmul_nbits_inputs(q)
             tensors = [ir.tensor(b), ir.tensor(scales), None if zero_points is None else ir.tensor(zero_points)]
@@ -249,7 +255,7 @@ class QuantizeWeights(InPlacePass):
             values.append(value)
         return tuple(values)
 
-    def _replace(self, graph: ir.Graph, node: ir.Node, inputs: tuple[ir.Value, ...]) -> None:
+    def _replace(self, graph: ir.Graph, node: ir.Node, inputs: tuple[ir.Value, ...], kn: tuple[int, int]) -> None:
         x = node.inputs[0]
         if self.form.startswith("dequantize_linear"):
             per_channel = self.form == "dequantize_linear_channel"
@@ -258,7 +264,7 @@ class QuantizeWeights(InPlacePass):
             graph.insert_before(node, dq)
             node.replace_input_with(1, dq.outputs[0])
             return
-        k, n = _kn(node)
+        k, n = kn
         attributes = {"K": k, "N": n, "bits": self.bits, "block_size": self.block_size}
         if self.accuracy_level:
             attributes["accuracy_level"] = self.accuracy_level
@@ -291,14 +297,6 @@ def _constant_weight(node: ir.Node) -> tuple[ir.Value, ir.Node | None] | None:
     if not b.is_initializer() or b.is_graph_input() or b.const_value is None or len(b.const_value.shape) != 2:
         return None
     return b, transpose
-
-
-def _kn(node: ir.Node) -> tuple[int, int]:
-    found = _constant_weight(node)
-    assert found is not None
-    weight, transpose = found
-    rows, cols = weight.const_value.shape.numpy()  # type: ignore[union-attr]
-    return (cols, rows) if transpose is not None else (rows, cols)
 
 
 def _remove_if_unused(graph: ir.Graph, item: ir.Value | ir.Node | None) -> None:

@@ -100,6 +100,33 @@ def test_a_weight_read_twice_is_quantized_once() -> None:
     assert sorted(graph.initializers) == ["w.q4", "w.q4.scales"]
 
 
+def test_a_weight_read_directly_and_transposed_is_two_matrices() -> None:
+    """x @ W^T + x @ W of one square initializer: each MatMul gets the quantization of what it reads."""
+    k = 64
+    weight = RNG.standard_normal((k, k)).astype(np.float32)
+    nodes = [
+        helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+        helper.make_node("MatMul", ["x", "wt"], ["a"]),
+        helper.make_node("MatMul", ["x", "w"], ["b"]),
+        helper.make_node("Add", ["a", "b"], ["logits"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, k])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [2, 3, k])],
+        [onnx.numpy_helper.from_array(weight, "w")],
+    )
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]))
+    quantize = QuantizeWeights(8, 32, True, "dequantize_linear")
+    quantize(model)
+    assert quantize.counts == {"quantized": 2}
+    x = RNG.standard_normal((2, 3, k)).astype(np.float32)
+    (got,) = ort_outputs(model, {"x": x})
+    transposed, direct = (quantize_blockwise(w, 8, 32, True).dequantize() for w in (weight, weight.T))
+    np.testing.assert_allclose(got, x @ transposed.T + x @ direct.T, atol=2e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("keep", [("w",), ("lm_*",), (LM_HEAD,)])
 def test_kept_weights_stay_at_full_precision(keep: tuple[str, ...]) -> None:
     """By glob on the weight's name, or `lm_head`: the projection that produces the logits."""
