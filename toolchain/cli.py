@@ -322,6 +322,53 @@ def serve(
     run_serve(artifact, options, announce=lambda line: click.echo(f"kvforge serve: {line}", err=True))
 
 
+@main.command("export-triton")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option(
+    "-o", "--output", required=True, type=click.Path(path_type=Path), help="Model repository directory to create."
+)
+@click.option("--force", is_flag=True, help="Replace a repository kvforge wrote at --output.")
+@click.option(
+    "--kind",
+    type=click.Choice(["cpu", "gpu"]),
+    default="cpu",
+    show_default=True,
+    help="Instance kind: KIND_CPU, or KIND_GPU (onnxruntime-gpu in the Python backend's environment).",
+)
+@click.option(
+    "--instances",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Model instances (processes, each with its own weights and KV cache); per GPU with --kind gpu.",
+)
+@click.option("--name", default=None, help="Triton model name. Default: ARTIFACT's directory name.")
+@click.option(
+    "--max-num-seqs",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Requests generating at once, per instance.",
+)
+@click.option(
+    "--max-queued", default=64, show_default=True, type=click.IntRange(0), help="Requests waiting, per instance."
+)
+@click.option(
+    "--prefill-chunk", default=256, show_default=True, type=click.IntRange(1), help="Prompt tokens per engine step."
+)
+@_guarded
+def export_triton(artifact: Path, output: Path, name: str | None, **options: Any) -> None:
+    """Write a Triton Inference Server model repository that serves ARTIFACT with kvforge's engine."""
+    from toolchain.triton import TritonOptions
+    from toolchain.triton import export_triton as run_export
+
+    written = run_export(artifact, output, TritonOptions(name=name, **options))
+    click.echo(
+        f"wrote {written.path}: Triton model {written.model!r}; serving commands in {written.path / 'README.md'}",
+        err=True,
+    )
+
+
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--checkpoint", required=True, type=_CHECKPOINT, help="The checkpoint the artifact was built from.")

@@ -44,25 +44,28 @@ def _retired_prefix(output: Path) -> str:
     return f".{output.name}.retired-"
 
 
-def check_output(output: Path, force: bool) -> None:
-    """Refuse, before any work, an output that exists without --force or is not ours to replace."""
+def check_output(output: Path, force: bool, marker: str = MANIFEST) -> None:
+    """Refuse, before any work, an output that exists without --force or is not ours to replace.
+
+    Ours is an empty directory or one holding `marker`, the file kvforge writes last into
+    that kind of output (an artifact's manifest by default).
+    """
     if output.is_symlink():
         raise ArtifactError(f"{output}: is a symbolic link; refusing to write through it, choose another -o")
     if not output.exists():
         return
     if not force:
         raise ArtifactError(f"{output}: already exists; pass --force to replace it")
-    if not output.is_dir() or (any(output.iterdir()) and not (output / MANIFEST).is_file()):
-        raise ArtifactError(
-            f"{output}: exists and is not a kvforge artifact; refusing to replace it, choose another -o"
-        )
+    if not output.is_dir() or (any(output.iterdir()) and not (output / marker).is_file()):
+        what = "is not a kvforge artifact" if marker == MANIFEST else f"holds no {marker}: kvforge did not write it"
+        raise ArtifactError(f"{output}: exists and {what}; refusing to replace it, choose another -o")
 
 
 @contextmanager
-def staged(output: Path) -> Iterator[Path]:
+def staged(output: Path, marker: str = MANIFEST) -> Iterator[Path]:
     """A locked, empty staging directory beside `output`; removed if the block fails."""
     output.parent.mkdir(parents=True, exist_ok=True)
-    clean_leftovers(output)
+    clean_leftovers(output, marker)
     path = Path(tempfile.mkdtemp(dir=output.parent, prefix=_staging_prefix(output)))
     lock = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -76,9 +79,9 @@ def staged(output: Path) -> Iterator[Path]:
         os.close(lock)
 
 
-def publish(staging: Path, output: Path) -> None:
+def publish(staging: Path, output: Path, marker: str = MANIFEST) -> None:
     """Put the complete `staging` directory at `output`, atomically replacing a previous artifact."""
-    check_output(output, force=True)  # the output may have changed while we built
+    check_output(output, force=True, marker=marker)  # the output may have changed while we built
     if not output.exists():
         _rename_noreplace(staging, output)
         return
@@ -91,11 +94,11 @@ def publish(staging: Path, output: Path) -> None:
     shutil.rmtree(retired, ignore_errors=True)
 
 
-def clean_leftovers(output: Path) -> None:
+def clean_leftovers(output: Path, marker: str = MANIFEST) -> None:
     """Remove what killed builds left beside `output`; restore a retired artifact if `output` is gone."""
     for path in sorted(output.parent.glob(_retired_prefix(output) + "*")):
         previous = path / output.name
-        if not output.exists() and (previous / MANIFEST).is_file():
+        if not output.exists() and (previous / marker).is_file():
             log.warning("restoring %s from an interrupted publish", output)
             os.rename(previous, output)
         shutil.rmtree(path, ignore_errors=True)

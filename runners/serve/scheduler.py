@@ -190,6 +190,12 @@ class BatchScheduler:
                 self.metrics.request_aborted.inc()
             self._cond.notify_all()
 
+    def wait_released(self, request: Request, timeout: float) -> bool:
+        """Wait until the engine has let go of `request` (finished, failed or aborted after
+        `cancel`); False if `timeout` passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: request.released, timeout)
+
     @property
     def in_system(self) -> int:
         return self._in_system

@@ -1,0 +1,1 @@
+"""kvforge's engine as a Triton Inference Server model (Python backend); see docs/scaling.md."""

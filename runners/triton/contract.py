@@ -1,0 +1,66 @@
+"""The tensors a kvforge model in Triton takes and gives: the contract of Triton's OpenAI frontend.
+
+Triton's OpenAI-compatible frontend talks to every model that is not a vLLM one as it talks
+to TensorRT-LLM's: `text_input` and `stream`, then `max_tokens`, `stop_words`, the sampling
+fields, `return_num_input_tokens` / `return_num_output_tokens`, and `guided_decoding_*` when a
+tool is forced, each as a `[1, 1]` tensor (`stop_words`: `[1, n]`). Triton refuses a request
+that carries an input the model does not declare, so every one of them is declared here; the
+exporter writes `config.pbtxt` from this table and the adapter reads requests with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    data_type: str  # Triton's model-config type name
+    dims: tuple[int, ...]  # the whole shape: the model has no batch dimension (max_batch_size 0)
+    optional: bool = False
+
+    @property
+    def numpy_type(self) -> type:
+        return NUMPY_TYPES[self.data_type]
+
+
+SCALAR = (1, 1)
+
+INPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec("text_input", "TYPE_STRING", SCALAR),
+    TensorSpec("stream", "TYPE_BOOL", SCALAR, optional=True),
+    TensorSpec("max_tokens", "TYPE_INT32", SCALAR, optional=True),
+    TensorSpec("stop_words", "TYPE_STRING", (1, -1), optional=True),
+    TensorSpec("temperature", "TYPE_FP32", SCALAR, optional=True),
+    TensorSpec("top_p", "TYPE_FP32", SCALAR, optional=True),
+    TensorSpec("top_k", "TYPE_INT32", SCALAR, optional=True),
+    TensorSpec("frequency_penalty", "TYPE_FP32", SCALAR, optional=True),
+    TensorSpec("presence_penalty", "TYPE_FP32", SCALAR, optional=True),
+    TensorSpec("seed", "TYPE_UINT64", SCALAR, optional=True),
+    TensorSpec("return_num_input_tokens", "TYPE_BOOL", SCALAR, optional=True),
+    TensorSpec("return_num_output_tokens", "TYPE_BOOL", SCALAR, optional=True),
+    TensorSpec("guided_decoding_guide_type", "TYPE_STRING", SCALAR, optional=True),
+    TensorSpec("guided_decoding_guide", "TYPE_STRING", SCALAR, optional=True),
+)
+
+OUTPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec("text_output", "TYPE_STRING", SCALAR),
+    TensorSpec("num_input_tokens", "TYPE_INT32", SCALAR),
+    TensorSpec("num_output_tokens", "TYPE_INT32", SCALAR),
+)
+
+NUMPY_TYPES: dict[str, type] = {
+    "TYPE_STRING": np.object_,
+    "TYPE_BOOL": np.bool_,
+    "TYPE_INT32": np.int32,
+    "TYPE_FP32": np.float32,
+    "TYPE_UINT64": np.uint64,
+}
+
+# The engine's knobs, as config.pbtxt `parameters` (string values), with `kvforge serve`'s defaults.
+ENGINE_PARAMETERS: dict[str, int] = {"max_num_seqs": 8, "max_queued": 64, "prefill_chunk": 256}
+# Where the artifact lives inside the model's version directory.
+ARTIFACT_DIR = "artifact"
