@@ -1,6 +1,6 @@
 """Write a Llama-shaped Hugging Face checkpoint with random weights, made in code.
 
-    python examples/make_checkpoint.py OUT [--preset small|125m] [--dtype float32|float16|bfloat16]
+    python examples/make_checkpoint.py OUT [--preset small|125m|1.5b] [--dtype float32|float16|bfloat16]
 
 The tokenizer is a byte-level BPE trained on the Python standard library's source
 (PSF license), which every Python installation carries. Random weights produce random
@@ -36,6 +36,16 @@ PRESETS = {
         num_attention_heads=12,
         num_key_value_heads=4,
         max_position_embeddings=2048,
+    ),
+    # 1.50B parameters (3.0 GB in fp16/bf16): the memory-bounded build's showcase.
+    "1.5b": dict(
+        vocab_size=32000,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=30,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
     ),
 }
 CHAT_TEMPLATE = (

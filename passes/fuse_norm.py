@@ -120,6 +120,16 @@ class RMSNormFusion(_rms_normalization.RmsNormFusion):
             return result.fail(f"scale has shape {scale.shape}, not [D] for input shape {x.shape}", scale)
         return result
 
+    def rewrite(self, op: TapeBuilder, x: ir.Value, scale: ir.Value, epsilon: ir.Value, **rest: object) -> ir.Value:
+        """RMSNormalization's result has x's type, so a scale of another type (gemma in float16 scales in
+        float32 and casts afterwards) takes x cast to the scale's type, as the matched graph computed it."""
+        if scale.dtype is not None and x.dtype != scale.dtype:
+            widened = op.Cast(x, to=scale.dtype)
+            widened.dtype, widened.shape = scale.dtype, x.shape.copy() if x.shape is not None else None
+            x = widened
+        fused: ir.Value = super().rewrite(op, x, scale, epsilon, **rest)
+        return fused
+
 
 # Standard norm -> the onnxruntime op that adds the residual first; the name stem of its rules.
 _SKIP_OPS = {

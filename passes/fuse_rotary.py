@@ -47,6 +47,9 @@ class RotaryFusion(pattern.RewriteRuleClassBase):
 
         cos = Unsqueeze(Cos(Concat(freqs, freqs, axis=-1)), [1]),  sin = the same with Sin
 
+    In a float16/bfloat16 model the tables are computed in float32 and cast to x's dtype
+    (`Unsqueeze(Cast(Cos(...)))`); the replacement casts its tables the same way.
+
     Replacement::
 
         RotaryEmbedding(x, Cos(freqs), Sin(freqs), interleaved=0[, rotary_embedding_dim=r]) ─> y
@@ -88,6 +91,10 @@ class RotaryFusion(pattern.RewriteRuleClassBase):
         freqs = _frequencies(cos, sin)
         assert freqs is not None  # check passed
         half_cos, half_sin = op.Cos(freqs), op.Sin(freqs)
+        if x.dtype is not None and x.dtype != freqs.dtype:
+            half_cos, half_sin = op.Cast(half_cos, to=x.dtype), op.Cast(half_sin, to=x.dtype)
+            for table in (half_cos, half_sin):
+                table.dtype, table.shape = x.dtype, freqs.shape.copy() if freqs.shape is not None else None
         if not self._partial:
             return op.RotaryEmbedding(x, half_cos, half_sin, interleaved=0)
         rotated = _last_axis_slice(bound, "rot")
@@ -101,13 +108,17 @@ def _slice(op: Any, x: Any, name: str) -> Any:
 
 
 def _frequencies(cos: ir.Value, sin: ir.Value) -> ir.Value | None:
-    """`freqs` if cos and sin are Unsqueeze(Cos / Sin(Concat(freqs, freqs, axis=-1)), [1]) of one Concat."""
+    """`freqs` if cos and sin are Unsqueeze([Cast](Cos / Sin(Concat(freqs, freqs, axis=-1))), [1]) of one
+    Concat, the Cast (if any) to the dtype of the values the tables rotate."""
     tables = []
     for value, trig in ((cos, "Cos"), (sin, "Sin")):
         unsqueeze = _producer(value, "Unsqueeze")
         if unsqueeze is None or _ints(unsqueeze.inputs[1]) != [1]:
             return None
-        node = _producer(unsqueeze.inputs[0], trig)
+        table = unsqueeze.inputs[0]
+        if (cast := _producer(table, "Cast")) is not None:
+            table = cast.inputs[0]
+        node = _producer(table, trig)
         if node is None:
             return None
         tables.append(node.inputs[0])

@@ -14,7 +14,7 @@ weight-only quantization sees the layout it expects), and the old weights leave 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +66,28 @@ def _projection_pattern(op: Any, x: Any, w: Any, b: Any, tag: str, bias: bool) -
     return op.Add(y, b) if bias else y
 
 
-class PackQkv(pattern.RewriteRuleClassBase):
+class _PackRule(pattern.RewriteRuleClassBase):
+    """Drops the weights it packed as soon as nothing reads them: at each rewrite those of the
+    match before (whose nodes the rewriter has removed since), the rest when the rule is done.
+    So a model's originals and packed copies never all coexist: one match's worth at most."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name=name)
+        self._packed_weights: list[ir.Value] = []
+
+    def _replaced(self, values: Iterable[ir.Value]) -> None:
+        self._packed_weights = _remove_unused_initializers(self._packed_weights)
+        self._packed_weights.extend(values)
+
+    def setup(self) -> None:
+        self._packed_weights = []
+
+    def cleanup(self) -> None:
+        _remove_unused_initializers(self._packed_weights)
+        self._packed_weights = []
+
+
+class PackQkv(_PackRule):
     """Three MatMuls of the same `x` with constant weights -> one MatMul on the concatenated weights.
 
     Matched (`bias=True` adds the Adds; each weight may also be read directly, without the Transpose)::
@@ -81,9 +102,8 @@ class PackQkv(pattern.RewriteRuleClassBase):
     """
 
     def __init__(self, bias: bool) -> None:
-        super().__init__(name="PackQkvBias" if bias else "PackQkv")
+        super().__init__("PackQkvBias" if bias else "PackQkv")
         self._bias = bias
-        self._packed_weights: list[ir.Value] = []
 
     def pattern(self, op: Any, x: Any, wq: Any, wk: Any, wv: Any, bq: Any, bk: Any, bv: Any) -> Any:
         return tuple(
@@ -96,18 +116,10 @@ class PackQkv(pattern.RewriteRuleClassBase):
 
     def rewrite(self, op: Any, x: ir.Value, **bindings: Any) -> Any:
         projections = _bound_projections(bindings, "qkv", self._bias)
-        self._packed_weights.extend(p.weight for p in projections)
-        self._packed_weights.extend(p.bias for p in projections if p.bias is not None)
+        self._replaced([*(p.weight for p in projections), *(p.bias for p in projections if p.bias is not None)])
         packed = _packed_matmul(op, x, projections)
         sizes = op.Constant(value_ints=[p.out_features for p in projections])
         return op.Split(packed, sizes, axis=-1, _outputs=len(projections))
-
-    def setup(self) -> None:
-        self._packed_weights = []
-
-    def cleanup(self) -> None:
-        _remove_unused_initializers(self._packed_weights)
-        self._packed_weights = []
 
 
 @dataclass(frozen=True)
@@ -131,7 +143,7 @@ _ACTIVATIONS = {
 }
 
 
-class PackGateUp(pattern.RewriteRuleClassBase):
+class PackGateUp(_PackRule):
     """The gated MLP's two projections of `x` -> one MatMul; `activation` is "silu" or "gelu".
 
     Matched (for "silu", act(g) is Mul(g, Sigmoid(g)); for "gelu", Gelu(g) with its `approximate`)::
@@ -148,7 +160,6 @@ class PackGateUp(pattern.RewriteRuleClassBase):
     def __init__(self, activation: str) -> None:
         super().__init__(name=f"PackGateUp_{activation}")
         self._activation = _ACTIVATIONS[activation]
-        self._packed_weights: list[ir.Value] = []
 
     def pattern(self, op: Any, x: Any, wg: Any, wu: Any) -> Any:
         gate = op.MatMul(x, _weight(op, wg, "g_transposed"))
@@ -160,20 +171,13 @@ class PackGateUp(pattern.RewriteRuleClassBase):
 
     def rewrite(self, op: Any, x: ir.Value, activated: ir.Value, **bindings: Any) -> Any:
         projections = _bound_projections(bindings, "gu", bias=False)
-        self._packed_weights.extend(p.weight for p in projections)
+        self._replaced(p.weight for p in projections)
         packed = _packed_matmul(op, x, projections)
         sizes = op.Constant(value_ints=[p.out_features for p in projections])
         gate, up = op.Split(packed, sizes, axis=-1, _outputs=2)
         activation = activated.producer()
         assert activation is not None  # bound to a pattern node's output
         return op.Mul(self._activation.rebuild(op, gate, activation), up)
-
-    def setup(self) -> None:
-        self._packed_weights = []
-
-    def cleanup(self) -> None:
-        _remove_unused_initializers(self._packed_weights)
-        self._packed_weights = []
 
 
 def _bound_projections(bindings: dict[str, Any], names: str, bias: bool) -> list[_Projection]:
@@ -257,13 +261,17 @@ def _numbered(base: str) -> Iterator[str]:
         n += 1
 
 
-def _remove_unused_initializers(values: Sequence[ir.Value]) -> None:
+def _remove_unused_initializers(values: Sequence[ir.Value]) -> list[ir.Value]:
+    """Unregister the initializers among `values` that nothing reads; returns the others."""
+    kept = []
     for value in values:
         graph = value.graph
         if graph is None or value.uses() or value.is_graph_output() or value.is_graph_input():
+            kept.append(value)
             continue
         if value.name is not None and graph.initializers.get(value.name) is value:
             del graph.initializers[value.name]
+    return kept
 
 
 class _NearbyMatcher(pattern.SimplePatternMatcher):

@@ -32,9 +32,11 @@ from passes.fuse_rotary import rotary_fusion
 from passes.last_position import LastPositionLogits
 from passes.pack_matmul import pack_gate_up, pack_qkv
 from passes.quantize import QuantizeWeights, WeightQuantization
+from passes.quantize_embedding import QuantizeEmbedding
 from passes.rewrite import FusionPass
 from passes.tensorrt import tensorrt_form
 from passes.tensorrt_check import RequireTensorRT
+from passes.weight_layout import FoldWeightTransposes
 
 # Constant folding only touches tensors up to this many elements: shape arithmetic and
 # small tables fold, weight matrices keep their checkpoint names.
@@ -122,9 +124,13 @@ def fixed_cache() -> list[PassBase]:
 def quantize(target: str, weights: WeightQuantization) -> list[PassBase]:
     """Weight-only quantization in the form the target's runtime reads: onnxruntime's
     MatMulNBits for its own targets, standard block-wise DequantizeLinear + MatMul otherwise
-    (per channel for TensorRT's int8)."""
+    (per channel for TensorRT's int8). Then the token-embedding table, after the LM head so
+    that a tied table shares the head's quantized initializers (`EMBEDDING_FORMS`)."""
     form = QUANTIZATION_FORMS.get((target, weights.bits), "dequantize_linear")
-    return [weights.make_pass(form)]
+    passes: list[PassBase] = [weights.make_pass(form)]
+    if target in EMBEDDING_FORMS:
+        passes.append(QuantizeEmbedding.from_weights(weights, EMBEDDING_FORMS[target]))
+    return passes
 
 
 # (target, bits) -> how the quantized weights are written; any other: block-wise DequantizeLinear
@@ -134,6 +140,13 @@ QUANTIZATION_FORMS = {
     ("tensorrt", 8): "dequantize_linear_channel",  # TensorRT's int8 weights are per channel
 }
 
+# target -> how the token-embedding table is looked up once quantized (passes/quantize_embedding.py):
+# GatherBlockQuantized on onnxruntime, Gather of 8-bit codes + DequantizeLinear on the portable
+# target. Not on tensorrt: its parser gathers float, int32, int64 and bool tensors only, its
+# quantized types exist only as a DequantizeLinear of a constant, and the target dequantizes a
+# weight only into a MatMul; the table stays in the compute dtype there (docs/pipeline.md).
+EMBEDDING_FORMS = {"ort-cpu": "gather_block_quantized", "onnx": "gather_dequantize_linear"}
+
 
 def tensorrt(capacity: int) -> list[PassBase]:
     """The portable graph restricted to what TensorRT's ONNX parser imports natively: a
@@ -142,29 +155,35 @@ def tensorrt(capacity: int) -> list[PassBase]:
     return list(tensorrt_form(capacity))
 
 
-def finalize_tensorrt() -> list[PassBase]:
-    """The canonical clean-up, then the postcondition: every node one the parser imports."""
-    return [*canonicalize(), RequireTensorRT()]
+def finalize() -> list[PassBase]:
+    """Weights stored as their MatMuls read them, then the canonical clean-up: fusions leave
+    shape ops and transposes that now cancel."""
+    return [FoldWeightTransposes(), *canonicalize()]
 
 
-# target -> phases, in order. A phase is a name and the passes it runs. `finalize`
-# re-runs the canonical clean-up: fusions leave shape ops and transposes that now cancel.
-# A phase's factory may take the build's settings by keyword (`capacity`); `phases` passes
-# those it names.
+def finalize_tensorrt(dtype: str) -> list[PassBase]:
+    """`finalize`, then the postcondition: every node one the parser imports, every float
+    in the compute `dtype` (or float32, where the model computes in float32)."""
+    return [*finalize(), RequireTensorRT(dtype)]
+
+
+# target -> phases, in order. A phase is a name and the passes it runs.
+# A phase's factory may take the build's settings by keyword (`capacity`, `dtype`); `phases`
+# passes those it names.
 PIPELINES: dict[str, list[tuple[str, Callable[..., list[PassBase]]]]] = {
     "onnx": [
         ("canonicalize", canonicalize),
         ("fuse", fuse),
         ("pack", pack),
         ("fixed-cache", fixed_cache),
-        ("finalize", canonicalize),
+        ("finalize", finalize),
     ],
     "ort-cpu": [
         ("canonicalize", canonicalize),
         ("fuse", fuse),
         ("pack", pack),
         ("lower-ort", lower_ort),
-        ("finalize", canonicalize),
+        ("finalize", finalize),
     ],
     "tensorrt": [
         ("canonicalize", canonicalize),
@@ -226,7 +245,7 @@ class PassReport:
             return "every expected fusion fired"
         lines = []
         for fusion, reasons in self.missed.items():
-            if fusion == QuantizeWeights.__name__:
+            if fusion in (QuantizeWeights.__name__, QuantizeEmbedding.__name__):
                 lines.append("weights left at full precision:")
             else:
                 lines.append(f"fusion {fusion} fired fewer times than expected:")
@@ -242,13 +261,13 @@ def histogram(model: ir.Model) -> dict[str, int]:
 
 
 def phases(
-    target: str, weights: WeightQuantization | None = None, capacity: int | None = None
+    target: str, weights: WeightQuantization | None = None, capacity: int | None = None, dtype: str = "float32"
 ) -> list[tuple[str, list[PassBase]]]:
     """The target's phases with their passes; quantization, when asked for, runs just before
     `finalize`, after the fusions and packing whose MatMuls it quantizes."""
     if target not in PIPELINES:
         raise KeyError(f"no pass pipeline for target {target!r}; known: {', '.join(PIPELINES)}")
-    settings = {"capacity": capacity}
+    settings = {"capacity": capacity, "dtype": dtype}
     result = [(phase, _make(make_passes, settings)) for phase, make_passes in PIPELINES[target]]
     if weights is not None:
         result.insert(len(result) - 1, ("quantize", quantize(target, weights)))
@@ -261,17 +280,18 @@ def run(
     expected: Mapping[str, int] | None = None,
     weights: WeightQuantization | None = None,
     capacity: int | None = None,
+    dtype: str = "float32",
 ) -> PassReport:
     """Run the target's pipeline on `model` in place and report what each pass did.
 
     `expected` maps fusion pass names to how often they should fire for this model; a
     fusion that falls short is explained (closest match, failed constraint) in `missed`.
     `weights` adds the weight-only quantization phase. `capacity` is the fixed KV-cache
-    length of a target that needs one (`tensorrt`).
+    length of a target that needs one (`tensorrt`); `dtype` the graph's compute dtype.
     """
     expected = dict(expected or {})
     report = PassReport(target, histogram_before=histogram(model))
-    for phase, passes in phases(target, weights, capacity):
+    for phase, passes in phases(target, weights, capacity, dtype):
         for p in passes:
             before = len(model.graph)
             start = time.perf_counter()

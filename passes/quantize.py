@@ -3,8 +3,12 @@
 One quantizer, two representations of its result:
 
 - `matmul_nbits` (onnxruntime targets): com.microsoft `MatMulNBits(A, B, scales[, zero_points])`,
-  B packed `[N, ⌈K / block⌉, block * bits / 8]` uint8 (low nibble first), scales `[N * ⌈K / block⌉]`,
-  zero points packed like B (absent when symmetric: the kernel's default is the middle code).
+  B packed `[N, ⌈K / block⌉, block * bits / 8]` uint8 (low nibble first), scales `[N, ⌈K / block⌉]`,
+  zero points packed like B, `[N, ⌈⌈K / block⌉ * bits / 8⌉]` (absent when symmetric: the kernel's
+  default is the middle code). Scales and zero points are 2-D as the contrib spec has them since
+  onnxruntime PR #24828 (older releases read the same bytes, not checking their shape): the layout
+  `GatherBlockQuantized` reads too, so a tied embedding table can share them
+  (`passes/quantize_embedding.py`).
 - `dequantize_linear` (portable targets, standard opset 21+): `DequantizeLinear(Wq, scale[, zero_point],
   axis=0, block_size)` feeding the MatMul's B, with Wq `[K, N]` int4 / int8 (uint4 / uint8 with a zero
   point when asymmetric) and scale `[⌈K / block⌉, N]`. onnxruntime fuses this back into MatMulNBits.
@@ -97,20 +101,26 @@ def quantize_blockwise(
         blocks = chunk_weight.reshape(-1, count, block_size)
         if symmetric:
             qmax = 2 ** (bits - 1) - 1
-            scale = np.abs(blocks).max(axis=-1) / qmax
-            scale = np.where(scale > 0, scale, 1.0)  # an all-zero block: any scale is exact
+            scale = _stored(np.abs(blocks).max(axis=-1) / qmax, weight.dtype)
             chunk = np.clip(np.rint(blocks / scale[..., None]), -qmax, qmax)
         else:
             top = 2**bits - 1
             low, high = np.minimum(blocks.min(axis=-1), 0.0), np.maximum(blocks.max(axis=-1), 0.0)
-            scale = (high - low) / top
-            scale = np.where(scale > 0, scale, 1.0)
+            scale = _stored((high - low) / top, weight.dtype)
             zero = np.clip(np.rint(-low / scale), 0, top)
             zero_points[rows] = zero  # type: ignore[index]
             chunk = np.clip(np.rint(blocks / scale[..., None]) + zero[..., None], 0, top)
         codes[rows] = chunk.reshape(-1, k + pad)[:, :k]
         scales[rows] = scale
     return QuantizedWeight(codes, scales.astype(weight.dtype), zero_points, bits, block_size)
+
+
+def _stored(scale: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """The scale as it will be stored (the weight's dtype), so the codes are rounded against
+    the very scale that dequantizes them; an all-zero block, for which any scale is exact,
+    or one whose scale underflows the dtype, gets 1."""
+    rounded = scale.astype(dtype).astype(np.float32)
+    return np.where(rounded > 0, rounded, np.float32(1.0))
 
 
 def _pack_nibbles(values: np.ndarray) -> np.ndarray:
@@ -123,7 +133,8 @@ def _pack_nibbles(values: np.ndarray) -> np.ndarray:
 
 
 def matmul_nbits_inputs(q: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """(B, scales, zero_points) as MatMulNBits reads them."""
+    """(B `[N, blocks, block * bits / 8]`, scales `[N, blocks]`, zero points `[N, ⌈blocks * bits / 8⌉]`)
+    as MatMulNBits reads them."""
     codes = q.padded_codes()
     n, k = codes.shape
     blocks = k // q.block_size
@@ -131,11 +142,10 @@ def matmul_nbits_inputs(q: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.
     unsigned = codes.astype(np.int16) + (2 ** (q.bits - 1) if q.zero_points is None else 0)
     unsigned = unsigned.astype(np.uint8).reshape(n, blocks, q.block_size)
     b = _pack_nibbles(unsigned) if q.bits == 4 else unsigned
-    scales = q.scales.reshape(-1)
     if q.zero_points is None:
-        return b, scales, None
+        return b, q.scales, None
     zero_points = q.zero_points.astype(np.uint8)
-    return b, scales, (_pack_nibbles(zero_points) if q.bits == 4 else zero_points).reshape(-1)
+    return b, q.scales, _pack_nibbles(zero_points) if q.bits == 4 else zero_points
 
 
 def dequantize_linear_inputs(q: QuantizedWeight) -> tuple[_Tensor, _Tensor, _Tensor | None]:
@@ -226,9 +236,7 @@ class QuantizeWeights(InPlacePass):
     def _quantized_inputs(self, graph: ir.Graph, weight: ir.Value, transposed: bool) -> tuple[ir.Value, ...]:
         """Initializers of the quantized weight, named after it."""
         array = weight.const_value.numpy()  # type: ignore[union-attr]
-        if array.dtype == ml_dtypes.bfloat16:
-            array = array.astype(np.float32)
-        kernel = array if transposed else array.T  # [N, K]
+        kernel = array if transposed else array.T  # [N, K], in the weight's dtype: widened chunk by chunk
         per_channel = self.form == "dequantize_linear_channel"
         block = kernel.shape[1] if per_channel else self.block_size
         q = quantize_blockwise(kernel, self.bits, block, self.symmetric)

@@ -261,8 +261,8 @@ class RotaryPositionIds(InPlacePass):
     becomes `RotaryEmbedding(x, cos_cache, sin_cache, position_ids)`.
 
     ```
-    position_ids ─ Unsqueeze ─ Cast ─ Mul(inv_freq) ─► freqs [B,S,R/2] ─┬─ Cos ─┐
-                                                                       └─ Sin ─┴─ RotaryEmbedding(x, cos, sin)
+    position_ids ─ Unsqueeze ─ Cast ─ Mul(inv_freq) ─► freqs [B,S,R/2] ─┬─ Cos ─ (Cast)? ─┐
+                                                                       └─ Sin ─ (Cast)? ─┴─ RotaryEmbedding(x, cos, sin)
     ```
     becomes `RotaryEmbedding(x, cos_cache, sin_cache, position_ids)` with
     `cos_cache = Cos(freqs at positions 0..S_max-1)` as a constant `[S_max, R/2]` table (and
@@ -283,18 +283,21 @@ class RotaryPositionIds(InPlacePass):
         if positions is None or capacity is None:
             return PassResult(model, modified=False)
         feed = np.arange(capacity, dtype=np.int64)[None, :]
-        tables: dict[int, tuple[ir.Value, ir.Value]] = {}
+        tables: dict[tuple[int, ir.DataType | None], tuple[ir.Value, ir.Value]] = {}
         modified = False
         for node in list(graph):
             freqs = self._frequencies(node)
             if freqs is None:
                 continue
-            if id(freqs) not in tables:
+            x = node.inputs[0]
+            key = (id(freqs), x.dtype if x is not None else None)
+            if key not in tables:
                 angles = _evaluate(freqs, positions, feed)
                 if angles is None or angles.ndim != 3 or angles.shape[:2] != (1, capacity):
                     continue
-                tables[id(freqs)] = self._tables(graph, angles[0], len(tables))
-            cos_cache, sin_cache = tables[id(freqs)]
+                dtype = key[1].numpy() if key[1] is not None else angles.dtype
+                tables[key] = self._tables(graph, angles[0], dtype, len(tables))
+            cos_cache, sin_cache = tables[key]
             node.replace_input_with(1, cos_cache)
             node.replace_input_with(2, sin_cache)
             node.resize_inputs(4)
@@ -316,8 +319,7 @@ class RotaryPositionIds(InPlacePass):
         if node.op_type != "RotaryEmbedding" or node.domain != "" or len(node.inputs) != 3:
             return None
         cos, sin = node.inputs[1], node.inputs[2]
-        cos_node = cos.producer() if cos is not None else None
-        sin_node = sin.producer() if sin is not None else None
+        cos_node, sin_node = _through_cast(cos), _through_cast(sin)
         if cos_node is None or sin_node is None or (cos_node.op_type, sin_node.op_type) != ("Cos", "Sin"):
             return None
         if cos_node.domain or sin_node.domain or cos_node.inputs[0] is not sin_node.inputs[0]:
@@ -325,11 +327,13 @@ class RotaryPositionIds(InPlacePass):
         return cos_node.inputs[0]
 
     @staticmethod
-    def _tables(graph: ir.Graph, angles: np.ndarray, index: int) -> tuple[ir.Value, ir.Value]:
+    def _tables(graph: ir.Graph, angles: np.ndarray, dtype: np.dtype, index: int) -> tuple[ir.Value, ir.Value]:
+        """Cos and sin of the angles in their own dtype, as the graph computed them, then in
+        `dtype`, the rotated values' (float32 tables cast for a float16 model)."""
         suffix = "" if index == 0 else f"_{index}"
         made = []
         for name, function in (("cos", np.cos), ("sin", np.sin)):
-            table = function(angles).astype(angles.dtype)
+            table = function(angles).astype(angles.dtype).astype(dtype)
             value = ir.Value(
                 name=f"rotary.{name}_cache{suffix}",
                 type=ir.TensorType(ir.DataType.from_numpy(table.dtype)),
@@ -339,6 +343,14 @@ class RotaryPositionIds(InPlacePass):
             graph.register_initializer(value)
             made.append(value)
         return made[0], made[1]
+
+
+def _through_cast(value: ir.Value | None) -> ir.Node | None:
+    """The producer of `value`, or of the Cast's input when `value` is a Cast's output."""
+    node = value.producer() if value is not None else None
+    if node is not None and node.op_type == "Cast" and not node.domain:
+        node = node.inputs[0].producer() if node.inputs[0] is not None else None
+    return node
 
 
 class DropDefaultAttentionAttributes(InPlacePass):

@@ -289,11 +289,13 @@ def check_graph(
 
 
 def _typed(value: ir.Value, dtype: ir.DataType, where: str) -> list[Violation]:
-    """Strongly typed: every element type known, every floating tensor in the compute dtype."""
+    """Strongly typed: every element type known, every floating tensor in the compute dtype or
+    in float32 (the islands a half-precision model computes in float32: rotary tables, some
+    norms, the logits), each crossing an explicit Cast, which a strongly typed network keeps."""
     if value.dtype is None:
         return [Violation(where, f"{value.name} has no known element type; the network is strongly typed")]
-    if value.dtype in _FLOATS and value.dtype != dtype:
-        return [Violation(where, f"{value.name} is {value.dtype.name}, not the compute dtype {dtype.name}")]
+    if value.dtype in _FLOATS and value.dtype not in (dtype, ir.DataType.FLOAT):
+        return [Violation(where, f"{value.name} is {value.dtype.name}, not the compute dtype {dtype.name} or FLOAT")]
     return []
 
 

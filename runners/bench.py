@@ -78,10 +78,30 @@ def weight_bytes_per_step(artifact: Path, manifest: dict[str, Any]) -> int:
     position tables)."""
     spec, flags = manifest["spec"], manifest["flags"]
     itemsize = np.dtype(flags["dtype"]).itemsize
-    gathered_only = 0 if spec["tied_embeddings"] else spec["vocab_size"] * spec["hidden_size"]
+    gathered_only = 0
+    if not spec["tied_embeddings"]:
+        gathered_only += _input_table_bytes(spec, manifest.get("passes", {}).get("passes", []), itemsize)
     if spec["position_embedding"] == "learned":
-        gathered_only += spec["max_positions"] * spec["hidden_size"]
-    return (artifact / "model.onnx.data").stat().st_size - gathered_only * itemsize
+        gathered_only += spec["max_positions"] * spec["hidden_size"] * itemsize
+    return (artifact / "model.onnx.data").stat().st_size - gathered_only
+
+
+def _input_table_bytes(spec: dict[str, Any], passes: list[dict[str, Any]], itemsize: int) -> int:
+    """Bytes of the token-embedding table as stored: in the compute dtype, or as the pass
+    report's QuantizeEmbedding wrote it (passes/quantize_embedding.py): codes (whole blocks
+    of packed codes for GatherBlockQuantized, a byte each for Gather), a scale per block of
+    each row in the compute dtype, and zero points when asymmetric."""
+    rows, hidden = spec["vocab_size"], spec["hidden_size"]
+    record = next((r for r in passes if r.get("name") == "QuantizeEmbedding" and r["fusions"].get("quantized")), None)
+    if record is None:
+        return rows * hidden * itemsize
+    config = record["config"]
+    bits, block = config["bits"], config["block_size"]
+    blocks = -(-hidden // block)
+    packed = config["form"] == "gather_block_quantized"
+    codes = blocks * block * bits // 8 if packed else hidden
+    zero_points = 0 if config["symmetric"] else (-(-blocks * bits // 8) if packed else blocks)
+    return rows * (codes + blocks * itemsize + zero_points)
 
 
 def kv_bytes_per_step(io: DecoderIO, context: int, batch: int) -> int:

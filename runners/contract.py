@@ -23,7 +23,9 @@ KV_MODES = ("concat", "shared")
 # generation samples from (prompts are left-padded, so it is every row's last token);
 # a prefill then skips the LM head for all other positions.
 LOGITS_POSITIONS = ("all", "last")
-TENSOR_DTYPES = ("float32", "float16")  # what numpy and onnxruntime exchange with the runner
+# What graphs exchange with the runner. bfloat16 KV caches are a TensorRT (GPU) artifact's:
+# numpy has no bfloat16, and onnxruntime's CPU provider cannot compute one (OrtSession says so).
+TENSOR_DTYPES = ("float32", "float16", "bfloat16")
 # Far beyond any real model; a manifest past them is corrupt or hostile.
 IO_LIMITS = {"num_layers": 10_000, "num_kv_heads": 1 << 16, "head_dim": 1 << 16, "vocab_size": 1 << 31}
 
@@ -65,7 +67,7 @@ class DecoderIO:
 
     @classmethod
     def for_spec(cls, spec: _SpecLike, kv_dtype: str = "float32") -> DecoderIO:
-        return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.vocab_size, kv_dtype, kv_dtype)
+        return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.vocab_size, kv_dtype)
 
     def past_name(self, layer: int, kind: str) -> str:
         return f"past_key_values.{layer}.{kind}"

@@ -52,6 +52,12 @@ class OrtSession:
     ) -> None:
         import onnxruntime as ort
 
+        if io.kv_dtype == "bfloat16":
+            raise ArtifactError(
+                f"{model_path}: this artifact computes in bfloat16, which onnxruntime's CPU provider cannot run "
+                "(it has no bfloat16 MatMul); run it on TensorRT (`kvforge build-engine`), or build it with "
+                "--dtype fp16 or fp32 for onnxruntime"
+            )
         check_external_data(Path(model_path), data_files)
 
         options = ort.SessionOptions()

@@ -8,9 +8,13 @@ published, and a previous artifact stays as it was.
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import os
+import resource
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,11 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import onnx_ir as ir
+import torch
 
 from passes import pipeline
 from passes.pipeline import PassReport
 from passes.quantize import WeightQuantization
 from passes.tensorrt_check import UnsupportedByTensorRT
+from passes.widen import WidenFloats
 from runners.contract import DecoderIO
 from runners.errors import ArtifactError
 from runners.manifest import MANIFEST, read_manifest, verify_files
@@ -52,7 +58,10 @@ from toolchain.verify import (
 log = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "ort-cpu"
-COMPUTE_DTYPE = "float32"
+# --dtype: the graph's compute dtype (weights that stay unquantized, activations, KV cache),
+# by the CLI's name. Logits leave every graph in fp32.
+DTYPES: dict[str, str] = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+_DTYPE_NAMES = {name: short for short, name in DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,7 @@ class BuildOptions:
     allow_pickle: bool = False
     decode_steps: int = 8
     target: str = DEFAULT_TARGET
+    dtype: str = "float32"  # one of DTYPES' values
     weights: WeightQuantization | None = None  # None: weights stay in the compute dtype
     capacity: int | None = None  # tensorrt: the fixed KV-cache length S_max (None: the model's context)
     engine: trt_engine.EngineOptions = trt_engine.EngineOptions()  # tensorrt, where TensorRT and a GPU are present
@@ -74,7 +84,7 @@ class BuildOptions:
         """What determines the artifact's bytes (not `force`, which only says where they may go)."""
         return {
             "target": self.target,
-            "dtype": COMPUTE_DTYPE,
+            "dtype": self.dtype,
             "opset": OPSET,
             "allow_pickle": self.allow_pickle,
             "decode_steps": self.decode_steps,
@@ -96,29 +106,39 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
     output = Path(os.path.abspath(output))
     if options.target not in pipeline.TARGETS:
         raise ArtifactError(f"unknown target {options.target!r}; choose one of {', '.join(pipeline.TARGETS)}")
+    if options.dtype not in DTYPES.values():
+        raise ArtifactError(f"unknown dtype {options.dtype!r}; choose one of {', '.join(DTYPES.values())}")
     check_output(output, options.force)
     seconds: dict[str, float] = {}
     ckpt = checkpoints.load(checkpoint_dir, allow_pickle=options.allow_pickle)
     spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
     checkpoints.check_against_spec(ckpt, spec)
-    io = DecoderIO.for_spec(spec)
+    io = DecoderIO.for_spec(spec, kv_dtype=options.dtype)
     if options.device_memory is not None:
         _check_fits(ckpt, spec, options)
     if options.target == "tensorrt":
         options = _tensorrt_options(options, spec)
     with _timed(seconds, "load"):
-        model = eager_model(ckpt, spec)
+        model = eager_model(ckpt, spec, getattr(torch, options.dtype))
     with _timed(seconds, "reference"):  # the eager side of the gate, now: its weights are freed before verify
-        gate = _record_gate(TorchSession(DecoderWrapper(model, spec.num_layers), io), options.flags(), spec, ckpt.path)
+        gate = _record_gate(_eager_session(model, spec, io), options.flags(), spec, ckpt.path)
     with _timed(seconds, "export"):
         program = export_decoder(model, spec, io)
     with _timed(seconds, "lower"):
         onnx_model = to_onnx(program, io)
-    del program
+    # The graph's initializers now hold the weights; the eager model's references would keep
+    # every weight a pass replaces (packing, quantization) alive next to its replacement.
+    del program, model
+    gc.collect()
     with _timed(seconds, "passes"):
         try:
             pass_report = pipeline.run(
-                onnx_model, options.target, expected_fusions(spec), options.weights, capacity=options.capacity
+                onnx_model,
+                options.target,
+                expected_fusions(spec),
+                options.weights,
+                capacity=options.capacity,
+                dtype=options.dtype,
             )
         except UnsupportedByTensorRT as e:
             raise ArtifactError(f"{checkpoint_dir}: {e}") from e
@@ -129,12 +149,12 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
         with staged(output) as staging:
             with _timed(seconds, "emit"):
                 emit.write_onnx(onnx_model, staging)
-                del onnx_model, model  # the compiled session never shares the machine with the eager weights
+                del onnx_model  # the compiled session never shares the machine with the graph's weights
                 gc.collect()
                 emit.copy_tokenizer(ckpt, staging)
                 emit.write_generation_config(ckpt, spec, staging)
-            with _timed(seconds, "verify"):
-                report = gate(OrtSession(staging / emit.MODEL_FILE, graph_io))
+            with _timed(seconds, "verify"), _verifiable(staging, graph_io) as (model_path, verify_io):
+                report = gate(OrtSession(model_path, verify_io))
                 require_parity(report, str(checkpoint_dir))
             if options.target == "tensorrt":
                 if (missing := trt_engine.unavailable()) is None:
@@ -153,7 +173,7 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
                 sources=ckpt.source_hashes(),
                 flags=options.flags(),
                 passes=pass_report.to_dict(timings=False),
-                parity=report.to_dict(),
+                parity=_parity_record(report, graph_io),
             )
             if engine_entry is not None:
                 written = trt_engine.with_engine(written, staging, engine_entry)
@@ -161,9 +181,23 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
             publish(staging, output)
     except OSError as e:  # a full disk, a read-only or vanished directory: nothing was published
         where = e.filename or output.parent
-        raise ArtifactError(f"{where}: cannot write the artifact ({e.strerror or e}); nothing was published") from e
+        raise ArtifactError(
+            f"{where}: cannot write the artifact ({_write_failure(e, output)}); nothing was published"
+        ) from e
     log.info("published %s (%s)", output, report.summary())
     return BuildResult(output, written, report, pass_report, seconds, next_step)
+
+
+def _write_failure(error: OSError, output: Path) -> str:
+    """Why a write failed, in words. numpy's `tofile`, which writes array-backed weights, reports
+    a short write without an errno ("N requested and M written"): a full disk, told as such."""
+    if error.strerror:
+        return error.strerror
+    try:
+        full = shutil.disk_usage(output.parent).free < (1 << 20)
+    except OSError:
+        full = False
+    return os.strerror(errno.ENOSPC) if full else str(error)
 
 
 def verify(artifact: Path, checkpoint_dir: Path, *, allow_pickle: bool = False) -> ParityReport | DistributionReport:
@@ -179,14 +213,45 @@ def verify(artifact: Path, checkpoint_dir: Path, *, allow_pickle: bool = False) 
     spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
     checkpoints.check_against_spec(ckpt, spec)
     io = DecoderIO.from_dict(recorded["io"])
-    model = eager_model(ckpt, spec)
-    eager = TorchSession(DecoderWrapper(model, spec.num_layers), replace(io, kv_mode="concat"))
+    model = eager_model(ckpt, spec, getattr(torch, recorded["flags"].get("dtype", "float32")))
+    eager = _eager_session(model, spec, replace(io, kv_mode="concat"))
     gate = _record_gate(eager, recorded["flags"], spec, artifact)
     del model, eager
     gc.collect()
-    report = gate(OrtSession(artifact / emit.MODEL_FILE, io))
+    with _verifiable(artifact, io) as (model_path, verify_io):
+        report = gate(OrtSession(model_path, verify_io))
     require_parity(report, str(artifact))
     return report
+
+
+@contextmanager
+def _verifiable(directory: Path, io: DecoderIO) -> Iterator[tuple[Path, DecoderIO]]:
+    """The model the gate can run on onnxruntime's CPU provider, and its contract: the
+    artifact's own, or, for bfloat16, which that provider cannot compute, a float32 copy of
+    it (`passes.widen`) in a temporary sibling directory, removed afterwards."""
+    if io.kv_dtype != "bfloat16":
+        yield directory / emit.MODEL_FILE, io
+        return
+    model = ir.load(directory / emit.MODEL_FILE)
+    WidenFloats().call(model)
+    with tempfile.TemporaryDirectory(prefix=".kvforge-verify-", dir=directory.parent) as temporary:
+        path = emit.write_onnx(model, Path(temporary))
+        del model
+        yield path, replace(io, kv_dtype="float32")
+
+
+def _parity_record(report: ParityReport | DistributionReport, io: DecoderIO) -> dict[str, Any]:
+    """The gate's report for the manifest, saying in which dtype the compiled graph was run."""
+    computed = "float32" if io.kv_dtype == "bfloat16" else io.kv_dtype
+    return report.to_dict() | {"computed_in": computed}
+
+
+def _eager_session(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO) -> TorchSession:
+    """The eager model behind the runner's Session interface, its cache in the model's dtype
+    (float32 across numpy for bfloat16, which numpy cannot hold)."""
+    dtype = next(model.parameters()).dtype
+    transport = replace(io, kv_dtype="float32") if dtype == torch.bfloat16 else io
+    return TorchSession(DecoderWrapper(model, spec.num_layers), transport, dtype)
 
 
 def _record_gate(
@@ -212,13 +277,16 @@ def _check_fits(ckpt: checkpoints.Checkpoint, spec: DecoderSpec, options: BuildO
     """Refuse, before any work, a build whose artifact would not fit in --device-memory."""
     assert options.device_memory is not None
     seq = options.memory_seq or spec.max_positions
-    fp = footprint(ckpt, spec, batch=options.memory_batch, seq=seq)
-    precision = "fp32" if options.weights is None else options.weights.name
-    weights, kv = fp.weight_bytes_at[precision], fp.kv_bytes_total["fp32"]
+    half = options.dtype != "float32"  # fp16 and bf16 take the same bytes
+    fp = footprint(ckpt, spec, batch=options.memory_batch, seq=seq, compute_bytes=2 if half else 4)
+    compute = "fp16" if half else "fp32"
+    weights = fp.weight_bytes_at[compute if options.weights is None else options.weights.name]
+    kv = fp.kv_bytes_total[compute]
+    precision = _DTYPE_NAMES[options.dtype] if options.weights is None else options.weights.name
     if weights + kv > options.device_memory:
         raise ArtifactError(
             f"{ckpt.path}: the built model needs {format_bytes(weights + kv)} at run time ({precision} weights "
-            f"{format_bytes(weights)} + fp32 KV cache {format_bytes(kv)} for batch {options.memory_batch} × "
+            f"{format_bytes(weights)} + {options.dtype} KV cache {format_bytes(kv)} for batch {options.memory_batch} × "
             f"{seq} tokens), more than --device-memory {format_bytes(options.device_memory)}; "
             + ("quantize the weights (--weights int4), " if precision != "int4" else "")
             + "plan for a smaller --batch or --seq, or a larger device"
@@ -277,3 +345,6 @@ def _timed(seconds: dict[str, float], stage: str) -> Iterator[None]:
     start = time.perf_counter()
     yield
     seconds[stage] = time.perf_counter() - start
+    # the process's peak so far: the stage after which it grows is where the memory goes
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    log.info("%s: %.1f s, peak resident memory so far %s", stage, seconds[stage], format_bytes(peak))

@@ -68,6 +68,8 @@ _TORCH_DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float8_e5m2: "F8_E5M2",
 }
 
+_TORCH_DTYPES = {name: dtype for dtype, name in _TORCH_DTYPE_NAMES.items()}
+
 
 @dataclass(frozen=True)
 class Checkpoint:
@@ -83,14 +85,20 @@ class Checkpoint:
     uses_pickle: bool
     index_file: Path | None = None  # model.safetensors.index.json when the weights are sharded
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """All weights as CPU tensors backed by memory maps of the files (no copy is made)."""
+    def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """All weights as CPU tensors, floating ones converted to `dtype` if given.
+
+        Safetensors weights are read, not memory-mapped, each into memory of its own and
+        converted as it arrives: a weight that a later stage replaces (packed, quantized) is
+        freed with its last reference, where one mapping of the whole file would keep every
+        page it ever touched resident; and a checkpoint built in a narrower dtype never sits
+        in memory at its stored width."""
         if self.uses_pickle:
-            return _load_pickle(self.weight_files[0])
+            return _converted(_load_pickle(self.weight_files[0]), dtype)
         tensors: dict[str, torch.Tensor] = {}
         origin: dict[str, Path] = {}
         for file in self.weight_files:
-            _merge(tensors, _load_safetensors(file), file, origin)
+            _merge(tensors, _read_safetensors(file, dtype), file, origin)
         return tensors
 
     def tensor_metadata(self) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -429,16 +437,30 @@ def _read_headers(files: tuple[Path, ...]) -> dict[str, tuple[Path, safetensors_
     return entries
 
 
-def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    safetensors_check.read_header(file)  # the library only sees files whose header we checked
+def _read_safetensors(file: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file at the offsets its checked header gives, one at a time."""
+    entries = safetensors_check.read_header(file)  # bounds, dtypes and sizes checked against the file
+    tensors: dict[str, torch.Tensor] = {}
     try:
-        return load_file(file, device="cpu")  # memory-mapped: tensors view the mapped file
-    except Exception as e:  # SafetensorError, OSError, and whatever else the library raises
-        raise CheckpointError(
-            f"{file}: not a readable safetensors file ({type(e).__name__}: {_first_line(e)}); re-download or re-save it"
-        ) from e
+        with file.open("rb") as f:
+            start = safetensors_check.LENGTH_BYTES + int.from_bytes(f.read(safetensors_check.LENGTH_BYTES), "little")
+            for name, entry in entries.items():
+                raw = torch.empty(entry.end - entry.begin, dtype=torch.uint8)
+                f.seek(start + entry.begin)
+                if f.readinto(raw.numpy().data) != raw.numel():
+                    raise CheckpointError(f"{file}: the file ended inside tensor {short_repr(name)}; re-download it")
+                tensor = raw.view(_TORCH_DTYPES[entry.dtype]).reshape(entry.shape)
+                tensors[name] = _converted({name: tensor}, dtype)[name]
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot be read ({e.strerror or e}); check the file's permissions") from e
+    return tensors
+
+
+def _converted(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Floating tensors in `dtype` (None: as they are); integer and bool tensors as they are."""
+    if dtype is None:
+        return tensors
+    return {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
 
 
 def _require_safe_torch(file: Path) -> None:

@@ -65,10 +65,18 @@ def main(verbose: bool) -> None:
     help="tensorrt: the KV cache's fixed length S_max (prompt + new tokens). Default: the model's context.",
 )
 @click.option(
+    "--dtype",
+    type=click.Choice(["fp32", "fp16", "bf16"]),
+    default="fp32",
+    show_default=True,
+    help="Compute dtype: activations, KV cache and the weights left unquantized. Logits are fp32 always.",
+)
+@click.option(
     "--weights",
     type=click.Choice(["int8", "int4"]),
     default=None,
-    help="Weight-only quantization of the MatMul weights (round to nearest, block-wise). Default: none.",
+    help="Weight-only quantization of the MatMul weights and the token embeddings (round to nearest, block-wise). "
+    "Default: none.",
 )
 @click.option(
     "--block-size", type=click.Choice(["32", "64", "128"]), default="32", show_default=True, help="Weights per scale."
@@ -78,7 +86,8 @@ def main(verbose: bool) -> None:
     "--keep",
     multiple=True,
     metavar="PATTERN",
-    help="Leave weights whose name matches this glob at full precision (repeatable); 'lm_head' names the LM head.",
+    help="Leave weights whose name matches this glob at full precision (repeatable); 'lm_head' names the LM head, "
+    "'embeddings' the token-embedding table.",
 )
 @click.option(
     "--device-memory",
@@ -105,6 +114,7 @@ def build(
     checkpoint: Path,
     output: Path,
     target: str,
+    dtype: str,
     weights: str | None,
     block_size: str,
     asymmetric: bool,
@@ -121,7 +131,7 @@ def build(
 ) -> None:
     """Export CHECKPOINT, lower it to ONNX, verify it against the eager model, publish it to -o."""
     from passes.quantize import WeightQuantization
-    from toolchain.build import BuildOptions
+    from toolchain.build import DTYPES, BuildOptions
     from toolchain.build import build as run_build
     from toolchain.footprint import parse_bytes
 
@@ -133,6 +143,7 @@ def build(
         allow_pickle=allow_pickle,
         decode_steps=decode_steps,
         target=target,
+        dtype=DTYPES[dtype],
         weights=quantization,
         capacity=capacity,
         device_memory=None if device_memory is None else parse_bytes(device_memory),

@@ -44,7 +44,7 @@ def eager_model(checkpoint: Checkpoint, spec: DecoderSpec, dtype: torch.dtype = 
         model, info = model_class.from_pretrained(
             None,
             config=config,
-            state_dict=checkpoint.state_dict(),
+            state_dict=checkpoint.state_dict(dtype),
             dtype=dtype,
             attn_implementation=_attention_implementation(config),
             output_loading_info=True,
@@ -115,7 +115,9 @@ class DecoderWrapper(torch.nn.Module):
             use_cache=True,
         )
         present = [t for layer in cache.layers for t in (layer.keys, layer.values)]  # type: ignore[union-attr]
-        return (out.logits, *present)
+        # Logits leave in fp32 whatever the compute dtype: sampling needs the precision, and
+        # the cast of one [batch, seq, vocab] tensor costs nothing next to the LM head.
+        return (out.logits.float(), *present)
 
 
 def example_inputs(io: DecoderIO, dtype: torch.dtype = torch.float32) -> tuple[Any, ...]:

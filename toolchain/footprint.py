@@ -18,7 +18,7 @@ from toolchain.spec import DecoderSpec
 logger = logging.getLogger(__name__)
 
 QUANT_BLOCK = 32  # weights per quantization block, along the input (reduction) dimension (--block-size)
-COMPUTE_BYTES = 4  # builds compute in fp32: scales and the weights that stay unquantized are fp32
+COMPUTE_BYTES = 4  # fp32 compute (the default): scales and the weights that stay unquantized are fp32
 WEIGHT_PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
 KV_PRECISIONS: dict[str, int] = {"fp32": 4, "fp16": 2}
 _BITS = {"int8": 8, "int4": 4}
@@ -43,9 +43,10 @@ DTYPE_BYTES: dict[str, int] = {
 _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias", "inv_freq")
 # The output projection; when embeddings are tied it is the embedding matrix, counted once.
 _HEAD_NAMES = ("lm_head.weight", "embed_out.weight")
-# Embedding tables (token and learned position): looked up, not multiplied, so never quantized.
-_EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "wpe.weight", "embed_in.weight")
+# Token-embedding tables, [vocab, hidden]: quantized in blocks along hidden, as the LM head
+# reading a tied one is (one copy serves both). Learned position tables stay in the compute dtype.
 _TOKEN_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "embed_in.weight")
+_POSITION_EMBEDDINGS = ("wpe.weight",)
 # Architectures whose 2-D matmul weights are stored [in_features, out_features] (Conv1D).
 _INPUT_FIRST = frozenset({"gpt2"})
 
@@ -60,11 +61,14 @@ class Footprint:
 
     `weight_bytes_at` gives exact bytes at each precision. "fp32" / "fp16" store every
     parameter at that width. "int8" / "int4" are what `kvforge build --weights int8|int4`
-    stores (symmetric, block 32, fp32 compute): each 2-D matmul weight is cut along its input
-    dimension into blocks of 32 (the last block padded to 32, as MatMulNBits stores it)
-    holding 8- or 4-bit codes plus one fp32 scale per block; embedding tables, norms and
-    biases stay fp32, and an output head tied to the embeddings is quantized as a copy of
-    its own (the lookup still reads the fp32 table).
+    stores on the default target, ort-cpu (symmetric, block 32, fp32 compute): each 2-D
+    matmul weight and the token-embedding table ([vocab, hidden], blocks along hidden) is
+    cut along its input dimension into blocks of 32 (the last block padded to 32, as
+    MatMulNBits stores it) holding 8- or 4-bit codes plus one fp32 scale per block; an
+    output head tied to the embeddings shares the table's codes (counted once); norms,
+    biases and learned position tables stay fp32. The `onnx` target stores the table as
+    8-bit codes of its own (under int4 too; a tied head keeps its copy), `tensorrt` in the
+    compute dtype (docs/pipeline.md).
     """
 
     parameters_by_dtype: dict[str, int]  # stored dtype name ("F32", "BF16", ...) -> count
@@ -88,8 +92,12 @@ class Footprint:
         return self.weight_bytes_at[weights] + self.kv_bytes_total[kv]
 
 
-def footprint(checkpoint: Checkpoint, spec: DecoderSpec, *, batch: int, seq: int) -> Footprint:
-    """Memory for `checkpoint` running `batch` sequences of `seq` tokens (prompt + generated)."""
+def footprint(
+    checkpoint: Checkpoint, spec: DecoderSpec, *, batch: int, seq: int, compute_bytes: int = COMPUTE_BYTES
+) -> Footprint:
+    """Memory for `checkpoint` running `batch` sequences of `seq` tokens (prompt + generated).
+    `compute_bytes` is the width of what quantization leaves in the compute dtype (2 for a
+    `--dtype fp16|bf16` build): the scales, norms, biases and position tables."""
     _check_request(spec, batch, seq)
     params = parameter_metadata(checkpoint, spec)
     by_dtype: dict[str, int] = {}
@@ -99,7 +107,7 @@ def footprint(checkpoint: Checkpoint, spec: DecoderSpec, *, batch: int, seq: int
     return Footprint(
         parameters_by_dtype=dict(sorted(by_dtype.items())),
         weight_bytes=sum(_stored_bytes(name, meta, checkpoint) for name, meta in params.items()),
-        weight_bytes_at={p: _bytes_at(p, params, spec) for p in WEIGHT_PRECISIONS},
+        weight_bytes_at={p: _bytes_at(p, params, spec, compute_bytes) for p in WEIGHT_PRECISIONS},
         kv_bytes_per_token=per_token,
         kv_bytes_total={name: b * batch * seq for name, b in per_token.items()},
         batch=batch,
@@ -145,20 +153,18 @@ def _stored_bytes(name: str, meta: TensorMeta, checkpoint: Checkpoint) -> int:
     return DTYPE_BYTES[dtype] * math.prod(shape)
 
 
-def _bytes_at(precision: str, params: Mapping[str, TensorMeta], spec: DecoderSpec) -> int:
+def _bytes_at(precision: str, params: Mapping[str, TensorMeta], spec: DecoderSpec, compute_bytes: int) -> int:
     if precision == "fp32":
         return sum(4 * math.prod(shape) for _, shape in params.values())
     if precision == "fp16":
         return sum(2 * math.prod(shape) for _, shape in params.values())
     total = 0
     for name, (_, shape) in params.items():
-        if len(shape) == 2 and not name.endswith(_EMBEDDING_SUFFIXES):
-            total += quantized_bytes(_out_in(name, shape, spec), _BITS[precision])
+        if len(shape) != 2 or name.endswith(_POSITION_EMBEDDINGS):
+            total += compute_bytes * math.prod(shape)
         else:
-            total += COMPUTE_BYTES * math.prod(shape)
-    if spec.tied_embeddings:  # the head's quantized copy of the token table, [vocab, hidden]
-        tables = [shape for name, (_, shape) in params.items() if name.endswith(_TOKEN_EMBEDDINGS) and len(shape) == 2]
-        total += sum(quantized_bytes((shape[0], shape[1]), _BITS[precision]) for shape in tables[:1])
+            out_in = (shape[0], shape[1]) if name.endswith(_TOKEN_EMBEDDINGS) else _out_in(name, shape, spec)
+            total += quantized_bytes(out_in, _BITS[precision], compute_bytes=compute_bytes)
     return total
 
 
@@ -170,11 +176,14 @@ def _out_in(name: str, shape: tuple[int, ...], spec: DecoderSpec) -> tuple[int, 
     return rows, cols
 
 
-def quantized_bytes(out_in: tuple[int, int], bits: int, block: int = QUANT_BLOCK) -> int:
-    """Bytes of an [out, in] weight quantized in blocks of `block` inputs, one fp32 scale each."""
+def quantized_bytes(
+    out_in: tuple[int, int], bits: int, block: int = QUANT_BLOCK, compute_bytes: int = COMPUTE_BYTES
+) -> int:
+    """Bytes of an [out, in] weight quantized in blocks of `block` inputs, one scale each
+    in the compute dtype."""
     out_features, in_features = out_in
     blocks = out_features * math.ceil(in_features / block)
-    return blocks * (block * bits // 8 + COMPUTE_BYTES)
+    return blocks * (block * bits // 8 + compute_bytes)
 
 
 # --- the CLI's table ----------------------------------------------------------------------

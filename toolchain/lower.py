@@ -37,7 +37,24 @@ def to_onnx(program: ExportedProgram, io: DecoderIO) -> ir.Model:
     apply_contract(model.graph, io)
     _strip_machine_metadata(model)
     _name_initializers_as_checkpoint(model.graph)
+    _forget_former_io(model.graph)
     return model
+
+
+def _forget_former_io(graph: ir.Graph) -> None:
+    """Drop the references onnx-ir's graph input and output lists keep to values that left them.
+
+    The lists count how often each value appears, in a Counter that keeps a key at count 0
+    (onnx-ir 1.1). The exporter lists every parameter as a graph input before it makes it an
+    initializer, so every weight's Value, and the weight with it, stayed referenced for the
+    graph's lifetime: a weight that packing or quantization replaced was never freed.
+    """
+    for values in (graph.inputs, graph.outputs):
+        counter = getattr(values, "_ref_counter", None)
+        if counter is None:  # a later onnx-ir without the counter
+            continue
+        for value in [v for v, count in counter.items() if count <= 0]:
+            del counter[value]
 
 
 def apply_contract(graph: ir.Graph, io: DecoderIO) -> None:

@@ -55,14 +55,17 @@ def decoder_feeds(model: ir.Model, batch: int = 2, seq: int = 3, past: int = 4) 
         elif name.startswith("past_key_values."):
             assert value.shape is not None
             _, heads, _, head_dim = value.shape
-            feeds[name] = rng.standard_normal((batch, heads, past, head_dim)).astype(np.float32)
+            dtype = value.dtype.numpy() if value.dtype is not None else np.float32
+            feeds[name] = rng.standard_normal((batch, heads, past, head_dim)).astype(dtype)
         else:
             raise AssertionError(f"no feed for decoder input {name}")
     return feeds
 
 
 @cache
-def _canonical_proto(model_type: str, directory: Path) -> bytes:
+def _canonical_proto(model_type: str, directory: Path, dtype: str) -> bytes:
+    import torch
+
     from runners.contract import DecoderIO
     from tests.tiny import make_checkpoint
     from toolchain import checkpoint as checkpoints
@@ -70,15 +73,16 @@ def _canonical_proto(model_type: str, directory: Path) -> bytes:
     from toolchain.lower import to_onnx
     from toolchain.spec import DecoderSpec
 
-    ckpt = checkpoints.load(make_checkpoint(directory / model_type, model_type))
+    path = directory / model_type
+    ckpt = checkpoints.load(path if (path / "config.json").exists() else make_checkpoint(path, model_type))
     spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
-    io = DecoderIO.for_spec(spec)
-    model = to_onnx(export_decoder(eager_model(ckpt, spec), spec, io), io)
+    io = DecoderIO.for_spec(spec, kv_dtype=dtype)
+    model = to_onnx(export_decoder(eager_model(ckpt, spec, getattr(torch, dtype)), spec, io), io)
     for p in canonicalize():
         model = p(model).model
     return ir.to_proto(model).SerializeToString()
 
 
-def canonical_graph(model_type: str, scratch: Path) -> ir.Model:
-    """The tiny `model_type` checkpoint exported, lowered and canonicalized (a fresh copy each call)."""
-    return ir.from_proto(onnx.load_from_string(_canonical_proto(model_type, scratch)))
+def canonical_graph(model_type: str, scratch: Path, dtype: str = "float32") -> ir.Model:
+    """The tiny `model_type` checkpoint exported in `dtype`, lowered and canonicalized (a fresh copy each call)."""
+    return ir.from_proto(onnx.load_from_string(_canonical_proto(model_type, scratch, dtype)))

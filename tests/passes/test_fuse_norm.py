@@ -320,3 +320,21 @@ def test_tiny_decoders(arch: str, scratch: Path) -> None:
     for got, want in zip(ort_outputs(model, feeds), expected):
         np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
     check_modified_is_exact(norm_lowering_ort(), model)
+
+
+@pytest.mark.slow
+def test_a_float16_gemma_norm_that_scales_in_float32_fuses_on_its_float32_input(scratch: Path) -> None:
+    """gemma computes (1 + weight) * normalized in float32 and casts after: the fused norm reads x cast to
+    float32, since RMSNormalization's result has its input's type."""
+    model = canonical_graph("gemma", scratch, "float16")
+    feeds = decoder_feeds(model)
+    expected = ort_outputs(model, feeds)
+    fusion = norm_fusion()
+    fusion(model)
+    norms = [n for n in model.graph if n.op_type == "RMSNormalization"]
+    assert len(norms) == 2 * layer_count("gemma") + 1 == sum(fusion.counts.values())
+    for norm in norms:
+        x, scale = norm.inputs
+        assert x is not None and scale is not None and x.dtype == scale.dtype == norm.outputs[0].dtype
+    for got, want in zip(ort_outputs(model, feeds), expected):
+        np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)

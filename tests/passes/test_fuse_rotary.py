@@ -170,3 +170,23 @@ def test_every_rotation_of_a_tiny_decoder_fuses_without_changing_it(model_type: 
     assert op_count(model, "RotaryEmbedding") == sum(fusion.counts.values())
     for actual, reference in zip(ort_outputs(model, feeds), expected):
         np.testing.assert_allclose(actual, reference, **FP32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["llama", "phi3", "gemma"])
+def test_a_float16_decoder_fuses_its_rotations_with_tables_cast_from_float32(model_type: str, scratch: Path) -> None:
+    """In float16, transformers computes cos/sin in float32 and casts them: Unsqueeze(Cast(Cos(...)))."""
+    model = canonical_graph(model_type, scratch, "float16")
+    feeds = decoder_feeds(model)
+    expected = ort_outputs(model, feeds)
+    layers = sum(1 for v in model.graph.inputs if (v.name or "").endswith(".key"))
+    fusion = rotary_fusion()
+    fusion(model)
+    assert sum(fusion.counts.values()) == 2 * layers  # q and k of every layer
+    for node in (n for n in model.graph if n.op_type == "RotaryEmbedding"):
+        x, cos, sin = node.inputs
+        assert x is not None and x.dtype == ir.DataType.FLOAT16
+        casts = [t.producer() if t is not None else None for t in (cos, sin)]
+        assert all(c is not None and c.op_type == "Cast" and c.attributes.get_int("to") == x.dtype for c in casts)
+    for actual, reference in zip(ort_outputs(model, feeds), expected):
+        np.testing.assert_allclose(actual, reference, rtol=2e-2, atol=2e-2)

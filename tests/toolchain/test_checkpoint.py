@@ -136,12 +136,21 @@ def _mapped_ranges(file: Path) -> list[tuple[int, int]]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc")
-def test_safetensors_are_memory_mapped_not_copied(tmp_path: Path) -> None:
-    directory = write_dir(tmp_path / "m", weights={"big": torch.randn(256, 1024)})
+def test_safetensors_tensors_own_their_memory_so_each_can_be_freed(tmp_path: Path) -> None:
+    """No mapping of the file stays behind, and no tensor shares storage with another: a weight the
+    pipeline replaces goes with its last reference (one mapping would keep every page it touched)."""
+    directory = write_dir(tmp_path / "m", weights={"big": torch.randn(256, 1024), "other": torch.randn(64, 64)})
     state = load(directory).state_dict()
-    file = (directory / "model.safetensors").resolve()
-    ptr = state["big"].data_ptr()
-    assert any(low <= ptr < high for low, high in _mapped_ranges(file)), "tensor does not view the file"
+    assert _mapped_ranges((directory / "model.safetensors").resolve()) == []
+    for tensor in state.values():
+        assert tensor.untyped_storage().nbytes() == tensor.nbytes
+
+
+def test_state_dict_converts_floats_to_the_build_dtype_and_leaves_integers(tmp_path: Path) -> None:
+    weights = {"w": torch.randn(8, 4), "steps": torch.arange(5, dtype=torch.int64)}
+    state = load(write_dir(tmp_path / "m", weights=weights)).state_dict(torch.bfloat16)
+    assert state["w"].dtype == torch.bfloat16 and torch.equal(state["w"], weights["w"].to(torch.bfloat16))
+    assert state["steps"].dtype == torch.int64 and torch.equal(state["steps"], weights["steps"])
 
 
 def test_tensor_metadata_reads_headers_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,7 +159,7 @@ def test_tensor_metadata_reads_headers_only(tmp_path: Path, monkeypatch: pytest.
     def no_data(*_: Any, **__: Any) -> None:
         raise AssertionError("tensor data was loaded")
 
-    monkeypatch.setattr(ckpt, "_load_safetensors", no_data)
+    monkeypatch.setattr(ckpt, "_read_safetensors", no_data)
     monkeypatch.setattr(torch, "load", no_data)
     assert c.tensor_metadata() == {
         "model.embed_tokens.weight": ("F32", (8, 4)),

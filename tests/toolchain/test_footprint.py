@@ -157,7 +157,7 @@ def test_block_quantized_bytes_of_one_matrix() -> None:
 
 def test_precisions_of_a_small_llama_by_hand(tmp_path: Path) -> None:
     tensors = {
-        "model.embed_tokens.weight": torch.zeros(10, 40),  # embedding: stays fp32, 400 × 4 = 1600
+        "model.embed_tokens.weight": torch.zeros(10, 40),  # token table: quantized like a [10 out, 40 in] weight
         "model.layers.0.mlp.down_proj.weight": torch.zeros(3, 40),  # matmul [out 3, in 40]
         "model.norm.weight": torch.zeros(40),  # norm: fp32, 160
         "model.layers.0.self_attn.q_proj.bias": torch.zeros(3, dtype=torch.float16),  # bias: fp32, 12
@@ -170,35 +170,35 @@ def test_precisions_of_a_small_llama_by_hand(tmp_path: Path) -> None:
     assert fp.weight_bytes_at == {
         "fp32": 4 * 563,
         "fp16": 2 * 563,
-        # tied: the head is the embedding table's quantized copy, [10 out, 40 in]
-        "int8": 1600 + 216 + 160 + 12 + quantized_bytes((10, 40), 8),
-        "int4": 1600 + 120 + 160 + 12 + quantized_bytes((10, 40), 4),
+        # tied: the head reads the table's quantized codes, counted once
+        "int8": quantized_bytes((10, 40), 8) + 216 + 160 + 12,
+        "int4": quantized_bytes((10, 40), 4) + 120 + 160 + 12,
     }
 
 
 def test_the_head_is_quantized_tied_or_not(tmp_path: Path) -> None:
-    """Untied, the head is its own weight; tied, the lookup keeps the fp32 table and the head
-    reads a quantized copy of it: the same bytes either way."""
+    """Untied, the head is a quantized weight of its own beside the quantized table; tied, the
+    lookup and the head read one quantized table."""
     tensors = {"model.embed_tokens.weight": torch.zeros(10, 40), "lm_head.weight": torch.zeros(10, 40)}
     untied = write_synthetic(tmp_path / "untied", "llama", tensors, tie_word_embeddings=False)
     fp = footprint(*load_with_spec(untied), batch=1, seq=1)
-    assert fp.weight_bytes_at["int4"] == 1600 + quantized_bytes((10, 40), 4)
+    assert fp.weight_bytes_at["int4"] == 2 * quantized_bytes((10, 40), 4)
     tied = write_synthetic(tmp_path / "tied", "llama", tensors, tie_word_embeddings=True)
     fp = footprint(*load_with_spec(tied), batch=1, seq=1)
     assert fp.parameters == 400
-    assert fp.weight_bytes_at["int4"] == 1600 + quantized_bytes((10, 40), 4)
+    assert fp.weight_bytes_at["int4"] == quantized_bytes((10, 40), 4)
 
 
 def test_gpt2_conv1d_weights_are_input_first(tmp_path: Path) -> None:
     tensors = {
-        "transformer.wte.weight": torch.zeros(10, 40),  # token embedding: fp32
+        "transformer.wte.weight": torch.zeros(10, 40),  # token table [vocab, hidden], not input-first
         "transformer.wpe.weight": torch.zeros(64, 40),  # learned positions: fp32
         "transformer.h.0.mlp.c_fc.weight": torch.zeros(40, 3),  # Conv1D [in 40, out 3]
     }
     directory = write_synthetic(tmp_path / "m", "gpt2", tensors)
     fp = footprint(*load_with_spec(directory), batch=1, seq=1)
-    # gpt2 ties its head to wte: a quantized [10 out, 40 in] copy
-    assert fp.weight_bytes_at["int4"] == 1600 + 64 * 40 * 4 + 120 + quantized_bytes((10, 40), 4)
+    # gpt2 ties its head to wte: one quantized [10 out, 40 in] table for both
+    assert fp.weight_bytes_at["int4"] == quantized_bytes((10, 40), 4) + 64 * 40 * 4 + 120
 
 
 def test_unknown_stored_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

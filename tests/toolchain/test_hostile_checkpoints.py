@@ -419,24 +419,42 @@ def test_valid_edge_cases_are_accepted(tmp_path: Path) -> None:
     assert set(c.state_dict()) == set(weights)
 
 
-@pytest.mark.parametrize("error", ["safetensor", "os", "runtime"])
-def test_library_errors_never_surface_raw(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: str) -> None:
-    from safetensors import SafetensorError
-
-    raised = {
-        "safetensor": SafetensorError("Error while deserializing header: oops"),
-        "os": OSError(5, "Input/output error"),
-        "runtime": RuntimeError("unexpected"),
-    }[error]
-
-    def failing(*_: Any, **__: Any) -> None:
-        raise raised
+def test_a_file_cut_short_after_its_header_was_checked_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file shrinks between the header check and the read (another process rewriting it)."""
+    from toolchain import safetensors_check
 
     c = load(write_dir(tmp_path / "m"))
-    monkeypatch.setattr("safetensors.torch.load_file", failing)
-    with pytest.raises(CheckpointError) as exc:
+    file = c.weight_files[0]
+    entries = safetensors_check.read_header(file)
+    monkeypatch.setattr(safetensors_check, "read_header", lambda _: entries)
+    file.write_bytes(file.read_bytes()[:-8])
+    with pytest.raises(CheckpointError, match=r"model.safetensors: the file ended inside tensor .*re-download it"):
         c.state_dict()
-    assert "model.safetensors" in message(exc) and "re-download or re-save" in message(exc)
+
+
+def test_a_read_error_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    c = load(write_dir(tmp_path / "m"))
+    raised = OSError(5, "Input/output error")
+
+    class FailingRead(io.BytesIO):
+        def readinto(self, buffer: Any) -> int:
+            raise raised
+
+    real_open = Path.open
+
+    def open_weights(self: Path, *args: Any, **kwargs: Any) -> Any:
+        if self.name == "model.safetensors":
+            with real_open(self, "rb") as f:
+                return FailingRead(f.read())
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", open_weights)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: cannot be read \(Input/output error\)") as exc:
+        c.state_dict()
     assert exc.value.__cause__ is raised
 
 

@@ -12,6 +12,7 @@ from onnx import TensorProto
 
 import passes.quantize as quantize_module
 from passes.quantize import WeightQuantization
+from runners.bench import weight_bytes_per_step
 from runners.engine import Engine
 from runners.errors import ArtifactError, ParityError
 from toolchain import checkpoint as checkpoints
@@ -22,30 +23,44 @@ from toolchain.spec import DecoderSpec
 pytestmark = pytest.mark.slow
 
 
-def parameter_bytes(model_path: Path) -> int:
+def parameter_bytes(model_path: Path, prefixes: tuple[str, ...] = ("model.", "lm_head.")) -> int:
     """Bytes of the initializers that hold the checkpoint's parameters (named after them)."""
     model = onnx.load(model_path, load_external_data=False)
     bits = {TensorProto.FLOAT: 32, TensorProto.UINT8: 8, TensorProto.INT8: 8, TensorProto.INT4: 4, TensorProto.UINT4: 4}
     total = 0
     for tensor in model.graph.initializer:
-        if tensor.name.startswith(("model.", "lm_head.")) and "rotary_emb" not in tensor.name:
+        if tensor.name.startswith(prefixes) and "rotary_emb" not in tensor.name:
             total += (int(np.prod(tensor.dims)) * bits[tensor.data_type] + 7) // 8
     return total
 
 
+def float_tables(model_path: Path, shape: list[int]) -> list[str]:
+    """Float initializers of `shape` ([vocab, hidden]: an embedding table left in float)."""
+    model = onnx.load(model_path, load_external_data=False)
+    floats = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+    return [t.name for t in model.graph.initializer if t.data_type in floats and list(t.dims) == shape]
+
+
 @pytest.mark.parametrize(
-    "target, weights, op",
+    "target, model_type, weights, op",
     [
-        ("ort-cpu", WeightQuantization(4), "com.microsoft::MatMulNBits"),
-        ("onnx", WeightQuantization(8, block_size=64, symmetric=False), "DequantizeLinear"),
-        ("tensorrt", WeightQuantization(4), "DequantizeLinear"),  # block-wise, through the parser's checker
-        ("tensorrt", WeightQuantization(8), "DequantizeLinear"),  # per channel, as TensorRT takes int8
+        ("ort-cpu", "llama", WeightQuantization(4), "com.microsoft::MatMulNBits"),
+        ("ort-cpu", "qwen2", WeightQuantization(4), "com.microsoft::MatMulNBits"),  # tied: one quantized table
+        ("onnx", "llama", WeightQuantization(4), "DequantizeLinear"),
+        ("onnx", "qwen2", WeightQuantization(8, block_size=64, symmetric=False), "DequantizeLinear"),  # tied
+        ("tensorrt", "llama", WeightQuantization(4), "DequantizeLinear"),  # block-wise, through the parser's checker
+        ("tensorrt", "llama", WeightQuantization(8), "DequantizeLinear"),  # per channel, as TensorRT takes int8
     ],
 )
 def test_quantized_build_passes_the_distribution_gate_and_generates(
-    target: str, weights: WeightQuantization, op: str, tmp_path: Path, tiny_checkpoint: Callable[..., Path]
+    target: str,
+    model_type: str,
+    weights: WeightQuantization,
+    op: str,
+    tmp_path: Path,
+    tiny_checkpoint: Callable[..., Path],
 ) -> None:
-    checkpoint = tiny_checkpoint("llama")
+    checkpoint = tiny_checkpoint(model_type)
     result = build(checkpoint, tmp_path / "out", BuildOptions(target=target, weights=weights))
     manifest = result.manifest
     assert manifest["flags"]["weights"] == weights.to_dict()
@@ -55,16 +70,34 @@ def test_quantized_build_passes_the_distribution_gate_and_generates(
     layers = manifest["spec"]["num_layers"]
     after = manifest["passes"]["histogram_after"]
     assert after.get(op, 0) >= 4 * layers  # q/k/v/o and the MLP's projections (packed or not)
-    # every projection is quantized: each MatMul left reads a dequantized weight, or none is left
-    assert after.get("MatMul", 0) == (after[op] if op == "DequantizeLinear" else 0)
-    # the weights really are smaller than the checkpoint's float32 ones (the embedding table stays float)
+    # every projection is quantized: each MatMul left reads a dequantized weight, or none is left;
+    # on `onnx` one more DequantizeLinear dequantizes the looked-up embedding rows
+    lookups = {"ort-cpu": 0, "onnx": 1, "tensorrt": 0}[target]
+    assert after.get("MatMul", 0) == (after[op] - lookups if op == "DequantizeLinear" else 0)
+    # the embedding table is quantized, except on tensorrt, which gathers float tables only
+    spec = manifest["spec"]
+    tables = float_tables(tmp_path / "out" / "model.onnx", [spec["vocab_size"], spec["hidden_size"]])
+    assert len(tables) == (1 if target == "tensorrt" else 0)
+    assert after.get("com.microsoft::GatherBlockQuantized", 0) == (1 if target == "ort-cpu" else 0)
+    lookup = [r["fusions"] for r in manifest["passes"]["passes"] if r["name"] == "QuantizeEmbedding"]
+    # tied, GatherBlockQuantized reads the head's MatMulNBits initializers (the portable form has codes of its own)
+    shared = model_type == "qwen2" and target == "ort-cpu"
+    assert lookup == ([] if target == "tensorrt" else [{"quantized": 1} | ({"shared": 1} if shared else {})])
+    # the weights really are smaller than the checkpoint's float32 ones
     weights_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
     assert (tmp_path / "out" / "model.onnx.data").stat().st_size < 0.7 * weights_bytes
-    # `kvforge inspect`'s figure for this precision is the artifact's parameter bytes, exactly
+    # `kvforge inspect`'s figure for this precision is the artifact's parameter bytes, exactly (on
+    # `onnx` at int4, plus the half byte per value of the table's 8-bit codes)
     if target != "tensorrt" and weights.symmetric and weights.block_size == QUANT_BLOCK:
         ckpt = checkpoints.load(checkpoint)
         expected = footprint(ckpt, DecoderSpec.from_config(ckpt.config), batch=1, seq=1).weight_bytes_at[weights.name]
+        if target == "onnx" and weights.bits == 4:
+            expected += spec["vocab_size"] * spec["hidden_size"] // 2
         assert parameter_bytes(tmp_path / "out" / "model.onnx") == expected
+    if model_type == "llama":  # untied: `kvforge bench` counts every weight byte but the table's
+        data = (tmp_path / "out" / "model.onnx.data").stat().st_size
+        table = parameter_bytes(tmp_path / "out" / "model.onnx", ("model.embed_tokens.weight",))
+        assert weight_bytes_per_step(tmp_path / "out", manifest) == data - table
     engine = Engine.load(tmp_path / "out")
     tokens = engine.generate_tokens([engine.encode("def main():")], max_new_tokens=6, temperature=0.0)[0]
     assert len(tokens) >= 1

@@ -66,3 +66,13 @@ def test_nan_during_decode_is_a_failed_report_not_an_exception() -> None:
     report = check_parity(FakeSession(), FakeSession(nan_after=2), max_positions=64, decode_steps=8)
     assert not report.passed
     assert "decode" in report.failures()
+
+
+def test_a_near_tie_may_part_the_tokens_a_clear_lead_may_not() -> None:
+    from toolchain.verify import TOLERANCES, _near_tie
+
+    tol = TOLERANCES["float16"]  # atol 0.02, rtol 0.02: two logits of 5 may each be off by 0.12
+    logits = np.array([[0.0, 5.0, 4.8], [1.0, 0.0, 0.0]], np.float32)
+    assert _near_tie(logits, np.array([1, 0]), np.array([2, 0]), tol)  # 0.2 apart: within 2 x 0.12
+    logits[0, 2] = 4.7
+    assert not _near_tie(logits, np.array([1, 0]), np.array([2, 0]), tol)  # 0.3 apart: a real difference

@@ -18,12 +18,21 @@ GENERATION_CONFIG = "generation_config.json"
 # Tensors up to this size stay inside model.onnx: shape constants must, since onnxruntime's
 # shape inference cannot read external data; every weight matrix goes to model.onnx.data.
 _INLINE_MAX_BYTES = 1024
+# Weight bytes the writer may hold copied in memory at once, beyond the tensor it writes
+# (onnx-ir's default is 1 GiB: a build's peak memory would grow by that much).
+_WRITE_BUFFER_BYTES = 64 << 20
 
 
 def write_onnx(model: ir.Model, directory: Path) -> Path:
     """model.onnx with every weight in model.onnx.data, so models over 2 GB work."""
     path = directory / MODEL_FILE
-    ir.save(model, path, external_data=DATA_FILE, size_threshold_bytes=_INLINE_MAX_BYTES)
+    ir.save(
+        model,
+        path,
+        external_data=DATA_FILE,
+        size_threshold_bytes=_INLINE_MAX_BYTES,
+        max_in_flight_bytes=_WRITE_BUFFER_BYTES,
+    )
     return path
 
 

@@ -1,0 +1,340 @@
+"""Weight-only quantization of the token-embedding table: the lookup reads block-wise codes.
+
+The table `[V, H]` is quantized exactly as an LM head reading it is (`quantize_blockwise`,
+blocks of `block_size` along H, the same rounding and scales in the table's dtype), and the
+`Gather` that looks token ids up in it reads the codes in the form the target takes:
+
+- `gather_block_quantized` (onnxruntime targets): com.microsoft `GatherBlockQuantized`, which
+  reads MatMulNBits' layout (onnxruntime docs/ContribOperators.md; uint8 data needs
+  `gather_axis` 0 and `quantize_axis` the last axis): uint8 codes packed low nibble first,
+  unsigned (the default zero point of uint8 data is 2^(bits-1), as MatMulNBits'), scales
+  `[V, blocks]` in the output dtype, zero points packed like the codes.
+
+  ```
+  table [V,H] float ──────────────► Gather(axis 0) ◄── input_ids
+  B [V, blocks·block·bits/8] uint8, scales [V, blocks] ─► GatherBlockQuantized(bits, block_size,
+                                                  gather_axis 0, quantize_axis 1) ◄── input_ids
+                                                  ─► [Slice to H: when H is not a multiple of the block]
+  ```
+
+  Tied to the LM head (a MatMulNBits whose initializers hold this very quantization of the
+  table, as `QuantizeWeights` writes them), the lookup reads the head's initializers: its B
+  `[V, blocks, block·bits/8]` through a Reshape to `[V, blocks·block·bits/8]` (the same bytes),
+  its 2-D scales and zero points as they are. The float table then leaves the artifact.
+
+- `gather_dequantize_linear` (the portable target, standard ops): ONNX's `Gather` takes no
+  4-bit type (opset 21 added int4 to Reshape, Transpose, DequantizeLinear and a few others,
+  not to Gather), so the codes are 8-bit: int8, or uint8 with zero points when asymmetric.
+
+  ```
+  table [V,H] float ─► Gather(axis 0) ◄── input_ids ─► [batch, seq, H]
+  codes [V,H] int8, scales [V, blocks] ─► Gather(axis 0) ◄── input_ids   (each)
+      ─► DequantizeLinear(axis -1, block_size) ─► [batch, seq, H]
+  ```
+
+  The table is its own: a tied LM head's `DequantizeLinear` initializers are not shared,
+  because onnxruntime fuses `DequantizeLinear` + `MatMul` into `MatMulNBits` only when
+  nothing else reads them (measured: shared, the head ran as a DequantizeLinear of its whole
+  weight at every step, then a float MatMul). Dequantizing the whole table before one
+  Gather would be valid ONNX too, but onnxruntime does not fold DequantizeLinear: it would
+  dequantize all V rows at every step (74 ms for a 50k x 768 int4 table on the CPU).
+
+Only float tables that `Gather` looks `input_ids` up in (directly or through reshapes and
+casts) are token-embedding tables: learned position tables and rotary caches stay as they are.
+A table is skipped, with the reason in `skipped`, when it is not a constant 2-D float
+initializer, is gathered along another axis, or is also read by anything but such Gathers
+(a tied LM head left at full precision: quantizing the lookup would add a copy to the float
+table the head keeps). `keep` is `QuantizeWeights`': a glob matching the table's name, or
+`embeddings` (every token-embedding table, whatever its name), keeps it at full precision,
+and so does `lm_head` a tied table, which the kept head reads.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import Counter
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+
+from passes.quantize import (
+    BITS,
+    BLOCK_SIZES,
+    LM_HEAD,
+    QuantizedWeight,
+    QuantizeWeights,
+    WeightQuantization,
+    _lm_head,
+    matmul_nbits_inputs,
+    quantize_blockwise,
+)
+
+EMBEDDING_FORMS = ("gather_block_quantized", "gather_dequantize_linear")
+EMBEDDINGS = "embeddings"  # in `keep`: every token-embedding table, whatever its name
+TOKEN_IDS = "input_ids"
+_MS_DOMAIN = "com.microsoft"
+_FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+# Ops the token ids may pass through on their way to the lookup (gpt2 reshapes them first).
+_ID_PASSTHROUGH = frozenset({"Reshape", "Cast", "Identity", "Squeeze", "Unsqueeze", "Flatten"})
+
+
+class QuantizeEmbedding(QuantizeWeights):
+    """Quantize every token-embedding table `Gather` reads; `counts` says what happened to each
+    (`quantized`, of those `shared` with the LM head, `kept`, `skipped`).
+
+    A `QuantizeWeights` for lookups: the same settings and the same report (`counts`,
+    `skipped`), so the pipeline reports it and `--explain` lists its skips the same way.
+    """
+
+    def __init__(
+        self,
+        bits: int,
+        block_size: int = 32,
+        symmetric: bool = True,
+        form: str = "gather_block_quantized",
+        keep: tuple[str, ...] = (),
+    ) -> None:
+        InPlacePass.__init__(self)
+        if bits not in BITS or block_size not in BLOCK_SIZES or form not in EMBEDDING_FORMS:
+            raise ValueError(f"unsupported embedding quantization: bits={bits}, block_size={block_size}, form={form!r}")
+        if form == "gather_dequantize_linear" and bits != 8:
+            raise ValueError("gather_dequantize_linear stores 8-bit codes: ONNX's Gather takes no 4-bit type")
+        self.bits = bits
+        self.block_size = block_size
+        self.symmetric = symmetric
+        self.form = form
+        self.keep = ",".join(keep)
+        self._keep = keep
+        self.counts: Counter[str] = Counter()
+        self.skipped: dict[str, str] = {}
+
+    @classmethod
+    def from_weights(cls, weights: WeightQuantization, form: str) -> QuantizeEmbedding:
+        """The lookup's counterpart of `weights.make_pass`: 8-bit codes where the form gathers
+        standard types (an int4 request stores the table at 8 bits, the bytes its 4-bit codes
+        would take once widened for Gather, with a finer step)."""
+        bits = 8 if form == "gather_dequantize_linear" else weights.bits
+        return cls(bits, weights.block_size, weights.symmetric, form, weights.keep)
+
+    def call(self, model: ir.Model) -> PassResult:
+        self.counts = Counter()
+        self.skipped = {}
+        graph = model.graph
+        tables: dict[ir.Value, list[ir.Node]] = {}
+        for node in graph:
+            if node.op_type == "Gather" and node.domain == "" and len(node.inputs) == 2:
+                table, ids = node.inputs
+                if table is not None and ids is not None and _token_ids(ids) and not _looks_up_quantized(node):
+                    tables.setdefault(table, []).append(node)
+        head = _lm_head(graph) if LM_HEAD in self._keep else None
+        modified = False
+        for table, gathers in tables.items():
+            reason = self._table_skip_reason(table, gathers, head)
+            if reason:
+                self.skipped[table.name or ""] = reason
+                self.counts["kept" if reason.startswith("kept") else "skipped"] += 1
+                continue
+            self.counts["quantized"] += 1
+            self._rewrite(model, table, gathers)
+            modified = True
+        return PassResult(model, modified=modified)
+
+    def _table_skip_reason(self, table: ir.Value, gathers: list[ir.Node], head: ir.Node | None) -> str:
+        name = table.name or ""
+        if EMBEDDINGS in self._keep or any(fnmatch.fnmatchcase(name, pattern) for pattern in self._keep):
+            return "kept at full precision (--keep)"
+        tensor = table.const_value
+        if not table.is_initializer() or table.is_graph_input() or tensor is None:
+            return "the table is not a constant initializer"
+        if len(tensor.shape) != 2:
+            return f"the table has shape {tensor.shape}, not [vocab, hidden]"
+        for gather in gathers:
+            axis = gather.attributes.get_int("axis", 0)
+            if axis not in (0, -2):
+                return f"{gather.op_type}({gather.name}) gathers along axis {axis}, not the table's rows"
+        others = [user for user, _ in table.uses() if user not in gathers]
+        if others and head is not None and all(_feeds(user, head) for user in others):
+            return "kept at full precision (--keep lm_head: the tied LM head reads it)"
+        if others or table.is_graph_output():
+            readers = sorted({f"{user.op_type}({user.name})" for user in others})
+            return f"also read at full precision by {', '.join(readers) or 'the graph output'}"
+        return ""
+
+    def _rewrite(self, model: ir.Model, table: ir.Value, gathers: list[ir.Node]) -> None:
+        graph = model.graph
+        array = table.const_value.numpy()  # type: ignore[union-attr]
+        q = quantize_blockwise(array, self.bits, self.block_size, self.symmetric)
+        if self.form == "gather_block_quantized":
+            data, rest, shared = self._block_quantized_inputs(graph, table.name or "", q, gathers[0])
+            model.opset_imports.setdefault(_MS_DOMAIN, 1)
+            for gather in gathers:
+                _replace(graph, gather, self._gather_block_quantized(graph, gather, data, rest, q))
+            if shared:
+                self.counts["shared"] += 1
+        else:
+            values = self._dequantize_linear_inputs(graph, table.name or "", q)
+            for gather in gathers:
+                _replace(graph, gather, self._gather_dequantize(graph, gather, values))
+        if not table.uses() and table.name is not None and table.name in graph.initializers:
+            del graph.initializers[table.name]
+
+    # --- gather_block_quantized ------------------------------------------------------------------
+
+    def _block_quantized_inputs(
+        self, graph: ir.Graph, name: str, q: QuantizedWeight, first: ir.Node
+    ) -> tuple[ir.Value, list[ir.Value], bool]:
+        """(data `[V, blocks·block·bits/8]`, [scales, zero points], whether the LM head's are read);
+        a Reshape of the head's B goes before `first`, the first lookup."""
+        b, scales, zero_points = matmul_nbits_inputs(q)
+        rows = b.shape[0]
+        head = _tied_matmul_nbits(graph, q, (b, scales, zero_points))
+        if head is not None:
+            shape = _register(graph, f"gather_block_quantized_rows_{rows}", np.array([rows, -1], np.int64))
+            reshape = ir.node("Reshape", [head[0], shape])
+            graph.insert_before(first, reshape)
+            data = reshape.outputs[0]
+            data.name = f"{head[0].name}.rows"
+            data.dtype, data.shape = ir.DataType.UINT8, ir.Shape([rows, b.shape[1] * b.shape[2]])
+            return data, list(head[1:]), True
+        base = _free_name(graph, f"{name}.q{self.bits}")
+        arrays = [b.reshape(rows, -1), scales, zero_points]
+        values = [
+            _register(graph, base + suffix, array)
+            for suffix, array in zip(("", ".scales", ".zero_points"), arrays)
+            if array is not None
+        ]
+        return values[0], values[1:], False
+
+    def _gather_block_quantized(
+        self, graph: ir.Graph, gather: ir.Node, data: ir.Value, rest: list[ir.Value], q: QuantizedWeight
+    ) -> ir.Value:
+        ids = gather.inputs[1]
+        assert ids is not None
+        attributes = {"bits": self.bits, "block_size": self.block_size, "gather_axis": 0, "quantize_axis": 1}
+        lookup = ir.node("GatherBlockQuantized", [data, ids, *rest], attributes, domain=_MS_DOMAIN)
+        graph.insert_before(gather, lookup)
+        hidden = q.codes.shape[1]
+        if hidden % self.block_size == 0:
+            return lookup.outputs[0]
+        # the codes hold whole blocks, and so does the lookup's output: cut it to H
+        bounds = [
+            _register(graph, f"gather_block_quantized_{part}", np.array([value], np.int64))
+            for part, value in (("start", 0), (f"end_{hidden}", hidden), ("axis", -1))
+        ]
+        cut = ir.node("Slice", [lookup.outputs[0], *bounds])
+        graph.insert_before(gather, cut)
+        return cut.outputs[0]
+
+    # --- gather_dequantize_linear ----------------------------------------------------------------
+
+    def _dequantize_linear_inputs(self, graph: ir.Graph, name: str, q: QuantizedWeight) -> list[ir.Value]:
+        """[codes `[V, H]`, scales `[V, blocks]`, zero points `[V, blocks]` when asymmetric]."""
+        base = _free_name(graph, f"{name}.q{self.bits}")
+        arrays = [q.codes, q.scales, q.zero_points]  # int8 codes when symmetric, uint8 with zero points
+        return [
+            _register(graph, base + suffix, array)
+            for suffix, array in zip(("", ".scales", ".zero_points"), arrays)
+            if array is not None
+        ]
+
+    def _gather_dequantize(self, graph: ir.Graph, gather: ir.Node, values: list[ir.Value]) -> ir.Value:
+        ids = gather.inputs[1]
+        assert ids is not None
+        rows = []
+        for value in values:
+            rows_of = ir.node("Gather", [value, ids], {"axis": 0})
+            graph.insert_before(gather, rows_of)
+            rows.append(rows_of.outputs[0])
+        dequantize = ir.node("DequantizeLinear", rows, {"axis": -1, "block_size": self.block_size})
+        graph.insert_before(gather, dequantize)
+        return dequantize.outputs[0]
+
+
+# --- the tied LM head: initializers that already hold this quantization ---------------------------
+
+
+def _tied_matmul_nbits(
+    graph: ir.Graph, q: QuantizedWeight, arrays: tuple[np.ndarray, np.ndarray, np.ndarray | None]
+) -> tuple[ir.Value, ...] | None:
+    """(B, scales[, zero points]) of a MatMulNBits over exactly these codes, when there is one."""
+    rows, hidden = q.codes.shape
+    for node in graph:
+        if node.op_type != "MatMulNBits" or node.domain != _MS_DOMAIN:
+            continue
+        attributes = {name: node.attributes.get_int(name, 0) for name in ("N", "K", "bits", "block_size")}
+        if attributes != {"N": rows, "K": hidden, "bits": q.bits, "block_size": q.block_size}:
+            continue
+        inputs = [node.inputs[i] if i < len(node.inputs) else None for i in (1, 2, 3)]
+        if all(_holds(value, array) for value, array in zip(inputs, arrays)):
+            return tuple(value for value in inputs if value is not None)
+    return None
+
+
+def _holds(value: ir.Value | None, array: np.ndarray | None) -> bool:
+    """Whether `value` is an initializer with exactly `array`'s elements (both absent counts too)."""
+    if value is None or array is None:
+        return value is None and array is None
+    tensor = value.const_value
+    if not value.is_initializer() or tensor is None or tensor.shape.numpy() != array.shape:
+        return False
+    held = tensor.numpy()
+    return bool(held.dtype == array.dtype and np.array_equal(held, array))
+
+
+# --- graph plumbing -------------------------------------------------------------------------------
+
+
+def _token_ids(value: ir.Value) -> bool:
+    """Whether `value` is the graph's token ids, read directly or through reshapes and casts."""
+    for _ in range(8):
+        if value.is_graph_input():
+            return value.name == TOKEN_IDS
+        producer = value.producer()
+        if producer is None or producer.domain != "" or producer.op_type not in _ID_PASSTHROUGH:
+            return False
+        source = producer.inputs[0] if producer.inputs else None
+        if source is None:
+            return False
+        value = source
+    return False
+
+
+def _feeds(node: ir.Node, head: ir.Node) -> bool:
+    """Whether `node` is the LM head or what it reads its weight through (the exported Transpose)."""
+    return node is head or any(user is head for output in node.outputs for user, _ in output.uses())
+
+
+def _looks_up_quantized(gather: ir.Node) -> bool:
+    """Whether the Gather reads rows of a quantization already: integer codes, or the scales
+    (zero points) a DequantizeLinear applies to them, as this pass's portable form does."""
+    table = gather.inputs[0]
+    if table is not None and table.dtype is not None and table.dtype not in _FLOATS:
+        return True
+    uses = gather.outputs[0].uses()
+    return bool(uses) and all(user.op_type == "DequantizeLinear" and index > 0 for user, index in uses)
+
+
+def _register(graph: ir.Graph, name: str, data: np.ndarray | ir.TensorProtocol) -> ir.Value:
+    """The initializer `name` (an existing one of that name is reused: the small shape constants)."""
+    if name in graph.initializers:
+        return graph.initializers[name]
+    tensor = ir.tensor(data, name=name) if isinstance(data, np.ndarray) else data
+    tensor.name = name
+    value = ir.Value(
+        name=name, shape=ir.Shape(tensor.shape.numpy()), type=ir.TensorType(tensor.dtype), const_value=tensor
+    )
+    graph.register_initializer(value)
+    return value
+
+
+def _free_name(graph: ir.Graph, base: str) -> str:
+    return base if base not in graph.initializers else base + ".gather"
+
+
+def _replace(graph: ir.Graph, gather: ir.Node, new: ir.Value) -> None:
+    old = gather.outputs[0]
+    new.shape, new.type = old.shape, old.type
+    ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+    new.name = old.name
+    graph.remove(gather, safe=True)

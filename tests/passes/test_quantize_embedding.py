@@ -1,0 +1,208 @@
+"""Token-embedding quantization: what is matched, both forms on onnxruntime, the table shared with a tied head."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from passes.quantize import LM_HEAD, QuantizeWeights, quantize_blockwise
+from passes.quantize_embedding import EMBEDDINGS, QuantizeEmbedding
+from tests.passes.fusion_testing import op_count, ort_outputs
+
+RNG = np.random.default_rng(0)
+VOCAB = 40
+IDS = np.array([[0, 5, 39], [7, 7, 1]], np.int64)
+FORMS = [("gather_block_quantized", bits, symmetric) for bits in (4, 8) for symmetric in (True, False)] + [
+    ("gather_dequantize_linear", 8, symmetric) for symmetric in (True, False)
+]
+_ONNX_TYPES = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16}
+
+
+def lookup_graph(table: np.ndarray, tied_head: bool = False, ids: str = "input_ids", axis: int = 0) -> ir.Model:
+    """hidden = table[input_ids] (and, tied, logits = -hidden @ table^T, the head reading the table
+    through Transpose as exported, and hidden through an op, as the layers between them)."""
+    vocab, hidden = table.shape
+    elem = _ONNX_TYPES[table.dtype]
+    nodes = [helper.make_node("Gather", ["embed.weight", ids], ["hidden"], axis=axis)]
+    outputs = [helper.make_tensor_value_info("hidden", elem, [2, 3, hidden])]
+    if tied_head:
+        nodes += [
+            helper.make_node("Transpose", ["embed.weight"], ["head_t"], perm=[1, 0]),
+            helper.make_node("Neg", ["hidden"], ["layers"]),
+            helper.make_node("MatMul", ["layers", "head_t"], ["logits"]),
+        ]
+        outputs = [helper.make_tensor_value_info("logits", elem, [2, 3, vocab]), *outputs]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(ids, TensorProto.INT64, [2, 3])],
+        outputs,
+        [onnx.numpy_helper.from_array(table, "embed.weight")],
+    )
+    return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)]))
+
+
+def table(hidden: int = 64, dtype: type = np.float32) -> np.ndarray:
+    return RNG.standard_normal((VOCAB, hidden)).astype(dtype)
+
+
+def nodes_reading(model: ir.Model, name: str) -> list[str]:
+    return sorted(node.op_type for node, _ in model.graph.initializers[name].uses())
+
+
+@pytest.mark.parametrize("form, bits, symmetric", FORMS)
+@pytest.mark.parametrize("hidden, block", [(64, 32), (64, 64), (96, 64), (128, 128)])  # 96 / 64: a padded last block
+def test_the_lookup_reads_the_dequantized_table(form: str, bits: int, symmetric: bool, hidden: int, block: int) -> None:
+    """onnxruntime, its optimizations off, returns exactly the dequantized rows; the float table leaves."""
+    weights = table(hidden)
+    model = lookup_graph(weights)
+    quantize = QuantizeEmbedding(bits, block, symmetric, form)
+    assert quantize(model).modified and quantize.counts == {"quantized": 1}
+    assert "embed.weight" not in model.graph.initializers and op_count(model, "Gather") == (
+        0 if form == "gather_block_quantized" else (2 if symmetric else 3)
+    )
+    if form == "gather_block_quantized":
+        assert op_count(model, "GatherBlockQuantized", "com.microsoft") == 1
+        assert op_count(model, "Slice") == (1 if hidden % block else 0)
+    else:
+        assert op_count(model, "DequantizeLinear") == 1
+    (got,) = ort_outputs(model, {"input_ids": IDS})
+    want = quantize_blockwise(weights, bits, block, symmetric).dequantize()[IDS]
+    assert got.shape == (2, 3, hidden) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
+    assert np.abs(got - weights[IDS]).max() > 1e-4  # and it is not the float table
+    assert not quantize(model).modified and quantize.counts == {}  # nothing left to quantize
+
+
+@pytest.mark.parametrize("form, bits", [("gather_block_quantized", 4), ("gather_dequantize_linear", 8)])
+def test_a_half_precision_table_keeps_its_dtype(form: str, bits: int) -> None:
+    """Scales are stored in the table's dtype, so the lookup returns that dtype, the same values."""
+    weights = table(64, np.float16)
+    model = lookup_graph(weights)
+    QuantizeEmbedding(bits, 32, True, form)(model)
+    scales = [v for n, v in model.graph.initializers.items() if n.endswith(".scales")]
+    assert [v.dtype for v in scales] == [ir.DataType.FLOAT16]
+    (got,) = ort_outputs(model, {"input_ids": IDS})
+    want = quantize_blockwise(weights, bits, 32, True).dequantize()[IDS]
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float32), want, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("bits, symmetric", [(4, True), (8, False)])
+def test_a_tied_table_is_one_quantized_initializer_for_lookup_and_head(bits: int, symmetric: bool) -> None:
+    """After the head's quantization, GatherBlockQuantized reads the head's own MatMulNBits
+    initializers (the same bytes: it reads MatMulNBits' layout), and the float table is gone."""
+    weights = table(80)  # a padded last block on both sides
+    model = lookup_graph(weights, tied_head=True)
+    QuantizeWeights(bits, 32, symmetric, "matmul_nbits")(model)
+    quantize = QuantizeEmbedding(bits, 32, symmetric, "gather_block_quantized")
+    assert quantize(model).modified and quantize.counts == {"quantized": 1, "shared": 1}
+    codes = f"embed.weight.q{bits}"
+    parameters = [codes, codes + ".scales"] + ([] if symmetric else [codes + ".zero_points"])
+    assert sorted(n for n in model.graph.initializers if n.startswith("embed.")) == sorted(parameters)
+    assert nodes_reading(model, codes) == ["MatMulNBits", "Reshape"]  # B through a Reshape, the rest as they are
+    assert all(nodes_reading(model, p) == ["GatherBlockQuantized", "MatMulNBits"] for p in parameters[1:])
+    logits, hidden = ort_outputs(model, {"input_ids": IDS})
+    dequantized = quantize_blockwise(weights, bits, 32, symmetric).dequantize()
+    np.testing.assert_allclose(hidden, dequantized[IDS], atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(logits, -hidden @ dequantized.T, atol=1e-3, rtol=1e-3)
+    assert not quantize(model).modified
+
+
+def test_the_portable_lookup_leaves_a_tied_heads_initializers_to_it(tmp_path: Path) -> None:
+    """onnxruntime fuses the head's DequantizeLinear + MatMul into MatMulNBits only when nothing
+    else reads their initializers, so the 8-bit lookup has codes of its own, even for an int8 head."""
+    model = lookup_graph(table(64), tied_head=True)
+    QuantizeWeights(8, 32, True, "dequantize_linear")(model)
+    quantize = QuantizeEmbedding(8, 32, True, "gather_dequantize_linear")
+    quantize(model)
+    assert quantize.counts == {"quantized": 1}
+    assert "embed.weight" not in model.graph.initializers
+    assert nodes_reading(model, "embed.weight.q8") == ["DequantizeLinear"]
+    assert nodes_reading(model, "embed.weight.q8.gather") == ["Gather"]
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    optimized = onnx.load(tmp_path / "optimized.onnx")
+    ops = {node.op_type for node in optimized.graph.node}
+    assert "MatMulNBits" in ops and "MatMul" not in ops  # the head; the lookup keeps its DequantizeLinear
+
+
+@pytest.mark.parametrize("keep", [(LM_HEAD,), ("embed.*",), (EMBEDDINGS,)])
+def test_keep_leaves_the_table_at_full_precision(keep: tuple[str, ...]) -> None:
+    """By name or `embeddings`; `lm_head` keeps a tied table too, as the kept head reads it at full precision."""
+    model = lookup_graph(table(64), tied_head=True)
+    QuantizeWeights(4, 32, True, "matmul_nbits", keep=keep)(model)
+    quantize = QuantizeEmbedding(4, 32, True, "gather_block_quantized", keep=keep)
+    assert not quantize(model).modified and op_count(model, "Gather") == 1
+    assert quantize.counts == {"kept": 1} and "full precision" in quantize.skipped["embed.weight"]
+    # the name pattern keeps the head too (it reads the same initializer); `embeddings` only the lookup
+    assert op_count(model, "MatMul") == (0 if keep == (EMBEDDINGS,) else 1)
+
+
+def test_a_table_also_read_by_something_else_is_skipped_with_the_reason() -> None:
+    """A tied head left at full precision for another reason than --keep (not quantized at all here)."""
+    model = lookup_graph(table(64), tied_head=True)
+    quantize = QuantizeEmbedding(4, 32, True, "gather_block_quantized")
+    assert not quantize(model).modified
+    assert quantize.counts == {"skipped": 1}
+    assert quantize.skipped["embed.weight"].startswith("also read at full precision by Transpose")
+
+
+def test_only_token_id_lookups_are_embeddings() -> None:
+    """A table gathered by position ids (learned positions, rotary caches) is not touched, nor reported."""
+    model = lookup_graph(table(64), ids="position_ids")
+    quantize = QuantizeEmbedding(4, 32, True, "gather_block_quantized")
+    assert not quantize(model).modified and quantize.counts == {} and quantize.skipped == {}
+
+
+def test_token_ids_reshaped_first_still_name_the_embedding() -> None:
+    """gpt2 reshapes input_ids before the lookup."""
+    model = lookup_graph(table(64))
+    graph = model.graph
+    gather = next(iter(graph))
+    shape = ir.Value(name="ids_shape", const_value=ir.tensor(np.array([2, 3], np.int64), name="ids_shape"))
+    graph.register_initializer(shape)
+    ids = gather.inputs[1]
+    assert ids is not None
+    view = ir.node("Reshape", [ids, shape])
+    graph.insert_before(gather, view)
+    view.outputs[0].shape, view.outputs[0].type = ids.shape, ids.type
+    gather.replace_input_with(1, view.outputs[0])
+    quantize = QuantizeEmbedding(8, 32, True, "gather_dequantize_linear")
+    assert quantize(model).modified and quantize.counts == {"quantized": 1}
+    (got,) = ort_outputs(model, {"input_ids": IDS})
+    assert got.shape == (2, 3, 64)
+
+
+def test_a_table_gathered_along_its_columns_is_skipped_with_the_reason() -> None:
+    model = lookup_graph(RNG.standard_normal((64, 8)).astype(np.float32), axis=1)
+    model.graph.outputs[0].shape = ir.Shape([64, 2, 3])
+    quantize = QuantizeEmbedding(4, 32, True, "gather_block_quantized")
+    assert not quantize(model).modified
+    assert quantize.counts == {"skipped": 1} and "axis 1" in quantize.skipped["embed.weight"]
+
+
+def test_a_table_that_is_not_a_constant_is_skipped_with_the_reason() -> None:
+    model = lookup_graph(table(64))
+    graph = model.graph
+    weights = graph.initializers.pop("embed.weight")
+    weights.const_value = None
+    graph.inputs.append(weights)
+    quantize = QuantizeEmbedding(4, 32, True, "gather_block_quantized")
+    assert not quantize(model).modified
+    assert quantize.counts == {"skipped": 1} and "not a constant" in quantize.skipped["embed.weight"]
+
+
+def test_unsupported_settings_are_refused() -> None:
+    for bits, block, form in ((3, 32, "gather_block_quantized"), (4, 48, "gather_block_quantized"), (4, 32, "gguf")):
+        with pytest.raises(ValueError, match="unsupported embedding quantization"):
+            QuantizeEmbedding(bits, block, True, form)
+    with pytest.raises(ValueError, match="no 4-bit type"):
+        QuantizeEmbedding(4, 32, True, "gather_dequantize_linear")

@@ -1,0 +1,45 @@
+"""A build frees each weight once the graph no longer reads it: the bounded-memory build depends on it."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from passes import pipeline
+from passes.pack_matmul import pack_gate_up
+from runners.contract import DecoderIO
+from toolchain import checkpoint as checkpoints
+from toolchain.export import eager_model, export_decoder
+from toolchain.lower import to_onnx
+from toolchain.spec import DecoderSpec
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_packed_weight_is_freed_once_the_eager_model_and_program_are_gone(
+    tiny_checkpoint: Callable[..., Path],
+) -> None:
+    ckpt = checkpoints.load(tiny_checkpoint("llama"))
+    spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
+    io = DecoderIO.for_spec(spec)
+    model = eager_model(ckpt, spec)
+    gate = weakref.ref(model.model.layers[0].mlp.gate_proj.weight)  # type: ignore[union-attr]
+    down = weakref.ref(model.model.layers[0].mlp.down_proj.weight)  # type: ignore[union-attr]
+    program = export_decoder(model, spec, io)
+    graph = to_onnx(program, io)
+    del model, program
+    gc.collect()
+    assert gate() is not None  # the graph's initializer holds it, without a copy
+    for passes in (pipeline.canonicalize(), pipeline.fuse()):
+        for p in passes:
+            p(graph)
+    pack = pack_gate_up()
+    pack(graph)
+    assert pack.counts and sum(pack.counts.values()) == spec.num_layers
+    gc.collect()
+    assert gate() is None, "the gate projection outlived its packed replacement"
+    assert down() is not None  # still read by the graph
