@@ -33,6 +33,32 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _engine_options(queue_note: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The batching engine's knobs, shared by `serve` and `export-triton`."""
+    options = [
+        click.option(
+            "--max-num-seqs", default=8, show_default=True, type=click.IntRange(1), help="Requests generating at once."
+        ),
+        click.option(
+            "--max-queued", default=64, show_default=True, type=click.IntRange(0), help=f"Requests waiting{queue_note}."
+        ),
+        click.option(
+            "--prefill-chunk",
+            default=256,
+            show_default=True,
+            type=click.IntRange(1),
+            help="Prompt tokens prefilled per engine step.",
+        ),
+    ]
+
+    def apply(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return apply
+
+
 @click.group()
 @click.option("-v", "--verbose", is_flag=True, help="Log each stage to stderr.")
 def main(verbose: bool) -> None:
@@ -294,19 +320,7 @@ def bench(
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port (0: a free one).")
 @click.option("--served-model-name", default=None, help="Model name clients pass. Default: ARTIFACT's directory name.")
-@click.option(
-    "--max-num-seqs", default=8, show_default=True, type=click.IntRange(1), help="Requests generating at once."
-)
-@click.option(
-    "--max-queued", default=64, show_default=True, type=click.IntRange(0), help="Requests waiting; beyond: 429."
-)
-@click.option(
-    "--prefill-chunk",
-    default=256,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Prompt tokens prefilled per engine step.",
-)
+@_engine_options(", beyond: 429")
 @click.option(
     "--drain-timeout",
     default=30.0,
@@ -354,19 +368,7 @@ def serve(
     help="Model instances (processes, each with its own weights and KV cache); per GPU with --kind gpu.",
 )
 @click.option("--name", default=None, help="Triton model name. Default: ARTIFACT's directory name.")
-@click.option(
-    "--max-num-seqs",
-    default=8,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Requests generating at once, per instance.",
-)
-@click.option(
-    "--max-queued", default=64, show_default=True, type=click.IntRange(0), help="Requests waiting, per instance."
-)
-@click.option(
-    "--prefill-chunk", default=256, show_default=True, type=click.IntRange(1), help="Prompt tokens per engine step."
-)
+@_engine_options(", per instance")
 @_guarded
 def export_triton(artifact: Path, output: Path, name: str | None, **options: Any) -> None:
     """Write a Triton Inference Server model repository that serves ARTIFACT with kvforge's engine."""

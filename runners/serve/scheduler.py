@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runners.detokenizer import StreamingDetokenizer
+from runners.engine import Engine
 from runners.errors import KvforgeError
 from runners.generate import forward
 from runners.sampling import SamplingParams, greedy, make_rng, sample
@@ -156,6 +157,21 @@ class BatchScheduler:
         self._thread = threading.Thread(target=self._run, name="kvforge-engine", daemon=True)
 
     # -- called from request threads ---------------------------------------------------
+
+    @classmethod
+    def for_engine(
+        cls, engine: Engine, *, max_num_seqs: int, max_queued: int, prefill_chunk: int, metrics: Metrics
+    ) -> BatchScheduler:
+        """A scheduler over a loaded engine's session, with its context and end-of-text ids."""
+        return cls(
+            engine.session,
+            max_positions=engine.max_positions,
+            eos_ids=engine.eos_ids,
+            max_num_seqs=max_num_seqs,
+            max_queued=max_queued,
+            prefill_chunk=prefill_chunk,
+            metrics=metrics,
+        )
 
     def start(self) -> None:
         self._thread.start()

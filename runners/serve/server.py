@@ -378,10 +378,8 @@ def serve(
         host, port = server.server_address[:2]
         announce(f"listening on http://{_url_host(str(host))}:{port}, loading {artifact}")
         engine = Engine.load(artifact)
-        scheduler = BatchScheduler(
-            engine.session,
-            max_positions=engine.max_positions,
-            eos_ids=engine.eos_ids,
+        scheduler = BatchScheduler.for_engine(
+            engine,
             max_num_seqs=options.max_num_seqs,
             max_queued=options.max_queued,
             prefill_chunk=options.prefill_chunk,

@@ -127,10 +127,8 @@ class ServingModel:
         engine = Engine.load(directory, providers=cast(Sequence[str], providers))
         metrics = Metrics()
         metrics.model_name = name
-        scheduler = BatchScheduler(
-            engine.session,
-            max_positions=engine.max_positions,
-            eos_ids=engine.eos_ids,
+        scheduler = BatchScheduler.for_engine(
+            engine,
             max_num_seqs=settings.max_num_seqs,
             max_queued=settings.max_queued,
             prefill_chunk=settings.prefill_chunk,
