@@ -78,7 +78,7 @@ class QuantizedWeight:
 
 
 def quantize_blockwise(
-    weight: np.ndarray, bits: int, block_size: int, symmetric: bool, rows_per_chunk: int = 4096
+    weight: np.ndarray, bits: int, block_size: int, symmetric: bool, rows_per_chunk: int = 1024
 ) -> QuantizedWeight:
     """Round-to-nearest block-wise quantization of a [N, K] weight; a last block shorter than
     `block_size` is quantized as if filled up with zeros.
