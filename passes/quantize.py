@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -252,16 +253,7 @@ class QuantizeWeights(InPlacePass):
                 scale = ir.tensor(scale.numpy().reshape(-1))
                 zero_point = None if zero_point is None else ir.tensor(zero_point.numpy().reshape(-1))
             tensors = [codes, scale, zero_point]
-        values = []
-        for suffix, tensor in zip(("", ".scales", ".zero_points"), tensors):
-            if tensor is None:
-                continue
-            tensor.name = base + suffix
-            shape, kind = ir.Shape(tensor.shape.numpy()), ir.TensorType(tensor.dtype)
-            value = ir.Value(name=tensor.name, shape=shape, type=kind, const_value=tensor)
-            graph.register_initializer(value)
-            values.append(value)
-        return tuple(values)
+        return tuple(register_quantized(graph, base, tensors))
 
     def _replace(self, graph: ir.Graph, node: ir.Node, inputs: tuple[ir.Value, ...], kn: tuple[int, int]) -> None:
         x = node.inputs[0]
@@ -278,12 +270,38 @@ class QuantizeWeights(InPlacePass):
             attributes["accuracy_level"] = self.accuracy_level
         fused = ir.node("MatMulNBits", [x, *inputs], attributes, domain=_MS_DOMAIN)
         graph.insert_before(node, fused)
-        old = node.outputs[0]
-        new = fused.outputs[0]
-        new.shape, new.type = old.shape, old.type
-        ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
-        new.name = old.name
-        graph.remove(node, safe=True)
+        replace_node(graph, node, fused.outputs[0])
+
+
+def register_initializer(graph: ir.Graph, name: str, data: np.ndarray | _Tensor) -> ir.Value:
+    """`data` as the graph's initializer `name`."""
+    tensor = ir.tensor(data) if isinstance(data, np.ndarray) else data
+    tensor.name = name
+    value = ir.Value(
+        name=name, shape=ir.Shape(tensor.shape.numpy()), type=ir.TensorType(tensor.dtype), const_value=tensor
+    )
+    graph.register_initializer(value)
+    return value
+
+
+def register_quantized(graph: ir.Graph, base: str, parts: Sequence[np.ndarray | _Tensor | None]) -> list[ir.Value]:
+    """A quantized weight's initializers: codes `{base}`, `{base}.scales`, `{base}.zero_points`
+    (an absent part, None, is skipped)."""
+    return [
+        register_initializer(graph, base + suffix, part)
+        for suffix, part in zip(("", ".scales", ".zero_points"), parts)
+        if part is not None
+    ]
+
+
+def replace_node(graph: ir.Graph, node: ir.Node, new: ir.Value) -> None:
+    """`new` takes the place of `node`'s single output (its name, type, shape and readers);
+    `node` goes."""
+    old = node.outputs[0]
+    new.shape, new.type = old.shape, old.type
+    ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+    new.name = old.name
+    graph.remove(node, safe=True)
 
 
 def _constant_weight(node: ir.Node) -> tuple[ir.Value, ir.Node | None] | None:

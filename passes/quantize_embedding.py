@@ -68,6 +68,9 @@ from passes.quantize import (
     _lm_head,
     matmul_nbits_inputs,
     quantize_blockwise,
+    register_initializer,
+    register_quantized,
+    replace_node,
 )
 
 EMBEDDING_FORMS = ("gather_block_quantized", "gather_dequantize_linear")
@@ -169,13 +172,13 @@ class QuantizeEmbedding(QuantizeWeights):
             data, rest, shared = self._block_quantized_inputs(graph, table.name or "", q, gathers[0])
             model.opset_imports.setdefault(_MS_DOMAIN, 1)
             for gather in gathers:
-                _replace(graph, gather, self._gather_block_quantized(graph, gather, data, rest, q))
+                replace_node(graph, gather, self._gather_block_quantized(graph, gather, data, rest, q))
             if shared:
                 self.counts["shared"] += 1
         else:
             values = self._dequantize_linear_inputs(graph, table.name or "", q)
             for gather in gathers:
-                _replace(graph, gather, self._gather_dequantize(graph, gather, values))
+                replace_node(graph, gather, self._gather_dequantize(graph, gather, values))
         if not table.uses() and table.name is not None and table.name in graph.initializers:
             del graph.initializers[table.name]
 
@@ -197,13 +200,9 @@ class QuantizeEmbedding(QuantizeWeights):
             data.name = f"{head[0].name}.rows"
             data.dtype, data.shape = ir.DataType.UINT8, ir.Shape([rows, b.shape[1] * b.shape[2]])
             return data, list(head[1:]), True
-        base = _free_name(graph, f"{name}.q{self.bits}")
-        arrays = [b.reshape(rows, -1), scales, zero_points]
-        values = [
-            _register(graph, base + suffix, array)
-            for suffix, array in zip(("", ".scales", ".zero_points"), arrays)
-            if array is not None
-        ]
+        values = register_quantized(
+            graph, _free_name(graph, f"{name}.q{self.bits}"), [b.reshape(rows, -1), scales, zero_points]
+        )
         return values[0], values[1:], False
 
     def _gather_block_quantized(
@@ -230,13 +229,8 @@ class QuantizeEmbedding(QuantizeWeights):
 
     def _dequantize_linear_inputs(self, graph: ir.Graph, name: str, q: QuantizedWeight) -> list[ir.Value]:
         """[codes `[V, H]`, scales `[V, blocks]`, zero points `[V, blocks]` when asymmetric]."""
-        base = _free_name(graph, f"{name}.q{self.bits}")
-        arrays = [q.codes, q.scales, q.zero_points]  # int8 codes when symmetric, uint8 with zero points
-        return [
-            _register(graph, base + suffix, array)
-            for suffix, array in zip(("", ".scales", ".zero_points"), arrays)
-            if array is not None
-        ]
+        # int8 codes when symmetric, uint8 with zero points
+        return register_quantized(graph, _free_name(graph, f"{name}.q{self.bits}"), [q.codes, q.scales, q.zero_points])
 
     def _gather_dequantize(self, graph: ir.Graph, gather: ir.Node, values: list[ir.Value]) -> ir.Value:
         ids = gather.inputs[1]
@@ -315,26 +309,12 @@ def _looks_up_quantized(gather: ir.Node) -> bool:
     return bool(uses) and all(user.op_type == "DequantizeLinear" and index > 0 for user, index in uses)
 
 
-def _register(graph: ir.Graph, name: str, data: np.ndarray | ir.TensorProtocol) -> ir.Value:
+def _register(graph: ir.Graph, name: str, data: np.ndarray) -> ir.Value:
     """The initializer `name` (an existing one of that name is reused: the small shape constants)."""
     if name in graph.initializers:
         return graph.initializers[name]
-    tensor = ir.tensor(data, name=name) if isinstance(data, np.ndarray) else data
-    tensor.name = name
-    value = ir.Value(
-        name=name, shape=ir.Shape(tensor.shape.numpy()), type=ir.TensorType(tensor.dtype), const_value=tensor
-    )
-    graph.register_initializer(value)
-    return value
+    return register_initializer(graph, name, data)
 
 
 def _free_name(graph: ir.Graph, base: str) -> str:
     return base if base not in graph.initializers else base + ".gather"
-
-
-def _replace(graph: ir.Graph, gather: ir.Node, new: ir.Value) -> None:
-    old = gather.outputs[0]
-    new.shape, new.type = old.shape, old.type
-    ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
-    new.name = old.name
-    graph.remove(gather, safe=True)

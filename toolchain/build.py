@@ -156,6 +156,7 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
             with _timed(seconds, "verify"), _verifiable(staging, graph_io) as (model_path, verify_io):
                 report = gate(OrtSession(model_path, verify_io))
                 require_parity(report, str(checkpoint_dir))
+            computed_in = verify_io.kv_dtype  # the dtype onnxruntime ran the graph in
             if options.target == "tensorrt":
                 if (missing := trt_engine.unavailable()) is None:
                     with _timed(seconds, "engine"):
@@ -173,7 +174,7 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
                 sources=ckpt.source_hashes(),
                 flags=options.flags(),
                 passes=pass_report.to_dict(timings=False),
-                parity=_parity_record(report, graph_io),
+                parity=report.to_dict() | {"computed_in": computed_in},
             )
             if engine_entry is not None:
                 written = trt_engine.with_engine(written, staging, engine_entry)
@@ -238,12 +239,6 @@ def _verifiable(directory: Path, io: DecoderIO) -> Iterator[tuple[Path, DecoderI
         path = emit.write_onnx(model, Path(temporary))
         del model
         yield path, replace(io, kv_dtype="float32")
-
-
-def _parity_record(report: ParityReport | DistributionReport, io: DecoderIO) -> dict[str, Any]:
-    """The gate's report for the manifest, saying in which dtype the compiled graph was run."""
-    computed = "float32" if io.kv_dtype == "bfloat16" else io.kv_dtype
-    return report.to_dict() | {"computed_in": computed}
 
 
 def _eager_session(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO) -> TorchSession:

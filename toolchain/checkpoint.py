@@ -94,7 +94,7 @@ class Checkpoint:
         page it ever touched resident; and a checkpoint built in a narrower dtype never sits
         in memory at its stored width."""
         if self.uses_pickle:
-            return _converted(_load_pickle(self.weight_files[0]), dtype)
+            return {name: _in_dtype(t, dtype) for name, t in _load_pickle(self.weight_files[0]).items()}
         tensors: dict[str, torch.Tensor] = {}
         origin: dict[str, Path] = {}
         for file in self.weight_files:
@@ -450,17 +450,15 @@ def _read_safetensors(file: Path, dtype: torch.dtype | None) -> dict[str, torch.
                 if f.readinto(raw.numpy().data) != raw.numel():
                     raise CheckpointError(f"{file}: the file ended inside tensor {short_repr(name)}; re-download it")
                 tensor = raw.view(_TORCH_DTYPES[entry.dtype]).reshape(entry.shape)
-                tensors[name] = _converted({name: tensor}, dtype)[name]
+                tensors[name] = _in_dtype(tensor, dtype)
     except OSError as e:
         raise CheckpointError(f"{file}: cannot be read ({e.strerror or e}); check the file's permissions") from e
     return tensors
 
 
-def _converted(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """Floating tensors in `dtype` (None: as they are); integer and bool tensors as they are."""
-    if dtype is None:
-        return tensors
-    return {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
+def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A floating tensor in `dtype` (None: as it is); integer and bool tensors as they are."""
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
 
 def _require_safe_torch(file: Path) -> None:
