@@ -74,28 +74,29 @@ def memory_bandwidth(size_bytes: int = _BANDWIDTH_BYTES, repeats: int = 5, threa
 
 def weight_bytes_per_step(artifact: Path, manifest: dict[str, Any]) -> int:
     """Weight bytes one decode step reads: every weight, except the rows of embedding
-    tables it does not gather (the input embedding unless tied to the LM head, learned
-    position tables)."""
+    tables it does not gather (the input embedding, unless the LM head reads it: tied and
+    left in float; learned position tables)."""
     spec, flags = manifest["spec"], manifest["flags"]
     itemsize = np.dtype(flags["dtype"]).itemsize
+    passes = manifest.get("passes", {}).get("passes", [])
+    lookup = next((r for r in passes if r.get("name") == "QuantizeEmbedding" and r["fusions"].get("quantized")), None)
     gathered_only = 0
-    if not spec["tied_embeddings"]:
-        gathered_only += _input_table_bytes(spec, manifest.get("passes", {}).get("passes", []), itemsize)
+    if not spec["tied_embeddings"] or lookup is not None:  # a quantized lookup has codes of its own
+        gathered_only += _input_table_bytes(spec, lookup, itemsize)
     if spec["position_embedding"] == "learned":
         gathered_only += spec["max_positions"] * spec["hidden_size"] * itemsize
     return (artifact / "model.onnx.data").stat().st_size - gathered_only
 
 
-def _input_table_bytes(spec: dict[str, Any], passes: list[dict[str, Any]], itemsize: int) -> int:
+def _input_table_bytes(spec: dict[str, Any], lookup: dict[str, Any] | None, itemsize: int) -> int:
     """Bytes of the token-embedding table as stored: in the compute dtype, or as the pass
-    report's QuantizeEmbedding wrote it (passes/quantize_embedding.py): codes (whole blocks
-    of packed codes for GatherBlockQuantized, a byte each for Gather), a scale per block of
-    each row in the compute dtype, and zero points when asymmetric."""
+    report's QuantizeEmbedding record `lookup` says it was written (passes/quantize_embedding.py):
+    codes (whole blocks of packed codes for GatherBlockQuantized, a byte each for Gather), a
+    scale per block of each row in the compute dtype, and zero points when asymmetric."""
     rows, hidden = spec["vocab_size"], spec["hidden_size"]
-    record = next((r for r in passes if r.get("name") == "QuantizeEmbedding" and r["fusions"].get("quantized")), None)
-    if record is None:
+    if lookup is None:
         return rows * hidden * itemsize
-    config = record["config"]
+    config = lookup["config"]
     bits, block = config["bits"], config["block_size"]
     blocks = -(-hidden // block)
     packed = config["form"] == "gather_block_quantized"

@@ -44,7 +44,8 @@ _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".atte
 # The output projection; when embeddings are tied it is the embedding matrix, counted once.
 _HEAD_NAMES = ("lm_head.weight", "embed_out.weight")
 # Token-embedding tables, [vocab, hidden]: quantized in blocks along hidden, as the LM head
-# reading a tied one is (one copy serves both). Learned position tables stay in the compute dtype.
+# reading a tied one is (the lookup and the head each hold a copy of the codes). Learned
+# position tables stay in the compute dtype.
 _TOKEN_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "embed_in.weight")
 _POSITION_EMBEDDINGS = ("wpe.weight",)
 # Architectures whose 2-D matmul weights are stored [in_features, out_features] (Conv1D).
@@ -65,9 +66,9 @@ class Footprint:
     matmul weight and the token-embedding table ([vocab, hidden], blocks along hidden) is
     cut along its input dimension into blocks of 32 (the last block padded to 32, as
     MatMulNBits stores it) holding 8- or 4-bit codes plus one fp32 scale per block; an
-    output head tied to the embeddings shares the table's codes (counted once); norms,
-    biases and learned position tables stay fp32. The `onnx` target stores the table as
-    8-bit codes of its own (under int4 too; a tied head keeps its copy), `tensorrt` in the
+    output head tied to the embeddings holds a copy of the table's codes of its own (the
+    table is counted twice); norms, biases and learned position tables stay fp32. The `onnx`
+    target stores the lookup's table as 8-bit codes (under int4 too), `tensorrt` in the
     compute dtype (docs/pipeline.md).
     """
 
@@ -163,8 +164,10 @@ def _bytes_at(precision: str, params: Mapping[str, TensorMeta], spec: DecoderSpe
         if len(shape) != 2 or name.endswith(_POSITION_EMBEDDINGS):
             total += compute_bytes * math.prod(shape)
         else:
-            out_in = (shape[0], shape[1]) if name.endswith(_TOKEN_EMBEDDINGS) else _out_in(name, shape, spec)
-            total += quantized_bytes(out_in, _BITS[precision], compute_bytes=compute_bytes)
+            table = name.endswith(_TOKEN_EMBEDDINGS)
+            out_in = (shape[0], shape[1]) if table else _out_in(name, shape, spec)
+            copies = 2 if table and spec.tied_embeddings else 1  # the lookup's codes and the tied head's
+            total += copies * quantized_bytes(out_in, _BITS[precision], compute_bytes=compute_bytes)
     return total
 
 

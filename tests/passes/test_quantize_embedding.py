@@ -1,4 +1,4 @@
-"""Token-embedding quantization: what is matched, both forms on onnxruntime, the table shared with a tied head."""
+"""Token-embedding quantization: what is matched, both forms on onnxruntime, a table tied to the LM head."""
 
 from __future__ import annotations
 
@@ -95,19 +95,23 @@ def test_a_half_precision_table_keeps_its_dtype(form: str, bits: int) -> None:
 
 
 @pytest.mark.parametrize("bits, symmetric", [(4, True), (8, False)])
-def test_a_tied_table_is_one_quantized_initializer_for_lookup_and_head(bits: int, symmetric: bool) -> None:
-    """After the head's quantization, GatherBlockQuantized reads the head's own MatMulNBits
-    initializers (the same bytes: it reads MatMulNBits' layout), and the float table is gone."""
+def test_a_tied_table_gets_codes_of_its_own_beside_the_heads(bits: int, symmetric: bool) -> None:
+    """After the head's quantization, GatherBlockQuantized reads codes of its own (the head's
+    MatMulNBits bytes, row for row: the same quantization), and the float table is gone."""
     weights = table(80)  # a padded last block on both sides
     model = lookup_graph(weights, tied_head=True)
     QuantizeWeights(bits, 32, symmetric, "matmul_nbits")(model)
     quantize = QuantizeEmbedding(bits, 32, symmetric, "gather_block_quantized")
-    assert quantize(model).modified and quantize.counts == {"quantized": 1, "shared": 1}
-    codes = f"embed.weight.q{bits}"
-    parameters = [codes, codes + ".scales"] + ([] if symmetric else [codes + ".zero_points"])
-    assert sorted(n for n in model.graph.initializers if n.startswith("embed.")) == sorted(parameters)
-    assert nodes_reading(model, codes) == ["MatMulNBits", "Reshape"]  # B through a Reshape, the rest as they are
-    assert all(nodes_reading(model, p) == ["GatherBlockQuantized", "MatMulNBits"] for p in parameters[1:])
+    assert quantize(model).modified and quantize.counts == {"quantized": 1}
+    head, own = f"embed.weight.q{bits}", f"embed.weight.q{bits}.gather"
+    suffixes = ["", ".scales"] + ([] if symmetric else [".zero_points"])
+    assert "embed.weight" not in model.graph.initializers
+    for suffix in suffixes:
+        assert nodes_reading(model, head + suffix) == ["MatMulNBits"]
+        assert nodes_reading(model, own + suffix) == ["GatherBlockQuantized"]
+        head_bytes = model.graph.initializers[head + suffix].const_value.numpy()
+        own_bytes = model.graph.initializers[own + suffix].const_value.numpy()
+        np.testing.assert_array_equal(own_bytes, head_bytes.reshape(own_bytes.shape))
     logits, hidden = ort_outputs(model, {"input_ids": IDS})
     dequantized = quantize_blockwise(weights, bits, 32, symmetric).dequantize()
     np.testing.assert_allclose(hidden, dequantized[IDS], atol=1e-6, rtol=1e-6)

@@ -170,15 +170,15 @@ def test_precisions_of_a_small_llama_by_hand(tmp_path: Path) -> None:
     assert fp.weight_bytes_at == {
         "fp32": 4 * 563,
         "fp16": 2 * 563,
-        # tied: the head reads the table's quantized codes, counted once
-        "int8": quantized_bytes((10, 40), 8) + 216 + 160 + 12,
-        "int4": quantized_bytes((10, 40), 4) + 120 + 160 + 12,
+        # tied: the lookup and the head each hold the table's quantized codes
+        "int8": 2 * quantized_bytes((10, 40), 8) + 216 + 160 + 12,
+        "int4": 2 * quantized_bytes((10, 40), 4) + 120 + 160 + 12,
     }
 
 
 def test_the_head_is_quantized_tied_or_not(tmp_path: Path) -> None:
-    """Untied, the head is a quantized weight of its own beside the quantized table; tied, the
-    lookup and the head read one quantized table."""
+    """Untied, the head is a quantized weight of its own beside the quantized table; tied, it
+    is too: the same codes, stored twice (one parameter in the checkpoint)."""
     tensors = {"model.embed_tokens.weight": torch.zeros(10, 40), "lm_head.weight": torch.zeros(10, 40)}
     untied = write_synthetic(tmp_path / "untied", "llama", tensors, tie_word_embeddings=False)
     fp = footprint(*load_with_spec(untied), batch=1, seq=1)
@@ -186,7 +186,7 @@ def test_the_head_is_quantized_tied_or_not(tmp_path: Path) -> None:
     tied = write_synthetic(tmp_path / "tied", "llama", tensors, tie_word_embeddings=True)
     fp = footprint(*load_with_spec(tied), batch=1, seq=1)
     assert fp.parameters == 400
-    assert fp.weight_bytes_at["int4"] == quantized_bytes((10, 40), 4)
+    assert fp.weight_bytes_at["int4"] == 2 * quantized_bytes((10, 40), 4)
 
 
 def test_gpt2_conv1d_weights_are_input_first(tmp_path: Path) -> None:
@@ -197,8 +197,8 @@ def test_gpt2_conv1d_weights_are_input_first(tmp_path: Path) -> None:
     }
     directory = write_synthetic(tmp_path / "m", "gpt2", tensors)
     fp = footprint(*load_with_spec(directory), batch=1, seq=1)
-    # gpt2 ties its head to wte: one quantized [10 out, 40 in] table for both
-    assert fp.weight_bytes_at["int4"] == quantized_bytes((10, 40), 4) + 64 * 40 * 4 + 120
+    # gpt2 ties its head to wte: a quantized [10 out, 40 in] table for each
+    assert fp.weight_bytes_at["int4"] == 2 * quantized_bytes((10, 40), 4) + 64 * 40 * 4 + 120
 
 
 def test_unknown_stored_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
