@@ -49,7 +49,14 @@ class OrtSession:
         io: DecoderIO,
         providers: Sequence[str] = ("CPUExecutionProvider",),
         data_files: Set[str] | None = None,
+        *,
+        weights_cast_per_run: bool = False,
     ) -> None:
+        """`weights_cast_per_run` is for a graph whose weights are read through Casts
+        (`passes.widen`): onnxruntime then leaves the graph as it is (constant folding would
+        make float32 copies of the weights), runs nodes in priority order (each Cast just
+        before its reader) and allocates without an arena, so one weight at a time is held
+        converted."""
         import onnxruntime as ort
 
         if io.kv_dtype == "bfloat16":
@@ -63,6 +70,10 @@ class OrtSession:
         options = ort.SessionOptions()
         options.log_severity_level = 3
         options.intra_op_num_threads = usable_cpus()
+        if weights_cast_per_run:
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+            options.enable_cpu_mem_arena = False
         try:
             self._session = ort.InferenceSession(str(model_path), options, providers=list(providers))
         except Exception as e:  # onnxruntime raises its own untyped errors

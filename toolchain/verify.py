@@ -7,6 +7,7 @@ generation loop and must pick the same token at every step, with logits in toler
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -324,11 +325,18 @@ def reference_log_probs(reference: Session, tokens: list[list[int]]) -> np.ndarr
     """The eager model's log-probabilities at every compared position: [batch, positions, vocab].
 
     Computed on their own, so the eager model can be freed before the compiled one is loaded,
-    and kept in float32 (half the bytes, through the rest of the build; the comparison widens)."""
+    in float32, and kept through the rest of the build in an unlinked temporary file mapped
+    read-only: its pages are in memory only while the comparison reads them (21 MB for a
+    32k vocabulary, 100 MB for 152k, that the passes need instead)."""
     ids = np.asarray(tokens, dtype=np.int64)
     mask = np.ones_like(ids)
     logits, _ = forward(reference, ids, mask, empty_cache(reference.io, len(ids), ids.shape[1]))
-    return _log_softmax(logits[:, _GATE_PREFILL - 1 :]).astype(np.float32)
+    logits = logits[:, _GATE_PREFILL - 1 :]
+    with tempfile.TemporaryFile(prefix="kvforge-gate-") as spill:
+        for row in logits:  # one row at a time: the float64 working copies stay small
+            spill.write(_log_softmax(row).astype(np.float32).tobytes())
+        spill.flush()
+        return np.memmap(spill, dtype=np.float32, mode="r", shape=logits.shape)  # the mapping keeps the file
 
 
 def check_distribution(
@@ -336,24 +344,30 @@ def check_distribution(
 ) -> DistributionReport:
     """Compare the compiled model's next-token distributions with `expected` (from
     `reference_log_probs`): a prefill, then one teacher-forced decode step per position,
-    so the decode path and its cache are what is judged."""
+    so the decode path and its cache are what is judged. Compared a text at a time."""
     report = DistributionReport(precision, AGREEMENT[precision])
     ids = np.asarray(tokens, dtype=np.int64)
-    expected = expected.astype(np.float64)
-    got = _log_softmax(teacher_forced_logits(candidate, ids, _GATE_PREFILL))
+    logits = teacher_forced_logits(candidate, ids, _GATE_PREFILL)
+    kl, agree, decisive, nll_eager, nll_compiled = [], [], [], [], []
     with np.errstate(invalid="ignore"):  # NaN logits make NaN metrics, which fail the thresholds
-        kl = (np.exp(expected) * (expected - got)).sum(axis=-1)
-        targets = ids[:, _GATE_PREFILL:, None]  # the token each compared position predicts, but the last
-        report.positions = int(kl.size)
-        agree = expected.argmax(-1) == got.argmax(-1)
-        top2 = np.sort(np.partition(expected, -2, axis=-1)[..., -2:], axis=-1)
-        decisive = top2[..., 1] - top2[..., 0] >= DECISIVE_MARGIN
-        report.top1 = float(agree.mean())
-        report.decisive_positions = int(decisive.sum())
-        report.top1_decisive = float(agree[decisive].mean()) if decisive.any() else 1.0
-        report.kl_mean, report.kl_max = float(kl.mean()), float(kl.max())
-        report.nll_eager = float(-np.take_along_axis(expected[:, :-1], targets, -1).mean())
-        report.nll_compiled = float(-np.take_along_axis(got[:, :-1], targets, -1).mean())
+        for row, (want, row_logits) in enumerate(zip(expected, logits)):
+            want = np.asarray(want, dtype=np.float64)
+            got = _log_softmax(row_logits)
+            kl.append((np.exp(want) * (want - got)).sum(axis=-1))
+            agree.append(want.argmax(-1) == got.argmax(-1))
+            top2 = np.sort(np.partition(want, -2, axis=-1)[..., -2:], axis=-1)
+            decisive.append(top2[..., 1] - top2[..., 0] >= DECISIVE_MARGIN)
+            targets = ids[row, _GATE_PREFILL:, None]  # the token each compared position predicts, but the last
+            nll_eager.append(-np.take_along_axis(want[:-1], targets, -1))
+            nll_compiled.append(-np.take_along_axis(got[:-1], targets, -1))
+        kl_all, agree_all, decisive_all = np.concatenate(kl), np.concatenate(agree), np.concatenate(decisive)
+        report.positions = int(kl_all.size)
+        report.top1 = float(agree_all.mean())
+        report.decisive_positions = int(decisive_all.sum())
+        report.top1_decisive = float(agree_all[decisive_all].mean()) if decisive_all.any() else 1.0
+        report.kl_mean, report.kl_max = float(kl_all.mean()), float(kl_all.max())
+        report.nll_eager = float(np.concatenate(nll_eager).mean())
+        report.nll_compiled = float(np.concatenate(nll_compiled).mean())
     return report
 
 

@@ -1,25 +1,26 @@
-"""WidenFloats: a bfloat16 graph becomes the same graph in float32, which onnxruntime's CPU provider runs."""
+"""WidenFloats: a half-precision graph computed in float32, which onnxruntime's CPU provider runs, its
+weights left as stored and read through Casts."""
 
 from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
 import onnx_ir as ir
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from passes.widen import WidenFloats
 from tests.passes.fusion_testing import ort_outputs
 
-BF16 = TensorProto.BFLOAT16
 
-
-def bf16_graph() -> ir.Model:
-    """y = Cast(x, bf16) @ W + Constant(b) -> Cast(f32): a bfloat16 weight, constant and Cast target."""
+def half_graph(narrow: int) -> ir.Model:
+    """y = Cast(x, narrow) @ W + Constant(b) -> Cast(f32): a narrow weight, constant and Cast target."""
     rng = np.random.default_rng(0)
-    weight = rng.standard_normal((4, 3)).astype(ml_dtypes.bfloat16)
-    bias = rng.standard_normal(3).astype(ml_dtypes.bfloat16)
+    dtype = ml_dtypes.bfloat16 if narrow == TensorProto.BFLOAT16 else np.float16
+    weight = rng.standard_normal((4, 3)).astype(dtype)
+    bias = rng.standard_normal(3).astype(dtype)
     nodes = [
-        helper.make_node("Cast", ["x"], ["x16"], to=BF16),
+        helper.make_node("Cast", ["x"], ["x16"], to=narrow),
         helper.make_node("MatMul", ["x16", "w"], ["xw"]),
         helper.make_node("Constant", [], ["b"], value=numpy_helper.from_array(bias)),
         helper.make_node("Add", ["xw", "b"], ["h"]),
@@ -31,28 +32,38 @@ def bf16_graph() -> ir.Model:
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
         initializer=[numpy_helper.from_array(weight, "w")],
-        value_info=[helper.make_tensor_value_info(v, BF16, None) for v in ("x16", "xw", "b", "h")],
+        value_info=[helper.make_tensor_value_info(v, narrow, None) for v in ("x16", "xw", "b", "h")],
     )
     return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]))
 
 
-def test_every_bfloat16_tensor_type_and_cast_becomes_float32_with_the_same_values() -> None:
-    model = bf16_graph()
-    weight = model.graph.initializers["w"].const_value.numpy().astype(np.float32)  # type: ignore[union-attr]
-    assert WidenFloats()(model).modified
-    types = {v.dtype for n in model.graph for v in (*n.inputs, *n.outputs) if v is not None}
-    assert ir.DataType.BFLOAT16 not in types
-    assert model.graph.initializers["w"].dtype == ir.DataType.FLOAT
-    np.testing.assert_array_equal(model.graph.initializers["w"].const_value.numpy(), weight)  # type: ignore[union-attr]
-    assert [n.attributes.get_int("to") for n in model.graph if n.op_type == "Cast"] == [ir.DataType.FLOAT] * 2
+@pytest.mark.parametrize("narrow", [TensorProto.BFLOAT16, TensorProto.FLOAT16])
+def test_every_narrow_value_and_cast_becomes_float32_and_the_weight_is_read_through_a_cast(narrow: int) -> None:
+    model = half_graph(narrow)
+    stored = model.graph.initializers["w"].const_value.numpy()  # type: ignore[union-attr]
+    assert WidenFloats(ir.DataType(narrow))(model).modified
+    # the weight is the artifact's own bytes, still narrow; its one reader is a new Cast to float32
+    weight = model.graph.initializers["w"]
+    assert weight.dtype == ir.DataType(narrow) and weight.const_value.numpy().tobytes() == stored.tobytes()  # type: ignore[union-attr]
+    ((reader, _),) = weight.uses()
+    assert reader.op_type == "Cast" and reader.attributes.get_int("to") == ir.DataType.FLOAT
+    assert [n.op_type for n in model.graph][:3] == [
+        "Cast",
+        "Cast",
+        "MatMul",
+    ]  # the weight's Cast right before its MatMul
+    computed = {v.dtype for n in model.graph for v in n.outputs}
+    assert computed == {ir.DataType.FLOAT}
+    assert [n.attributes.get_int("to") for n in model.graph if n.op_type == "Cast"] == [ir.DataType.FLOAT] * 3
     x = np.random.default_rng(1).standard_normal((2, 4)).astype(np.float32)
-    bias = bf16_graph().graph.node(2).attributes["value"].as_tensor().numpy().astype(np.float32)
+    bias = half_graph(narrow).graph.node(2).attributes["value"].as_tensor().numpy().astype(np.float32)
     (y,) = ort_outputs(model, {"x": x})  # onnxruntime has no bfloat16 MatMul: it could not run the original
-    # the Cast to bfloat16 became one to float32, so x reaches the MatMul unrounded
-    np.testing.assert_allclose(y, x @ weight + bias, rtol=1e-5, atol=1e-5)
+    # the Cast to the narrow type became one to float32, so x reaches the MatMul unrounded
+    np.testing.assert_allclose(y, x @ stored.astype(np.float32) + bias, rtol=1e-5, atol=1e-5)
 
 
 def test_a_second_run_and_a_float32_graph_change_nothing() -> None:
-    model = bf16_graph()
+    model = half_graph(TensorProto.BFLOAT16)
     WidenFloats()(model)
     assert not WidenFloats()(model).modified
+    assert not WidenFloats(ir.DataType.FLOAT16)(model).modified

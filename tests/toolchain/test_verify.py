@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from runners.contract import DecoderIO
-from toolchain.verify import TOLERANCES, check_parity, compare
+from toolchain.verify import TOLERANCES, check_distribution, check_parity, compare, reference_log_probs
 
 TOL = TOLERANCES["float32"]
 
@@ -76,3 +76,37 @@ def test_a_near_tie_may_part_the_tokens_a_clear_lead_may_not() -> None:
     assert _near_tie(logits, np.array([1, 0]), np.array([2, 0]), tol)  # 0.2 apart: within 2 x 0.12
     logits[0, 2] = 4.7
     assert not _near_tie(logits, np.array([1, 0]), np.array([2, 0]), tol)  # 0.3 apart: a real difference
+
+
+def test_distribution_metrics_match_a_whole_array_computation_and_the_reference_is_spilled() -> None:
+    """KL, top-1 and perplexities a text at a time equal torch's over the whole batch; the eager
+    log-probabilities live in a read-only file mapping, not in the build's memory."""
+    import torch
+
+    tokens = [[(3 * i + row) % 11 for i in range(20)] for row in range(3)]
+    expected = reference_log_probs(FakeSession(), tokens)
+    assert isinstance(expected, np.memmap) and not expected.flags.writeable
+    assert expected.shape == (3, 20 - 7, 11) and expected.dtype == np.float32
+    candidate = FakeSession(shift=1.5)
+    report = check_distribution(expected, candidate, tokens, "int4")
+
+    ids = torch.tensor(tokens)
+    want = torch.log_softmax(torch.from_numpy(FakeSession().run(_prefill(tokens))["logits"]).double(), -1)[:, 7:]
+    got = torch.log_softmax(torch.from_numpy(candidate.run(_prefill(tokens))["logits"]).double(), -1)[:, 7:]
+    kl = torch.nn.functional.kl_div(got, want, log_target=True, reduction="none").sum(-1)
+    assert report.positions == kl.numel()
+    np.testing.assert_allclose(report.kl_mean, kl.mean().item(), rtol=1e-5)
+    np.testing.assert_allclose(report.kl_max, kl.max().item(), rtol=1e-5)
+    assert report.top1 == (want.argmax(-1) == got.argmax(-1)).double().mean().item()
+    targets = ids[:, 8:, None]
+    np.testing.assert_allclose(report.nll_eager, -want[:, :-1].gather(-1, targets).mean().item(), rtol=1e-5)
+    np.testing.assert_allclose(report.nll_compiled, -got[:, :-1].gather(-1, targets).mean().item(), rtol=1e-5)
+    assert check_distribution(expected, FakeSession(), tokens, "int4").kl_mean < 1e-6  # float32 storage
+
+
+def _prefill(tokens: list[list[int]]) -> dict[str, np.ndarray]:
+    """Feeds for one pass over whole texts (FakeSession's logits depend on each position's id only)."""
+    ids = np.asarray(tokens, dtype=np.int64)
+    io = FakeSession().io
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    return feeds | {past: np.zeros((len(ids), 1, 0, 2), np.float32) for past in io.past_names}
