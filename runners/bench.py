@@ -4,8 +4,15 @@ Decode on a CPU is bound by memory bandwidth: every step reads every weight once
 KV cache of every row. The roofline is the machine's copy bandwidth divided by those bytes;
 the fraction of it that decode reaches says how much is left to gain. Speeds are measured
 from the first generated token to the last of one generation, so prefill is excluded:
-decode tokens/s = batch × (new − 1) / that time; medians over repeats. Shared machines are noisy: compare ratios
-measured in one run, not absolute numbers across runs.
+decode tokens/s = batch × (new − 1) / that time.
+
+Shared machines are noisy, and a neighbour's load drifts over minutes. So every figure is
+taken in rounds: each round measures the copy bandwidth, then runs every configuration once;
+a configuration's figures are medians over the rounds, its roofline fraction is the median
+of each round's decode speed over that round's roofline, and the ratios between
+configurations (a longer context against the shortest, a larger batch against the
+smallest) are medians of ratios taken within a round. Compare ratios measured in one run,
+not absolute numbers across runs.
 """
 
 from __future__ import annotations
@@ -32,21 +39,88 @@ _BANDWIDTH_BYTES = 256 << 20  # far beyond any CPU cache, so the copy streams fr
 
 
 @dataclass(frozen=True)
+class Round:
+    """One run of one configuration, and the bandwidth measured at the start of its round."""
+
+    first_token_ms: float
+    decode_tokens_per_s: float
+    bandwidth: float
+
+
+@dataclass(frozen=True)
 class BenchResult:
     prompt: int
     batch: int
     new_tokens: int
-    first_token_ms: float
-    decode_tokens_per_s: float
     bytes_per_step: int
-    roofline_tokens_per_s: float
+    rounds: tuple[Round, ...]
+
+    @property
+    def first_token_ms(self) -> float:
+        return statistics.median(r.first_token_ms for r in self.rounds)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return statistics.median(r.decode_tokens_per_s for r in self.rounds)
+
+    @property
+    def roofline_tokens_per_s(self) -> float:
+        """batch × bandwidth ÷ bytes per step, at the median bandwidth of the rounds."""
+        return self.batch * statistics.median(r.bandwidth for r in self.rounds) / self.bytes_per_step
 
     @property
     def roofline_fraction(self) -> float:
-        return self.decode_tokens_per_s / self.roofline_tokens_per_s
+        """The median over rounds of decode speed ÷ that round's roofline."""
+        return statistics.median(
+            r.decode_tokens_per_s * self.bytes_per_step / (self.batch * r.bandwidth) for r in self.rounds
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "roofline_fraction": self.roofline_fraction}
+        return {
+            "prompt": self.prompt,
+            "batch": self.batch,
+            "new_tokens": self.new_tokens,
+            "bytes_per_step": self.bytes_per_step,
+            "first_token_ms": self.first_token_ms,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "roofline_tokens_per_s": self.roofline_tokens_per_s,
+            "roofline_fraction": self.roofline_fraction,
+            "rounds": [asdict(r) for r in self.rounds],
+        }
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """Decode speed of `config` over that of `base` ((prompt, batch) each), the median of the
+    ratios within each round."""
+
+    config: tuple[int, int]
+    base: tuple[int, int]
+    ratio: float
+
+    def describe(self) -> str:
+        (prompt, batch), (base_prompt, base_batch) = self.config, self.base
+        if batch == base_batch:
+            return f"decode at prompt {prompt} / prompt {base_prompt} (batch {batch}): {self.ratio:.2f}x"
+        return f"decode tok/s at batch {batch} / batch {base_batch} (prompt {prompt}): {self.ratio:.2f}x"
+
+
+def ratios(results: Sequence[BenchResult]) -> list[Ratio]:
+    """Each longer prompt against the shortest (at the smallest batch), and each larger batch
+    against the smallest (at the shortest prompt)."""
+    by_config = {(r.prompt, r.batch): r for r in results}
+    if not by_config:
+        return []
+    prompt, batch = min(p for p, _ in by_config), min(b for _, b in by_config)
+    base = by_config.get((prompt, batch))
+    if base is None:
+        return []
+    out = []
+    for (p, b), result in sorted(by_config.items()):
+        if (p, b) != (prompt, batch) and (p == prompt or b == batch):
+            within = [r.decode_tokens_per_s / s.decode_tokens_per_s for r, s in zip(result.rounds, base.rounds)]
+            out.append(Ratio((p, b), (prompt, batch), statistics.median(within)))
+    return out
 
 
 def memory_bandwidth(size_bytes: int = _BANDWIDTH_BYTES, repeats: int = 5, threads: int | None = None) -> float:
@@ -115,33 +189,27 @@ def peak_memory_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def measure(engine: Engine, prompt: int, batch: int, new_tokens: int, repeats: int) -> tuple[float, float]:
-    """(first token seconds, decode tokens/s over the batch), medians over `repeats`.
+def measure(engine: Engine, prompts: list[list[int]], new_tokens: int, rng: np.random.Generator) -> tuple[float, float]:
+    """(first token seconds, decode tokens/s over the batch) of one generation.
 
     Decode time runs from the first generated token to the last, inside one generation:
     exactly `new_tokens - 1` decode steps, with prefill excluded.
     """
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, engine.session.io.vocab_size, prompt).tolist() for _ in range(batch)]
-    firsts, decodes = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        first = start
-        steps = generate_steps(
-            engine.session,
-            prompts,
-            max_new_tokens=new_tokens,
-            max_positions=engine.max_positions,
-            params=SamplingParams(temperature=0.0),
-            rng=rng,
-        )
-        for index, _step in enumerate(steps):
-            if index == 0:
-                first = time.perf_counter()
-        end = time.perf_counter()
-        firsts.append(first - start)
-        decodes.append(batch * (new_tokens - 1) / (end - first))
-    return statistics.median(firsts), statistics.median(decodes)
+    start = time.perf_counter()
+    first = start
+    steps = generate_steps(
+        engine.session,
+        prompts,
+        max_new_tokens=new_tokens,
+        max_positions=engine.max_positions,
+        params=SamplingParams(temperature=0.0),
+        rng=rng,
+    )
+    for index, _step in enumerate(steps):
+        if index == 0:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return first - start, len(prompts) * (new_tokens - 1) / (end - first)
 
 
 def bench(
@@ -153,31 +221,43 @@ def bench(
     repeats: int = 3,
     bandwidth: float | None = None,
 ) -> tuple[list[BenchResult], list[str], float]:
-    """Results per (prompt, batch), the configurations skipped and why, and the bandwidth used."""
+    """Results per (prompt, batch), the configurations skipped and why, and the median
+    bandwidth of the rounds (`bandwidth`, when given, stands for every round's)."""
     engine = Engine.load(artifact)  # generate_steps without eos ids: every run has its full length
-    measured_before = bandwidth or memory_bandwidth()
     weights = weight_bytes_per_step(artifact, read_manifest(artifact))
-    timings, skipped = [], []
+    rng = np.random.default_rng(0)
+    configs, skipped = [], []
     for prompt in prompts:
         if prompt + new_tokens > engine.max_positions:
             skipped.append(f"prompt {prompt}: + {new_tokens} new tokens exceeds the context of {engine.max_positions}")
             continue
         for batch in batches:
-            first, decode = measure(engine, prompt, batch, new_tokens, repeats)
-            step = weights + kv_bytes_per_step(engine.session.io, prompt + new_tokens // 2, batch)
-            timings.append((prompt, batch, first, decode, step))
-    # Measured again after the runs (unless given): the machine's best, not one disturbed moment.
-    bandwidth = measured_before if bandwidth else max(measured_before, memory_bandwidth())
+            rows = [rng.integers(0, engine.session.io.vocab_size, prompt).tolist() for _ in range(batch)]
+            configs.append((prompt, batch, rows))
+    rounds: list[list[Round]] = [[] for _ in configs]
+    bandwidths = []
+    for _ in range(repeats):
+        bandwidths.append(bandwidth or memory_bandwidth())
+        for runs, (_, _, rows) in zip(rounds, configs):
+            first, decode = measure(engine, rows, new_tokens, rng)
+            runs.append(Round(first * 1000, decode, bandwidths[-1]))
     results = [
-        BenchResult(prompt, batch, new_tokens, first * 1000, decode, step, batch * bandwidth / step)
-        for prompt, batch, first, decode, step in timings
+        BenchResult(
+            prompt,
+            batch,
+            new_tokens,
+            weights + kv_bytes_per_step(engine.session.io, prompt + new_tokens // 2, batch),
+            tuple(runs),
+        )
+        for (prompt, batch, _), runs in zip(configs, rounds)
     ]
-    return results, skipped, bandwidth
+    return results, skipped, statistics.median(bandwidths)
 
 
 def format_results(results: Sequence[BenchResult], skipped: Sequence[str], bandwidth: float) -> str:
     lines = [
-        f"memory bandwidth (copy): {bandwidth / 1e9:.2f} GB/s; peak memory {peak_memory_bytes() / 2**20:.0f} MiB",
+        f"memory bandwidth (copy, median of the rounds): {bandwidth / 1e9:.2f} GB/s; "
+        f"peak memory {peak_memory_bytes() / 2**20:.0f} MiB",
         f"{'prompt':>6} {'batch':>5} {'first token':>12} {'decode tok/s':>13} {'roofline tok/s':>15} {'fraction':>9}",
     ]
     for r in results:
@@ -185,5 +265,6 @@ def format_results(results: Sequence[BenchResult], skipped: Sequence[str], bandw
             f"{r.prompt:>6} {r.batch:>5} {r.first_token_ms:>9.0f} ms {r.decode_tokens_per_s:>13.1f} "
             f"{r.roofline_tokens_per_s:>15.1f} {r.roofline_fraction:>8.0%}"
         )
+    lines += [ratio.describe() for ratio in ratios(results)]
     lines += [f"skipped {reason}" for reason in skipped]
     return "\n".join(lines)

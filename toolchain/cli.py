@@ -11,6 +11,7 @@ import logging
 import sys
 import warnings
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -289,7 +290,7 @@ def generate(
     default=3,
     show_default=True,
     type=click.IntRange(1),
-    help="Runs per measurement; medians are reported.",
+    help="Rounds, each running every configuration once; medians over rounds are reported.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @_guarded
@@ -298,7 +299,7 @@ def bench(
 ) -> None:
     """First token, decode tokens/s and its fraction of the memory-bandwidth roofline for ARTIFACT."""
     from runners.bench import bench as run_bench
-    from runners.bench import format_results, peak_memory_bytes
+    from runners.bench import format_results, peak_memory_bytes, ratios
 
     results, skipped, bandwidth = run_bench(
         artifact, prompts=prompts or (128, 1024), batches=batches or (1, 8), new_tokens=new_tokens, repeats=repeats
@@ -308,6 +309,7 @@ def bench(
             "bandwidth_bytes_per_s": bandwidth,
             "peak_memory_bytes": peak_memory_bytes(),
             "results": [r.to_dict() for r in results],
+            "ratios": [asdict(r) for r in ratios(results)],
             "skipped": skipped,
         }
         click.echo(json.dumps(data, indent=2))

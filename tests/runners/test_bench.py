@@ -15,7 +15,7 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-from runners.bench import bench, kv_bytes_per_step, weight_bytes_per_step
+from runners.bench import BenchResult, Round, bench, kv_bytes_per_step, ratios, weight_bytes_per_step
 from runners.engine import Engine
 from runners.generate import empty_cache, forward, left_pad
 from runners.manifest import read_manifest
@@ -47,10 +47,11 @@ def test_configurations_beyond_the_context_are_skipped_and_the_roofline_is_batch
 ) -> None:
     artifact = built_artifact("llama")  # context 256
     results, skipped, bandwidth = bench(
-        artifact, prompts=(8, 300), batches=(1, 2), new_tokens=4, repeats=1, bandwidth=1e9
+        artifact, prompts=(8, 300), batches=(1, 2), new_tokens=4, repeats=2, bandwidth=1e9
     )
     assert bandwidth == 1e9
     assert [(r.prompt, r.batch) for r in results] == [(8, 1), (8, 2)]
+    assert all(len(r.rounds) == 2 and {x.bandwidth for x in r.rounds} == {1e9} for r in results)
     assert skipped == ["prompt 300: + 4 new tokens exceeds the context of 256"]
     io = Engine.load(artifact).session.io
     weights = weight_bytes_per_step(artifact, read_manifest(artifact))
@@ -83,3 +84,24 @@ def test_cli_json_output(built_artifact: Callable[..., Path]) -> None:
     (row,) = data["results"]
     assert (row["prompt"], row["batch"], row["new_tokens"]) == (8, 1, 3)
     assert row["roofline_fraction"] == pytest.approx(row["decode_tokens_per_s"] / row["roofline_tokens_per_s"])
+    assert data["ratios"] == []  # one configuration: nothing to compare
+
+
+def test_figures_are_medians_over_rounds_and_ratios_are_taken_within_a_round() -> None:
+    """A round disturbed for every configuration moves each one's speed, not their ratio."""
+
+    def result(prompt: int, batch: int, speeds: list[float], bandwidths: list[float]) -> BenchResult:
+        rounds = tuple(Round(10.0 * i, speed, bw) for i, (speed, bw) in enumerate(zip(speeds, bandwidths)))
+        return BenchResult(prompt, batch, 4, 1000, rounds)
+
+    bandwidths = [4000.0, 2000.0, 3000.0]  # round 2 is disturbed: half the copy bandwidth...
+    short = result(128, 1, [40.0, 20.0, 30.0], bandwidths)  # ...and half the decode speed
+    long = result(1024, 1, [20.0, 19.0, 36.0], bandwidths)
+    batched = result(128, 8, [200.0, 100.0, 150.0], bandwidths)
+    assert short.decode_tokens_per_s == 30.0 and short.first_token_ms == 10.0
+    assert short.roofline_tokens_per_s == 3.0  # batch 1 × median bandwidth 3000 / 1000 bytes
+    assert short.roofline_fraction == pytest.approx(10.0)  # every round: speed = 10 × its own roofline
+    found = {(r.config, r.base): r.ratio for r in ratios([short, long, batched])}
+    # within rounds 0.5, 0.95, 1.2 -> 0.95 (the ratio of the medians, 20 / 30, mixes rounds); batch 8 / 1: 5.0
+    assert found == {((1024, 1), (128, 1)): pytest.approx(0.95), ((128, 8), (128, 1)): pytest.approx(5.0)}
+    assert ratios([long]) == []
