@@ -241,15 +241,15 @@ def _verifiable(directory: Path, io: DecoderIO) -> Iterator[OrtSession]:
     itself, or, for a half-precision graph, which that provider cannot compute (bfloat16) or
     computes only from float32 copies of every weight made at load (fp16), the graph computed
     in float32 with its weights cast as they are read (`passes.widen`). That graph is written
-    to a temporary sibling directory, beside a hard link to the artifact's weights (a copy
-    where the file system has no links), and removed afterwards."""
+    to a temporary directory beside a hard link to the artifact's weights (a copy where the
+    file system has no links), and removed afterwards."""
     narrow = {"float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}.get(io.kv_dtype)
     if narrow is None:
         yield OrtSession(directory / emit.MODEL_FILE, io)
         return
     model = ir.load(directory / emit.MODEL_FILE)  # the weights stay in the file, referenced
     WidenFloats(narrow).call(model)
-    with tempfile.TemporaryDirectory(prefix=".kvforge-verify-", dir=directory.parent) as temporary:
+    with _scratch_directory(directory) as temporary:
         path = Path(temporary) / emit.MODEL_FILE
         ir.save(model, path)
         del model
@@ -260,6 +260,16 @@ def _verifiable(directory: Path, io: DecoderIO) -> Iterator[OrtSession]:
             except OSError:
                 shutil.copyfile(data, path.parent / emit.DATA_FILE)
         yield OrtSession(path, replace(io, kv_dtype="float32"), weights_cast_per_run=True)
+
+
+def _scratch_directory(near: Path) -> tempfile.TemporaryDirectory[str]:
+    """A temporary directory beside `near` (on its file system, where a hard link to it
+    works), or in the system's temporary directory where `near`'s parent is not writable
+    (a published artifact in a read-only place)."""
+    try:
+        return tempfile.TemporaryDirectory(prefix=".kvforge-verify-", dir=near.parent)
+    except OSError:
+        return tempfile.TemporaryDirectory(prefix="kvforge-verify-")
 
 
 def _eager_session(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO) -> TorchSession:

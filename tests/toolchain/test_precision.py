@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -100,7 +102,27 @@ def test_verify_reruns_the_gate_at_the_artifacts_dtype(tiny_checkpoint: Callable
     report = verify(tmp_path / "out", tiny_checkpoint("qwen3"))
     assert isinstance(report, ParityReport)
     assert report.passed and report.dtype == "bfloat16" and report.tolerance == TOLERANCES["bfloat16"]
-    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the float32 copy it ran is gone
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the graph it ran is gone
+    assert (tmp_path / "out" / "model.onnx.data").stat().st_nlink == 1  # and so is its link to the weights
+
+
+def test_verify_beside_a_read_only_artifact_runs_in_the_system_temporary_directory(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    build(tiny_checkpoint("llama"), tmp_path / "out", BuildOptions(dtype="float16"))
+    real = tempfile.TemporaryDirectory
+    places: list[str | None] = []
+
+    def temporary_directory(*args: Any, dir: str | Path | None = None, **kwargs: Any) -> Any:
+        places.append(None if dir is None else str(dir))
+        if dir is not None and Path(dir) == tmp_path:
+            raise PermissionError(13, "Permission denied", str(dir))
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", temporary_directory)
+    assert verify(tmp_path / "out", tiny_checkpoint("llama")).passed
+    assert places == [str(tmp_path), None]  # beside the artifact first, then the system's
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
 def test_device_memory_counts_half_precision_weights_and_cache(
