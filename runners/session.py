@@ -51,12 +51,19 @@ class OrtSession:
         data_files: Set[str] | None = None,
         *,
         weights_cast_per_run: bool = False,
+        prepack: bool = True,
     ) -> None:
         """`weights_cast_per_run` is for a graph whose weights are read through Casts
         (`passes.widen`): onnxruntime then leaves the graph as it is (constant folding would
         make float32 copies of the weights), runs nodes in priority order (each Cast just
         before its reader) and allocates without an arena, so one weight at a time is held
-        converted."""
+        converted.
+
+        `prepack=False` leaves float MatMul weights as stored instead of copying each into its
+        kernel's layout at load: MLAS packs them per product then, the same products to float32
+        rounding (2.4e-6 at most on the 125M reference), slower, and loading never holds a
+        weight and its packed copy at once (the verification gate of an unquantized build;
+        quantized kernels compute differently without theirs prepacked)."""
         import onnxruntime as ort
 
         if io.kv_dtype == "bfloat16":
@@ -70,6 +77,8 @@ class OrtSession:
         options = ort.SessionOptions()
         options.log_severity_level = 3
         options.intra_op_num_threads = usable_cpus()
+        if not prepack:
+            options.add_session_config_entry("session.disable_prepacking", "1")
         if weights_cast_per_run:
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
             options.execution_order = ort.ExecutionOrder.PRIORITY_BASED

@@ -162,7 +162,7 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
                 gc.collect()
                 emit.copy_tokenizer(ckpt, staging)
                 emit.write_generation_config(ckpt, spec, staging)
-            with _timed(seconds, "verify"), _verifiable(staging, graph_io) as session:
+            with _timed(seconds, "verify"), _verifiable(staging, graph_io, options.weights is None) as session:
                 report = gate(session)
                 require_parity(report, str(checkpoint_dir))
                 computed_in = session.io.kv_dtype  # the dtype onnxruntime ran the graph in
@@ -229,15 +229,16 @@ def verify(artifact: Path, checkpoint_dir: Path, *, allow_pickle: bool = False) 
     gate = _record_gate(eager, recorded["flags"], spec, artifact)
     del model, eager
     gc.collect()
-    with _verifiable(artifact, io) as session:
+    with _verifiable(artifact, io, recorded["flags"].get("weights") is None) as session:
         report = gate(session)
     require_parity(report, str(artifact))
     return report
 
 
 @contextmanager
-def _verifiable(directory: Path, io: DecoderIO) -> Iterator[OrtSession]:
-    """The session the gate runs the artifact in on onnxruntime's CPU provider: the artifact
+def _verifiable(directory: Path, io: DecoderIO, unquantized: bool) -> Iterator[OrtSession]:
+    """The session the gate runs the artifact in on onnxruntime's CPU provider (for an
+    unquantized graph, without prepacked weights: `OrtSession`'s `prepack`): the artifact
     itself, or, for a half-precision graph, which that provider cannot compute (bfloat16) or
     computes only from float32 copies of every weight made at load (fp16), the graph computed
     in float32 with its weights cast as they are read (`passes.widen`). That graph is written
@@ -245,7 +246,7 @@ def _verifiable(directory: Path, io: DecoderIO) -> Iterator[OrtSession]:
     file system has no links), and removed afterwards."""
     narrow = {"float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}.get(io.kv_dtype)
     if narrow is None:
-        yield OrtSession(directory / emit.MODEL_FILE, io)
+        yield OrtSession(directory / emit.MODEL_FILE, io, prepack=not unquantized)
         return
     model = ir.load(directory / emit.MODEL_FILE)  # the weights stay in the file, referenced
     WidenFloats(narrow).call(model)

@@ -14,8 +14,9 @@ import pytest
 
 from runners.engine import Engine
 from runners.errors import ArtifactError, GenerationError
-from runners.generate import empty_cache, generate_steps
+from runners.generate import empty_cache, forward, generate_steps, left_pad
 from runners.sampling import SamplingParams
+from runners.session import OrtSession
 
 pytestmark = pytest.mark.slow
 
@@ -234,3 +235,20 @@ def test_a_rebuilt_model_pointing_outside_the_artifact_is_refused(artifact: Path
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match=rf"model\.onnx: tensor '{tensor.name}' .*location '\.\./secret\.bin'"):
         Engine.load(copy)
+
+
+def test_a_session_without_prepacked_weights_computes_the_same_products(built_artifact: Callable[..., Path]) -> None:
+    """The verification gate of an unquantized build loads the graph with `prepack=False`; what
+    it checks must be what `Engine.load`'s prepacked session computes, to float32 rounding
+    (the 125M reference differs by 2.4e-6 at most; the gate's fp32 tolerance is 1e-4)."""
+    artifact = built_artifact("llama")
+    io = Engine.load(artifact).session.io
+    ids, mask = left_pad([[5, 6, 7, 8, 9, 10], [3, 4, 5]], pad_id=0)
+    outputs = []
+    for prepack in (True, False):
+        session = OrtSession(artifact / "model.onnx", io, prepack=prepack)
+        logits, cache = forward(session, ids, mask, empty_cache(io, 2, capacity=8))
+        step, _ = forward(session, np.array([[11], [12]]), np.ones((2, 7), np.int64), cache)
+        outputs.append((logits, step))
+    for prepacked, as_stored in zip(*outputs):
+        np.testing.assert_allclose(as_stored, prepacked, rtol=1e-5, atol=1e-5)
