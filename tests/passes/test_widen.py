@@ -67,3 +67,39 @@ def test_a_second_run_and_a_float32_graph_change_nothing() -> None:
     WidenFloats()(model)
     assert not WidenFloats()(model).modified
     assert not WidenFloats(ir.DataType.FLOAT16)(model).modified
+
+
+def test_quantization_scales_stay_constant_for_the_ops_that_pack_them() -> None:
+    """onnxruntime's MatMulNBits packs its scales at load and computes garbage from scales a
+    Cast produces; widened, an fp16 MatMulNBits still matches its dequantized weight."""
+    from onnxruntime import ExecutionOrder, GraphOptimizationLevel, InferenceSession, SessionOptions
+
+    from passes.quantize import matmul_nbits_inputs, quantize_blockwise
+
+    rng = np.random.default_rng(2)
+    k, n = 64, 96
+    q = quantize_blockwise(rng.standard_normal((n, k)).astype(np.float16), 4, 32, True)
+    b, scales, _ = matmul_nbits_inputs(q)
+    node = helper.make_node(
+        "MatMulNBits", ["x", "b", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4, block_size=32
+    )
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [2, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [2, n])],
+        initializer=[numpy_helper.from_array(b, "b"), numpy_helper.from_array(scales.astype(np.float16), "s")],
+    )
+    opsets = [helper.make_opsetid("", 23), helper.make_opsetid("com.microsoft", 1)]
+    model = ir.from_proto(helper.make_model(graph, opset_imports=opsets))
+    assert WidenFloats(ir.DataType.FLOAT16)(model).modified
+    assert model.graph.initializers["s"].dtype == ir.DataType.FLOAT and model.graph.initializers["s"].is_initializer()
+    assert [n.op_type for n in model.graph] == ["MatMulNBits"]
+    options = SessionOptions()  # as OrtSession(weights_cast_per_run=True) loads the gate's graph
+    options.graph_optimization_level = GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.execution_order = ExecutionOrder.PRIORITY_BASED
+    options.enable_cpu_mem_arena = False
+    session = InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    (y,) = session.run(None, {"x": x})
+    np.testing.assert_allclose(y, x @ q.dequantize().astype(np.float32).T, rtol=2e-2, atol=2e-2)
