@@ -153,3 +153,15 @@ def test_bfloat16_artifact_is_refused_by_the_onnxruntime_runner_with_the_way_out
     build(tiny_checkpoint("llama"), tmp_path / "out", BuildOptions(dtype="bfloat16", target="tensorrt"))
     with pytest.raises(ArtifactError, match=r"bfloat16, which onnxruntime's CPU provider cannot run.*build-engine"):
         Engine.load(tmp_path / "out")
+
+
+def test_a_quantized_half_precision_build_of_a_trained_model_keeps_its_distributions(tmp_path: Path) -> None:
+    """The bundled example model has peaked next-token distributions (a tiny random model's are
+    nearly flat, so even uniform logits stay within its KL threshold): fp16 int8 must agree with
+    the fp16 eager model where it is decisive, and its perplexity must stay the eager one's."""
+    from tests.examples.conftest import EXAMPLE_MODEL
+
+    result = build(EXAMPLE_MODEL, tmp_path / "out", BuildOptions(dtype="float16", weights=WeightQuantization(8)))
+    report = result.parity
+    assert report.passed and report.decisive_positions >= 20 and report.top1_decisive == 1.0
+    assert abs(np.exp(report.nll_compiled) / np.exp(report.nll_eager) - 1) < 0.02
