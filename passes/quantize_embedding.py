@@ -171,16 +171,16 @@ class QuantizeEmbedding(QuantizeWeights):
         graph = model.graph
         array = table.const_value.numpy()  # type: ignore[union-attr]
         q = quantize_blockwise(array, self.bits, self.block_size, self.symmetric)
+        name = _free_name(graph, f"{table.name}.q{self.bits}")
         if self.form == "gather_block_quantized":
             b, scales, zero_points = matmul_nbits_inputs(q)
-            data, *rest = register_quantized(
-                graph, _free_name(graph, f"{table.name}.q{self.bits}"), [b.reshape(b.shape[0], -1), scales, zero_points]
-            )
+            data, *rest = register_quantized(graph, name, [b.reshape(b.shape[0], -1), scales, zero_points])
             model.opset_imports.setdefault(_MS_DOMAIN, 1)
             for gather in gathers:
                 replace_node(graph, gather, self._gather_block_quantized(graph, gather, data, rest, q))
         else:
-            values = self._dequantize_linear_inputs(graph, table.name or "", q)
+            # codes [V, H] (int8 when symmetric, uint8 with zero points), scales and zero points [V, blocks]
+            values = register_quantized(graph, name, [q.codes, q.scales, q.zero_points])
             for gather in gathers:
                 replace_node(graph, gather, self._gather_dequantize(graph, gather, values))
         if not table.uses() and table.name is not None and table.name in graph.initializers:
@@ -209,11 +209,6 @@ class QuantizeEmbedding(QuantizeWeights):
         return cut.outputs[0]
 
     # --- gather_dequantize_linear ----------------------------------------------------------------
-
-    def _dequantize_linear_inputs(self, graph: ir.Graph, name: str, q: QuantizedWeight) -> list[ir.Value]:
-        """[codes `[V, H]`, scales `[V, blocks]`, zero points `[V, blocks]` when asymmetric]."""
-        # int8 codes when symmetric, uint8 with zero points
-        return register_quantized(graph, _free_name(graph, f"{name}.q{self.bits}"), [q.codes, q.scales, q.zero_points])
 
     def _gather_dequantize(self, graph: ir.Graph, gather: ir.Node, values: list[ir.Value]) -> ir.Value:
         ids = gather.inputs[1]

@@ -42,7 +42,8 @@ _READ_AS_CONSTANTS = frozenset(
 
 class WidenFloats(InPlacePass):
     """Every `narrow` value, constant and element-type attribute becomes `wide`; every `narrow`
-    initializer is read through a Cast to `wide`."""
+    initializer is read through a Cast to `wide`, or, read by an op in `_READ_AS_CONSTANTS`,
+    becomes a `wide` initializer itself."""
 
     def __init__(self, narrow: ir.DataType = ir.DataType.BFLOAT16, wide: ir.DataType = ir.DataType.FLOAT) -> None:
         super().__init__()
