@@ -2,17 +2,18 @@
 
 Decode on a CPU is bound by memory bandwidth: every step reads every weight once, plus the
 KV cache of every row. The roofline is the machine's copy bandwidth divided by those bytes;
-the fraction of it that decode reaches says how much is left to gain. Speeds are measured
-from the first generated token to the last of one generation, so prefill is excluded:
-decode tokens/s = batch × (new − 1) / that time.
+the fraction of it that decode reaches says how much is left to gain. Decode speed counts
+the steps from the first generated token to the last of one generation, so prefill is
+excluded: decode tokens/s = batch × (new − 1) / the time of those steps.
 
-Shared machines are noisy, and a neighbour's load drifts over minutes. So every figure is
-taken in rounds: each round measures the copy bandwidth, then runs every configuration once;
-a configuration's figures are medians over the rounds, its roofline fraction is the median
-of each round's decode speed over that round's roofline, and the ratios between
-configurations (a longer context against the shortest, a larger batch against the
-smallest) are medians of ratios taken within a round. Compare ratios measured in one run,
-not absolute numbers across runs.
+Shared machines are noisy, and a neighbour's load drifts within seconds. So every figure is
+taken in rounds: each round measures the copy bandwidth, then runs one generation of every
+configuration, their decode steps taken in turn (one step of each configuration, then the
+next), so the configurations compared share every moment of the round. A configuration's
+figures are medians over the rounds, its roofline fraction is the median of each round's
+decode speed over that round's roofline, and the ratios between configurations (a longer
+context against the shortest, a larger batch against the smallest) are medians of ratios
+taken within a round. Compare ratios measured in one run, not absolute numbers across runs.
 """
 
 from __future__ import annotations
@@ -189,27 +190,38 @@ def peak_memory_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def measure(engine: Engine, prompts: list[list[int]], new_tokens: int, rng: np.random.Generator) -> tuple[float, float]:
-    """(first token seconds, decode tokens/s over the batch) of one generation.
+def measure_round(
+    engine: Engine, batches: Sequence[list[list[int]]], new_tokens: int, rng: np.random.Generator
+) -> list[tuple[float, float]]:
+    """(first token seconds, decode tokens/s over the batch) of one generation per batch of prompts.
 
-    Decode time runs from the first generated token to the last, inside one generation:
-    exactly `new_tokens - 1` decode steps, with prefill excluded.
+    Every generation is prefilled first, then their decode steps are taken in turn, one step
+    of each, so configurations compared with each other are timed within milliseconds of
+    each other rather than seconds. A generation's decode time is the sum of its own steps
+    from the first generated token to the last: exactly `new_tokens - 1` steps, prefill
+    excluded.
     """
-    start = time.perf_counter()
-    first = start
-    steps = generate_steps(
-        engine.session,
-        prompts,
-        max_new_tokens=new_tokens,
-        max_positions=engine.max_positions,
-        params=SamplingParams(temperature=0.0),
-        rng=rng,
-    )
-    for index, _step in enumerate(steps):
-        if index == 0:
-            first = time.perf_counter()
-    end = time.perf_counter()
-    return first - start, len(prompts) * (new_tokens - 1) / (end - first)
+    generations, firsts = [], []
+    for prompts in batches:
+        steps = generate_steps(
+            engine.session,
+            prompts,
+            max_new_tokens=new_tokens,
+            max_positions=engine.max_positions,
+            params=SamplingParams(temperature=0.0),
+            rng=rng,
+        )
+        start = time.perf_counter()
+        next(steps)  # prefill and the first token
+        firsts.append(time.perf_counter() - start)
+        generations.append(steps)
+    spent = [0.0] * len(generations)
+    for _ in range(new_tokens - 1):
+        for index, steps in enumerate(generations):
+            start = time.perf_counter()
+            next(steps)
+            spent[index] += time.perf_counter() - start
+    return [(first, len(prompts) * (new_tokens - 1) / time_) for first, prompts, time_ in zip(firsts, batches, spent)]
 
 
 def bench(
@@ -238,8 +250,8 @@ def bench(
     bandwidths = []
     for _ in range(repeats):
         bandwidths.append(bandwidth or memory_bandwidth())
-        for runs, (_, _, rows) in zip(rounds, configs):
-            first, decode = measure(engine, rows, new_tokens, rng)
+        measured = measure_round(engine, [rows for _, _, rows in configs], new_tokens, rng)
+        for runs, (first, decode) in zip(rounds, measured):
             runs.append(Round(first * 1000, decode, bandwidths[-1]))
     results = [
         BenchResult(

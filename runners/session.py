@@ -7,6 +7,7 @@ onnxruntime and the eager torch reference (`runners.torch_session`).
 
 from __future__ import annotations
 
+import collections
 import os
 import weakref
 from collections.abc import Sequence, Set
@@ -28,6 +29,27 @@ def usable_cpus() -> int:
     cpuset narrows (onnxruntime's own default counts the host's cores and would oversubscribe)."""
     affinity = getattr(os, "sched_getaffinity", None)
     return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+# Cache bindings an `OrtSession` keeps: a server's batch and the prompt it is prefilling,
+# with room for the four configurations `kvforge bench` steps in turn.
+_KEPT_BINDINGS = 4
+
+
+class _CacheBinding:
+    """An IO binding of one set of cache buffers, held by weak reference with their shapes."""
+
+    def __init__(self, binding: ort.IOBinding, buffers: Sequence[np.ndarray]) -> None:
+        self.binding = binding
+        self._buffers = [(weakref.ref(a), a.shape) for a in buffers]
+
+    def holds(self, buffers: Sequence[np.ndarray]) -> bool:
+        return len(buffers) == len(self._buffers) and all(
+            ref() is a and shape == a.shape for (ref, shape), a in zip(self._buffers, buffers)
+        )
+
+    def alive(self) -> bool:
+        return all(ref() is not None for ref, _ in self._buffers)
 
 
 class Session(Protocol):
@@ -99,8 +121,8 @@ class OrtSession:
             )
         self._output_names = expected[1]
         self._step_inputs = [name for name in expected[0] if name not in set(io.past_names)]
-        self._binding: ort.IOBinding | None = None
-        self._bound_cache: list[tuple[weakref.ref[np.ndarray], tuple[int, ...]]] = []
+        # The most recently used cache bindings, each kept while its buffers live (see _run_in_place).
+        self._bindings: collections.OrderedDict[tuple[int, ...], _CacheBinding] = collections.OrderedDict()
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.io.shared_kv:
@@ -112,17 +134,26 @@ class OrtSession:
         """Bind each past buffer as its present output too: the model writes the new
         positions into the caller's arrays, and nothing of the cache is copied.
 
-        The cache buffers are the same arrays at every step of a generation, so their
-        binding is made once and kept while the next call passes the same array objects
-        with the same shapes; each step rebinds only the small inputs and the logits.
+        The cache buffers are the same arrays at every step of a generation, so a binding
+        is made once per set of buffers and reused while later calls pass the same array
+        objects with the same shapes; each step rebinds only the small inputs and the logits.
+        The last few sets keep their bindings, so generations stepped in turn (a server's
+        batch and the prompt it is prefilling, `kvforge bench`) do not rebind every cache
+        tensor at every step.
         """
         buffers = [feeds[past] for past in self.io.past_names]
-        bound = self._bound_cache  # weak: a finished generation's cache is freed as soon as its caller drops it
-        same = len(bound) == len(buffers) and all(r() is a and s == a.shape for (r, s), a in zip(bound, buffers))
-        if self._binding is None or not same:
-            self._binding = self._bind_cache(feeds)
-            self._bound_cache = [(weakref.ref(a), a.shape) for a in buffers]
-        binding = self._binding
+        key = tuple(id(a) for a in buffers)
+        entry = self._bindings.get(key)
+        if entry is None or not entry.holds(buffers):
+            entry = _CacheBinding(self._bind_cache(feeds), buffers)
+            self._bindings[key] = entry
+            # weak references: a finished generation's cache is freed as soon as its caller drops it
+            for stale in [k for k, e in self._bindings.items() if not e.alive()]:
+                del self._bindings[stale]
+            while len(self._bindings) > _KEPT_BINDINGS:
+                self._bindings.popitem(last=False)
+        self._bindings.move_to_end(key)
+        binding = entry.binding
         for name in self._step_inputs:
             binding.bind_cpu_input(name, feeds[name])
         ids = feeds["input_ids"]

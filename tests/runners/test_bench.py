@@ -15,7 +15,15 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-from runners.bench import BenchResult, Round, bench, kv_bytes_per_step, ratios, weight_bytes_per_step
+from runners.bench import (
+    BenchResult,
+    Round,
+    bench,
+    kv_bytes_per_step,
+    measure_round,
+    ratios,
+    weight_bytes_per_step,
+)
 from runners.engine import Engine
 from runners.generate import empty_cache, forward, left_pad
 from runners.manifest import read_manifest
@@ -59,6 +67,25 @@ def test_configurations_beyond_the_context_are_skipped_and_the_roofline_is_batch
         assert r.bytes_per_step == weights + kv_bytes_per_step(io, 8 + 2, r.batch)
         assert r.roofline_tokens_per_s == pytest.approx(r.batch * 1e9 / r.bytes_per_step)
         assert r.first_token_ms > 0 and r.decode_tokens_per_s > 0
+
+
+def test_a_round_prefills_every_configuration_then_takes_their_decode_steps_in_turn(
+    built_artifact: Callable[..., Path],
+) -> None:
+    engine = Engine.load(built_artifact("llama"))
+    calls = []
+    run = engine.session.run
+
+    def recorded(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        calls.append(feeds["input_ids"].shape)
+        return run(feeds)
+
+    engine.session.run = recorded  # type: ignore[method-assign]
+    batches = [[[5, 6, 7, 8]], [[3, 4, 5], [6, 7, 8]]]
+    measured = measure_round(engine, batches, new_tokens=3, rng=np.random.default_rng(0))
+    # (rows, new positions) per call: both prefills, then one decode step of each in turn
+    assert calls == [(1, 4), (2, 3), (1, 1), (2, 1), (1, 1), (2, 1)]
+    assert len(measured) == 2 and all(first > 0 and speed > 0 for first, speed in measured)
 
 
 def test_cli_json_output(built_artifact: Callable[..., Path]) -> None:

@@ -6,7 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +14,7 @@ import pytest
 
 from runners.engine import Engine
 from runners.errors import ArtifactError, GenerationError
-from runners.generate import empty_cache, forward, generate_steps, left_pad
+from runners.generate import Step, empty_cache, forward, generate_steps, left_pad
 from runners.sampling import SamplingParams
 from runners.session import OrtSession
 
@@ -174,6 +174,54 @@ def test_one_session_serves_generations_of_any_shape(artifact: Path, engine: Eng
         np.testing.assert_array_equal(got, want)
     for got, want in zip(mixed, steps(fresh, prompts, 4)):
         np.testing.assert_array_equal(got, want)
+
+
+def test_generations_stepped_in_turn_keep_their_bindings_and_match_each_alone(
+    artifact: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two generations alternating step by step on one session (a server's batch and the prompt it is
+    prefilling, `kvforge bench`'s configurations) each bind their cache once, and each computes what it
+    computes alone; a third set of buffers beyond those kept is bound anew, never a stale binding."""
+    session = engine.session
+    assert isinstance(session, OrtSession)
+    bound = []
+    bind = session._bind_cache
+    monkeypatch.setattr(session, "_bind_cache", lambda feeds: bound.append(feeds["input_ids"].shape[0]) or bind(feeds))
+    prompts = [engine.encode(PROMPT), engine.encode("import os")]
+
+    def run(batch: list[list[int]]) -> Iterator[Step]:
+        return generate_steps(
+            session,
+            batch,
+            max_new_tokens=6,
+            max_positions=engine.max_positions,
+            params=SamplingParams(temperature=0.0),
+            rng=np.random.default_rng(0),
+        )
+
+    one, two = run(prompts[:1]), run(prompts)
+    alternating: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
+    for a, b in zip(one, two):
+        alternating[0].append(a.logits)
+        alternating[1].append(b.logits)
+    assert bound == [1, 2]  # one binding per generation, not one per step
+    many = [run(prompts[:1]) for _ in range(6)]  # more sets of buffers than the session keeps bindings for
+    for index, steps in enumerate(zip(*many)):
+        for step in steps:
+            np.testing.assert_array_equal(step.logits, alternating[0][index])
+    assert bound[2:] == [1] * 36  # in turn, six sets evict each other from four kept: every step rebinds
+    fresh = Engine.load(artifact)
+    for logits, batch in zip(alternating, (prompts[:1], prompts)):
+        alone = generate_steps(
+            fresh.session,
+            batch,
+            max_new_tokens=6,
+            max_positions=fresh.max_positions,
+            params=SamplingParams(temperature=0.0),
+            rng=np.random.default_rng(0),
+        )
+        for got, want in zip(logits, (step.logits for step in alone), strict=True):
+            np.testing.assert_array_equal(got, want)
 
 
 def test_a_stop_string_inside_the_prompt_does_not_stop_generation(engine: Engine) -> None:
