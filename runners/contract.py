@@ -7,6 +7,7 @@ runner's feeds and the manifest's `io` section all derive from `DecoderIO`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -75,13 +76,14 @@ class DecoderIO:
     def present_name(self, layer: int, kind: str) -> str:
         return f"present.{layer}.{kind}"
 
-    @property
-    def past_names(self) -> list[str]:
-        return [self.past_name(i, k) for i in range(self.num_layers) for k in ("key", "value")]
+    # Cached: the runner reads them at every decode step.
+    @functools.cached_property
+    def past_names(self) -> tuple[str, ...]:
+        return tuple(self.past_name(i, k) for i in range(self.num_layers) for k in ("key", "value"))
 
-    @property
-    def present_names(self) -> list[str]:
-        return [self.present_name(i, k) for i in range(self.num_layers) for k in ("key", "value")]
+    @functools.cached_property
+    def present_names(self) -> tuple[str, ...]:
+        return tuple(self.present_name(i, k) for i in range(self.num_layers) for k in ("key", "value"))
 
     @property
     def shared_kv(self) -> bool:

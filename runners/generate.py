@@ -16,7 +16,7 @@ import numpy as np
 
 from runners.contract import DecoderIO
 from runners.errors import GenerationError
-from runners.sampling import SamplingParams, sample
+from runners.sampling import SamplingParams, sample_checked
 from runners.session import Session
 
 
@@ -124,7 +124,9 @@ def last_logits(logits: np.ndarray, active: np.ndarray, vocab_size: int, step: i
             f"[{active.shape[0]}, seq, {vocab_size}] floats; the artifact does not match its manifest, rebuild it"
         )
     last = array[:, -1, :]
-    if np.isfinite(last).all():  # one pass when all is well; the details only on failure
+    # One pass when all is well (a sum is NaN or infinite if any logit is), the details only
+    # on failure; a sum that merely overflows finds no problem below and passes.
+    if np.isfinite(last.sum()):
         return last
     problems = (
         ("contain NaN", np.isnan(last).any(axis=-1)),
@@ -171,10 +173,11 @@ def generate_steps(
         active = ~done
         last = last_logits(logits, active, session.io.vocab_size, step)
         # Finished rows are still computed; whatever they hold must not stop the others.
-        sampled = sample(last if active.all() else np.where(active[:, None], last, 0.0), params, rng, seen)
+        # last_logits has checked every row that is still generating; the others are zeroed
+        sampled = sample_checked(last if active.all() else np.where(active[:, None], last, 0.0), params, rng, seen)
         tokens = np.where(active, sampled, pad_id).astype(np.int64)
         yield Step(tokens, last, active)
-        done |= np.isin(tokens, eos) & active
+        done |= (tokens[:, None] == eos).any(axis=1) & active
         if done.all() or step == max_new_tokens - 1:
             return
         if params.repetition_penalty != 1.0:  # only the penalty reads what each row has seen

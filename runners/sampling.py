@@ -264,10 +264,20 @@ def sample(
     generated so far); it is required only when the penalty is on.
     """
     params.validate()
-    checked = check_logits(logits)
+    return sample_checked(check_logits(logits), params, rng, seen)
+
+
+def sample_checked(
+    logits: npt.NDArray[np.floating],
+    params: SamplingParams,
+    rng: np.random.Generator,
+    seen: Sequence[npt.ArrayLike] | None = None,
+) -> IdArray:
+    """`sample` for logits that already passed `check_logits` (or the generation loop's own
+    check) under `params` already validated: the loop checks every step's logits once."""
     if params.greedy and params.repetition_penalty == 1.0:
-        return greedy(checked)  # the argmax needs no float64 copy
-    scores = checked.astype(np.float64)
+        return greedy(logits)  # the argmax needs no float64 copy
+    scores = logits.astype(np.float64)
     if params.repetition_penalty != 1.0:
         if seen is None:
             raise GenerationError(
