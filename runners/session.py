@@ -8,6 +8,7 @@ onnxruntime and the eager torch reference (`runners.torch_session`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import weakref
 from collections.abc import Sequence, Set
@@ -19,6 +20,7 @@ import numpy as np
 from runners.contract import DecoderIO
 from runners.errors import ArtifactError
 from runners.external_data import check_external_data
+from runners.hugepages import huge_pages_for_new_memory
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -74,6 +76,7 @@ class OrtSession:
         *,
         weights_cast_per_run: bool = False,
         prepack: bool = True,
+        huge_pages: bool = False,
     ) -> None:
         """`weights_cast_per_run` is for a graph whose weights are read through Casts
         (`passes.widen`): onnxruntime then leaves the graph as it is (constant folding would
@@ -85,7 +88,11 @@ class OrtSession:
         kernel's layout at load: MLAS packs them per product then, the same products to float32
         rounding (2.4e-6 at most on the 125M reference), slower, and loading never holds a
         weight and its packed copy at once (the verification gate of an unquantized build;
-        quantized kernels compute differently without theirs prepacked)."""
+        quantized kernels compute differently without theirs prepacked).
+
+        `huge_pages` backs the memory onnxruntime allocates while loading (the prepacked
+        weights) with 2 MiB pages on Linux (`runners.hugepages`): decode streams it faster,
+        for a little more time at load."""
         import onnxruntime as ort
 
         if io.kv_dtype == "bfloat16":
@@ -106,7 +113,8 @@ class OrtSession:
             options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
             options.enable_cpu_mem_arena = False
         try:
-            self._session = ort.InferenceSession(str(model_path), options, providers=list(providers))
+            with huge_pages_for_new_memory() if huge_pages else contextlib.nullcontext():
+                self._session = ort.InferenceSession(str(model_path), options, providers=list(providers))
         except Exception as e:  # onnxruntime raises its own untyped errors
             raise ArtifactError(
                 f"{model_path}: onnxruntime could not load the model ({e}); rebuild the artifact"
