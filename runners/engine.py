@@ -96,8 +96,8 @@ class Engine:
         name files among those checked, before onnxruntime opens it.
 
         `huge_pages` backs the weights onnxruntime loads with 2 MiB pages on Linux
-        (`runners.hugepages`): decode about 8% faster on the 125M reference, for about
-        0.5 s more at load; pass False when a process loads to generate a few tokens.
+        (`runners.hugepages`): decode about 8% faster on the 125M reference, for 0.3 to
+        0.9 s more at load; pass False when a process loads to generate a few tokens.
         """
         directory = Path(directory)
         manifest = read_manifest(directory)

@@ -6,8 +6,8 @@ pages per step, the hardware prefetchers stop at every page boundary, and the TL
 on each. NumPy already asks for huge pages for its large arrays (the KV cache, and the copy
 `kvforge bench` measures bandwidth with); this module does the same for the memory
 onnxruntime mapped while a session was created. On the 125M reference it put 382 MiB of
-weights in huge pages in 0.8 s at load, and made decode steps 10-13% faster at batch 1
-and 5-14% at batch 8 (docs/performance.md).
+weights in huge pages for 0.3 to 0.9 s more at load, and decode steps took about 8% less
+time at batch 1 and at batch 8 (docs/performance.md).
 
 Only memory mapped while the block ran is advised: whatever the process held before, the
 caller's own memory included, is left as it is. Elsewhere than Linux, on a kernel without
