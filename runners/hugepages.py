@@ -18,6 +18,7 @@ speed: every call here is advice the kernel may refuse.
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -96,7 +97,9 @@ def _advise(start: int, end: int) -> int:
     return last - first
 
 
+@functools.cache
 def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's madvise, looked up once."""
     try:
         function = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
