@@ -102,8 +102,8 @@ class Ratio:
     def describe(self) -> str:
         (prompt, batch), (base_prompt, base_batch) = self.config, self.base
         if batch == base_batch:
-            return f"decode at prompt {prompt} / prompt {base_prompt} (batch {batch}): {self.ratio:.2f}x"
-        return f"decode tok/s at batch {batch} / batch {base_batch} (prompt {prompt}): {self.ratio:.2f}x"
+            return f"decode at prompt {prompt} / prompt {base_prompt} (batch {batch}): {self.ratio:.3f}x"
+        return f"decode tok/s at batch {batch} / batch {base_batch} (prompt {prompt}): {self.ratio:.3f}x"
 
 
 def ratios(results: Sequence[BenchResult]) -> list[Ratio]:
