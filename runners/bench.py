@@ -182,8 +182,7 @@ def _input_table_bytes(spec: dict[str, Any], lookup: dict[str, Any] | None, item
 
 def kv_bytes_per_step(io: DecoderIO, context: int, batch: int) -> int:
     """K and V of every layer for `context` positions of every row, read once per step."""
-    itemsize = np.dtype(io.kv_dtype).itemsize
-    return 2 * io.num_layers * io.num_kv_heads * io.head_dim * itemsize * context * batch
+    return io.kv_bytes_per_position() * context * batch
 
 
 def peak_memory_bytes() -> int:

@@ -65,10 +65,36 @@ class DecoderIO:
     # `shared` mode only: a capacity fixed in the graph (the tensorrt target's S_max), or None
     # when the runner chooses it per request. Written to the manifest only when fixed.
     capacity: int | None = None
+    # The value tensors' last dimension where it differs from the keys' `head_dim` (multi-head
+    # latent attention caches a latent and a rotary part); None: the same. In the manifest
+    # only when set.
+    value_head_dim: int | None = None
 
     @classmethod
     def for_spec(cls, spec: _SpecLike, kv_dtype: str = "float32") -> DecoderIO:
-        return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.vocab_size, kv_dtype)
+        value = getattr(spec, "value_head_dim", spec.head_dim)
+        return cls(
+            spec.num_layers,
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.vocab_size,
+            kv_dtype,
+            value_head_dim=None if value == spec.head_dim else value,
+        )
+
+    def kv_shape(self, name: str, batch: int, length: int) -> tuple[int, int, int, int]:
+        """The shape of cache tensor `name` (a past or present name) holding `length` positions."""
+        last = self.head_dim if name.endswith(".key") else self.value_dim
+        return (batch, self.num_kv_heads, length, last)
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_dim if self.value_head_dim is None else self.value_head_dim
+
+    def kv_bytes_per_position(self) -> int:
+        """Bytes of keys plus values that one position of one row holds, over all layers."""
+        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[self.kv_dtype]
+        return self.num_layers * self.num_kv_heads * (self.head_dim + self.value_dim) * itemsize
 
     def past_name(self, layer: int, kind: str) -> str:
         return f"past_key_values.{layer}.{kind}"
@@ -93,27 +119,32 @@ class DecoderIO:
     def _capacity_dim(self) -> str | int:
         return "capacity" if self.capacity is None else self.capacity
 
+    def _kv_spec(self, name: str, length: str) -> TensorSpec:
+        last = self.head_dim if name.endswith(".key") else self.value_dim
+        dims = ("batch", self.num_kv_heads, self._capacity_dim if self.shared_kv else length, last)
+        return TensorSpec(name, self.kv_dtype, dims)
+
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:
-        kv = ("batch", self.num_kv_heads, self._capacity_dim if self.shared_kv else "past", self.head_dim)
         return (
             TensorSpec("input_ids", "int64", ("batch", "seq")),
             TensorSpec("attention_mask", "int64", ("batch", "total")),
             TensorSpec("position_ids", "int64", ("batch", "seq")),
-            *(TensorSpec(n, self.kv_dtype, kv) for n in self.past_names),
+            *(self._kv_spec(n, "past") for n in self.past_names),
         )
 
     @property
     def outputs(self) -> tuple[TensorSpec, ...]:
-        kv = ("batch", self.num_kv_heads, self._capacity_dim if self.shared_kv else "total", self.head_dim)
         positions = "seq" if self.logits_positions == "all" else 1
         return (
             TensorSpec("logits", self.logits_dtype, ("batch", positions, self.vocab_size)),
-            *(TensorSpec(n, self.kv_dtype, kv) for n in self.present_names),
+            *(self._kv_spec(n, "total") for n in self.present_names),
         )
 
     def to_dict(self) -> dict[str, Any]:
         fixed = {} if self.capacity is None else {"capacity": self.capacity}
+        if self.value_head_dim is not None:
+            fixed["value_head_dim"] = self.value_head_dim
         return fixed | {
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
@@ -148,6 +179,7 @@ class DecoderIO:
                 str(data["kv_mode"]),
                 str(data["logits_positions"]),
                 _capacity(data.get("capacity")),
+                _value_head_dim(data.get("value_head_dim")),
             )
         except KeyError as e:
             raise ArtifactError(f"manifest.json: field io.{e.args[0]} is missing; rebuild the artifact") from e
@@ -177,6 +209,18 @@ class DecoderIO:
                 "manifest.json: io section does not match the contract it declares; rebuild the artifact"
             )
         return io
+
+
+def _value_head_dim(value: object) -> int | None:
+    if value is None:
+        return None
+    limit = IO_LIMITS["head_dim"]
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+        raise ArtifactError(
+            f"manifest.json: io.value_head_dim must be an integer in [1, {limit}], got {str(value)[:80]}; "
+            "rebuild the artifact"
+        )
+    return value
 
 
 # A fixed cache capacity beyond this is no real graph's (2**24 positions).

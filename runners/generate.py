@@ -61,8 +61,7 @@ def empty_cache(io: DecoderIO, batch: int, capacity: int) -> dict[str, np.ndarra
             )
         capacity = io.capacity
     length = capacity if io.shared_kv else 0
-    shape = (batch, io.num_kv_heads, length, io.head_dim)
-    return {name: np.zeros(shape, dtype=io.kv_dtype) for name in io.past_names}
+    return {name: np.zeros(io.kv_shape(name, batch, length), dtype=io.kv_dtype) for name in io.past_names}
 
 
 def forward(

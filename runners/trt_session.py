@@ -277,9 +277,9 @@ class TrtSession:
             self._copy(buffer.ptr, host.ctypes.data, host.nbytes, to_device=True)
             context.set_input_shape(name, host.shape)
             context.set_tensor_address(name, buffer.ptr)
-        shape = (batch, self.io.num_kv_heads, self.io.capacity, self.io.head_dim)
+        assert self.io.capacity is not None
         for past, present in zip(self.io.past_names, self.io.present_names):
-            context.set_input_shape(past, shape)
+            context.set_input_shape(past, self.io.kv_shape(past, batch, self.io.capacity))
             context.set_tensor_address(past, self._cache[past].ptr)
             context.set_tensor_address(present, self._cache[past].ptr)  # in place: one address
         positions = seq if self.io.logits_positions == "all" else 1

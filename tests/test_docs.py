@@ -80,7 +80,7 @@ def test_relative_links_resolve(doc: str) -> None:
 # The static parts of the error messages docs/troubleshooting.md quotes: each must still be
 # raised somewhere in toolchain/ or runners/, so the page cannot drift from the code.
 QUOTED_MESSAGES = [
-    "is not supported; supported model types: ",
+    "transformers has no such model_type",
     "supported weight dtypes: ",
     "token ids (added tokens included; token ",
     "rows ({CONFIG} vocab_size); ",

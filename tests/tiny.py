@@ -61,6 +61,64 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
 }
 SUPPORTED = tuple(ARCH_CONFIGS)
 
+# Families with no entry in kvforge's architecture table: read through transformers' config
+# classes, traced as they are. Each config sets what makes the family differ (the comments).
+_NO_GQA: dict[str, Any] = {k: v for k, v in _LLAMA_LIKE.items() if k != "num_key_value_heads"}
+GENERIC_CONFIGS: dict[str, dict[str, Any]] = {
+    "stablelm": dict(_LLAMA_LIKE, partial_rotary_factor=0.25),  # partial rotary, LayerNorm
+    "phi": dict(_LLAMA_LIKE, partial_rotary_factor=0.5),  # parallel block, dense bias
+    "granite": dict(  # embedding / residual / attention / logit multipliers
+        _LLAMA_LIKE, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0
+    ),
+    "starcoder2": dict(_LLAMA_LIKE),  # LayerNorm with bias, GELU MLP
+    "smollm3": dict(_LLAMA_LIKE, no_rope_layer_interval=2),  # every second layer without rotary
+    "opt": dict(_NO_GQA, ffn_dim=128, word_embed_proj_dim=64),  # learned positions (offset 2)
+    "olmo2": dict(_LLAMA_LIKE),  # norms after each block, q/k norm over the whole projection
+    "gemma3_text": dict(  # alternating sliding / full layers, q/k norm, a rope base per layer kind
+        _LLAMA_LIKE,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16,
+    ),
+    "cohere": dict(_LLAMA_LIKE, logit_scale=0.5),  # parallel block, logit scale
+    "falcon": dict(_NO_GQA, new_decoder_architecture=True, num_kv_heads=2),  # caches every query head
+    "bloom": dict(_NO_GQA, n_layer=2, n_head=4),  # ALiBi
+    "gpt_bigcode": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, multi_query=True),  # one KV head
+    "qwen3_moe": dict(  # MoE, softmax top-k
+        _LLAMA_LIKE, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[]
+    ),
+    "mixtral": dict(_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2),
+    "granitemoe": dict(_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2),
+    "gpt_oss": dict(  # attention sinks, alternating sliding window, MoE with biases
+        _LLAMA_LIKE,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "deepseek_v3": dict(  # multi-head latent attention, shared + routed experts, grouped top-k, dense first layer
+        _NO_GQA,
+        num_key_value_heads=4,  # as many as query heads, as its real configs say (the class default is 128)
+        num_hidden_layers=3,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+    ),
+}
+GENERIC = tuple(GENERIC_CONFIGS)
+FAMILIES = SUPPORTED + GENERIC
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -91,13 +149,17 @@ def make_checkpoint(
     model_type: str = "llama",
     dtype: str = "float32",
     seed: int = 0,
+    arch: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> Path:
-    """Write a tiny random-weight checkpoint of `model_type` into `directory`."""
+    """Write a tiny random-weight checkpoint of `model_type` into `directory` (its config
+    from ARCH_CONFIGS / GENERIC_CONFIGS unless `arch` gives one)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     make_tokenizer(directory)
-    config = AutoConfig.for_model(model_type, **{**_COMMON, **ARCH_CONFIGS[model_type], **overrides})
+    if arch is None:
+        arch = ARCH_CONFIGS[model_type] if model_type in ARCH_CONFIGS else GENERIC_CONFIGS[model_type]
+    config = AutoConfig.for_model(model_type, **{**_COMMON, **arch, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[dtype])
     with torch.no_grad():  # random init gives near-uniform logits; widen them so greedy is decisive
@@ -110,14 +172,17 @@ def make_checkpoint(
 
 def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], new_tokens: int) -> list[int]:
     """transformers' own greedy `generate`: the reference the compiled model must equal."""
+    import copy
+
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
+    # No eos (an empty list; None falls back to the model's) rather than `min_new_tokens`,
+    # which masks the eos logit: where eos wins, the compiled model's greedy token is eos too.
+    config = copy.deepcopy(model.generation_config)  # type: ignore[union-attr]
+    config.update(eos_token_id=[], do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad)
     with torch.no_grad():
         out = model.generate(  # type: ignore[operator]
             torch.tensor([prompt_ids]),
             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            pad_token_id=pad,
+            generation_config=config,
         )
     return out[0, len(prompt_ids) :].tolist()

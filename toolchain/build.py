@@ -40,7 +40,7 @@ from runners.torch_session import TorchSession
 from toolchain import checkpoint as checkpoints
 from toolchain import emit, manifest
 from toolchain.emit import tensorrt as trt_engine
-from toolchain.export import DecoderWrapper, eager_model, export_decoder
+from toolchain.export import DecoderWrapper, cache_layout, eager_model, export_decoder
 from toolchain.footprint import footprint, format_bytes
 from toolchain.lower import OPSET, apply_contract, to_onnx
 from toolchain.publish import check_output, publish, staged
@@ -120,8 +120,7 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
     _return_freed_memory()
     seconds: dict[str, float] = {}
     ckpt = checkpoints.load(checkpoint_dir, allow_pickle=options.allow_pickle)
-    spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
-    checkpoints.check_against_spec(ckpt, spec)
+    spec = read_spec(ckpt)
     io = DecoderIO.for_spec(spec, kv_dtype=options.dtype)
     if options.device_memory is not None:
         _check_fits(ckpt, spec, options)
@@ -211,6 +210,14 @@ def _write_failure(error: OSError, output: Path) -> str:
     return os.strerror(errno.ENOSPC) if full else str(error)
 
 
+def read_spec(ckpt: checkpoints.Checkpoint) -> DecoderSpec:
+    """The checkpoint's spec, checked against its weights, with the KV cache's layout read
+    off the modeling code."""
+    spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
+    checkpoints.check_against_spec(ckpt, spec)
+    return cache_layout(ckpt.config, spec)
+
+
 def verify(artifact: Path, checkpoint_dir: Path, *, allow_pickle: bool = False) -> ParityReport | DistributionReport:
     """Re-run the parity gate of a published artifact against its checkpoint."""
     recorded = read_manifest(artifact)
@@ -221,8 +228,7 @@ def verify(artifact: Path, checkpoint_dir: Path, *, allow_pickle: bool = False) 
             f"{checkpoint_dir}: files differ from the checkpoint {artifact} was built from "
             f"(see sources in {artifact / MANIFEST}); pass the original checkpoint"
         )
-    spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
-    checkpoints.check_against_spec(ckpt, spec)
+    spec = read_spec(ckpt)
     io = DecoderIO.from_dict(recorded["io"])
     model = eager_model(ckpt, spec, getattr(torch, recorded["flags"].get("dtype", "float32")))
     eager = _eager_session(model, spec, replace(io, kv_mode="concat"))

@@ -28,7 +28,7 @@ import torch
 from runners.errors import CheckpointError
 from toolchain import safetensors_check
 from toolchain.safetensors_check import short_repr
-from toolchain.spec import DecoderSpec
+from toolchain.spec import POSITION_EMBEDDINGS, TOKEN_EMBEDDINGS, DecoderSpec
 
 logger = logging.getLogger(__name__)
 
@@ -354,18 +354,15 @@ def _find_tokenizer(directory: Path) -> tuple[Path, ...]:
 
 # --- checks against the config ----------------------------------------------------------
 
-# Token (and, for "learned" positions, position) embedding tables, by the names transformers uses.
-_TOKEN_EMBEDDINGS: tuple[str, ...] = ("embed_tokens.weight", "wte.weight", "embed_in.weight")
-_POSITION_EMBEDDINGS: tuple[str, ...] = ("wpe.weight",)
 
 Locations = dict[str, tuple[Path, str, tuple[int, ...]]]
 
 
 def check_embedding_shapes(locations: Locations, spec: DecoderSpec) -> None:
     """The embedding tables are [vocab_size, hidden_size] (and [max_positions, hidden_size])."""
-    expected = [(_TOKEN_EMBEDDINGS, (spec.vocab_size, spec.hidden_size), "vocab_size, hidden_size")]
+    expected = [(TOKEN_EMBEDDINGS, (spec.vocab_size, spec.hidden_size), "vocab_size, hidden_size")]
     if spec.position_embedding == "learned":
-        expected.append((_POSITION_EMBEDDINGS, (spec.max_positions, spec.hidden_size), "max_positions, hidden_size"))
+        expected.append((POSITION_EMBEDDINGS, (spec.max_positions, spec.hidden_size), "max_positions, hidden_size"))
     for suffixes, shape, fields in expected:
         for name, (file, _, found) in locations.items():
             if _has_suffix(name, suffixes) and found != shape:

@@ -409,11 +409,12 @@ def verify(artifact: Path, checkpoint: Path, allow_pickle: bool) -> None:
 def inspect(checkpoint: Path, batch: int, seq: int | None, allow_pickle: bool) -> None:
     """Parameters, weight bytes per precision and KV-cache bytes of CHECKPOINT."""
     from toolchain import checkpoint as checkpoints
+    from toolchain.export import cache_layout
     from toolchain.footprint import footprint, format_footprint
     from toolchain.spec import DecoderSpec
 
     ckpt = checkpoints.load(checkpoint, allow_pickle=allow_pickle)
-    spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
+    spec = cache_layout(ckpt.config, DecoderSpec.from_config(ckpt.config, ckpt.generation_config))
     click.echo(format_footprint(footprint(ckpt, spec, batch=batch, seq=seq or spec.max_positions), spec))
 
 

@@ -34,19 +34,15 @@ def eager_model(checkpoint: Checkpoint, spec: DecoderSpec, dtype: torch.dtype = 
     from our checkpoint loader, so only safetensors or weights-only pickle are ever read;
     transformers maps them onto the model (renamed keys, tied embeddings, bare base models).
     """
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    fields = {k: v for k, v in checkpoint.config.items() if k not in ("model_type", "auto_map")}
-    config = AutoConfig.for_model(spec.model_type, **fields)
-    model_class: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    config, model_class = _model_class(checkpoint.config, spec)
     with _quiet_transformers():  # its load report goes to the log; we raise our own error below
         model, info = model_class.from_pretrained(
             None,
             config=config,
             state_dict=checkpoint.state_dict(dtype),
             dtype=dtype,
-            attn_implementation=_attention_implementation(config),
+            attn_implementation=_attention_implementation(config, model_class),
+            experts_implementation=EXPERTS_IMPLEMENTATION,
             output_loading_info=True,
             ignore_mismatched_sizes=True,
         )
@@ -60,11 +56,82 @@ def eager_model(checkpoint: Checkpoint, spec: DecoderSpec, dtype: torch.dtype = 
     return model.eval()
 
 
-def _attention_implementation(config: Any) -> str:
+# Mixture-of-experts layers in transformers dispatch their experts through one of several
+# implementations. `batched_mm` gathers each token's selected experts' weights and multiplies
+# by them: no data-dependent shapes, so it traces with dynamic batch and sequence, and a
+# token reads only the experts it was routed to. (The default, grouped_mm, sorts tokens by
+# expert into data-dependent groups; the eager loop visits experts by data-dependent index.)
+# Models without experts ignore it.
+EXPERTS_IMPLEMENTATION = "batched_mm"
+
+
+def _model_class(fields: dict[str, Any], spec: DecoderSpec) -> tuple[Any, Any]:
+    """transformers' config object and causal-LM class for a parsed config.json."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = AutoConfig.for_model(spec.model_type, **{k: v for k, v in fields.items() if k not in _NOT_FIELDS})
+    return config, MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
+_NOT_FIELDS = ("model_type", "auto_map")
+
+
+def cache_layout(fields: dict[str, Any], spec: DecoderSpec) -> DecoderSpec:
+    """`spec` with the KV cache's layout as the modeling code keeps it: one token through the
+    model on the meta device (no weights, no memory), and the shapes its cache then holds.
+
+    Families cache differently from what their config says: multi-query models one head,
+    falcon's new architecture every query head, multi-head latent attention a compressed
+    latent and a rotary part of different sizes. Reading the cache is exact for all of them.
+    """
+    from transformers import DynamicCache
+
+    config, model_class = _model_class(fields, spec)
+    try:
+        with _quiet_transformers(), torch.device("meta"):
+            # eager attention: the SDPA path asks whether the mask is all ones (`.item()`),
+            # which a meta tensor cannot answer; the cache is the same either way
+            model = model_class._from_config(
+                config, attn_implementation="eager", experts_implementation=EXPERTS_IMPLEMENTATION
+            )
+        cache = DynamicCache()
+        one = torch.ones(1, 1, dtype=torch.long, device="meta")  # a mask too: no padding check reads the ids
+        with torch.no_grad():
+            model.eval()(input_ids=one, attention_mask=one, past_key_values=cache)
+    except Exception as e:  # modeling code raises anything; what matters is which stage
+        raise ExportError(
+            f"{spec.model_type}: transformers' modeling code fails on one token ({type(e).__name__}: "
+            f"{_first_line(e)}); this architecture/transformers version combination cannot be compiled"
+        ) from e
+    layers: list[Any] = list(cache.layers)
+    shapes = {
+        (tuple(layer.keys.shape), tuple(layer.values.shape))
+        for layer in layers
+        if getattr(layer, "keys", None) is not None and getattr(layer, "values", None) is not None
+    }
+    if len(layers) != spec.num_layers or len(shapes) != 1:
+        raise ExportError(
+            f"{spec.model_type}: the modeling code caches {len(layers)} layers of shapes {sorted(shapes)} "
+            f"for a config of {spec.num_layers} layers; kvforge's contract needs one key/value shape for every layer"
+        )
+    (key, value) = shapes.pop()
+    if key[:3] != value[:3] or len(key) != 4:
+        raise ExportError(
+            f"{spec.model_type}: the modeling code caches keys {list(key)} and values {list(value)}; kvforge's "
+            "contract needs [batch, heads, positions, size] for both, with the same heads"
+        )
+    return spec.with_cache(num_kv_heads=key[1], head_dim=key[3], value_head_dim=value[3])
+
+
+def _attention_implementation(config: Any, model_class: Any) -> str:
     """SDPA traces to one ONNX Attention op (opset 23), the form every fusion starts from.
     transformers' SDPA path ignores attention-logit softcapping, so softcapped models
-    (gemma2) keep the eager path, whose plain MatMul/Softmax ops are exact."""
-    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+    (gemma2) keep the eager path, whose plain MatMul/Softmax ops are exact; so do models
+    whose class has no SDPA path (attention sinks, ALiBi in some families)."""
+    if getattr(config, "attn_logit_softcapping", None) or not getattr(model_class, "_supports_sdpa", False):
+        return "eager"
+    return "sdpa"
 
 
 def _first_line(error: Exception) -> str:
@@ -125,7 +192,7 @@ def example_inputs(io: DecoderIO, dtype: torch.dtype = torch.float32) -> tuple[A
     input_ids = torch.randint(0, io.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(b, p + s, dtype=torch.int64)
     positions = torch.arange(p, p + s, dtype=torch.int64).expand(b, s).contiguous()
-    past = [torch.zeros(b, io.num_kv_heads, p, io.head_dim, dtype=dtype) for _ in io.past_names]
+    past = [torch.zeros(io.kv_shape(name, b, p), dtype=dtype) for name in io.past_names]
     return input_ids, mask, positions, past
 
 

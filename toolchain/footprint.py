@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from runners.errors import CheckpointError, GenerationError, KvforgeError
 from toolchain.checkpoint import Checkpoint
-from toolchain.spec import DecoderSpec
+from toolchain.spec import OUTPUT_HEADS, POSITION_EMBEDDINGS, TOKEN_EMBEDDINGS, DecoderSpec, input_first_weights
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +41,10 @@ DTYPE_BYTES: dict[str, int] = {
 # Tensors some checkpoints store that are buffers, not parameters: causal-mask constants
 # (old gpt2 / gpt_neox files) and precomputed RoPE frequencies.
 _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias", "inv_freq")
-# The output projection; when embeddings are tied it is the embedding matrix, counted once.
-_HEAD_NAMES = ("lm_head.weight", "embed_out.weight")
-# Token-embedding tables, [vocab, hidden]: quantized in blocks along hidden, as the LM head
-# reading a tied one is (the lookup and the head each hold a copy of the codes). Learned
-# position tables stay in the compute dtype.
-_TOKEN_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "embed_in.weight")
-_POSITION_EMBEDDINGS = ("wpe.weight",)
-# Architectures whose 2-D matmul weights are stored [in_features, out_features] (Conv1D).
-_INPUT_FIRST = frozenset({"gpt2"})
+# The output head, when tied to the embeddings, is the embedding matrix, counted once.
+# Token-embedding tables, [vocab, hidden], are quantized in blocks along hidden, as the LM
+# head reading a tied one is (the lookup and the head each hold a copy of the codes).
+# Learned position tables stay in the compute dtype. (Names: toolchain.spec.)
 
 GIB = 1 << 30
 
@@ -79,6 +74,13 @@ class Footprint:
     kv_bytes_total: dict[str, int]  # per_token × batch × seq
     batch: int
     seq: int
+    expert_parameters: int = 0  # the routed experts' share of `parameters` (MoE)
+    experts_fraction: float = 1.0  # experts per token / routed experts: the share of them a token uses
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters one token computes with: all but the routed experts it is not sent to."""
+        return self.parameters - round(self.expert_parameters * (1.0 - self.experts_fraction))
 
     @property
     def parameters(self) -> int:
@@ -113,7 +115,19 @@ def footprint(
         kv_bytes_total={name: b * batch * seq for name, b in per_token.items()},
         batch=batch,
         seq=seq,
+        expert_parameters=sum(math.prod(shape) for name, (_, shape) in params.items() if _is_expert(name, shape, spec)),
+        experts_fraction=spec.experts_per_token / spec.num_experts if spec.num_experts else 1.0,
     )
+
+
+def _is_expert(name: str, shape: tuple[int, ...], spec: DecoderSpec) -> bool:
+    """A routed expert's weight: under `experts`, stacked over the experts in its first
+    dimension (transformers' fused layout) or one tensor per expert (`experts.3.w1`)."""
+    if not spec.num_experts or ".experts." not in name or ".shared_expert" in name:
+        return False
+    stacked = len(shape) >= 2 and shape[0] == spec.num_experts
+    per_expert = name.split(".experts.", 1)[1].split(".", 1)[0].isdigit()
+    return stacked or per_expert
 
 
 def parameter_metadata(checkpoint: Checkpoint, spec: DecoderSpec) -> dict[str, TensorMeta]:
@@ -144,7 +158,7 @@ def _check_request(spec: DecoderSpec, batch: int, seq: int) -> None:
 
 
 def _is_head(name: str) -> bool:
-    return any(name == head or name.endswith("." + head) for head in _HEAD_NAMES)
+    return any(name == head or name.endswith("." + head) for head in OUTPUT_HEADS)
 
 
 def _stored_bytes(name: str, meta: TensorMeta, checkpoint: Checkpoint) -> int:
@@ -161,10 +175,10 @@ def _bytes_at(precision: str, params: Mapping[str, TensorMeta], spec: DecoderSpe
         return sum(2 * math.prod(shape) for _, shape in params.values())
     total = 0
     for name, (_, shape) in params.items():
-        if len(shape) != 2 or name.endswith(_POSITION_EMBEDDINGS):
+        if len(shape) != 2 or name.endswith(POSITION_EMBEDDINGS):
             total += compute_bytes * math.prod(shape)
         else:
-            table = name.endswith(_TOKEN_EMBEDDINGS)
+            table = name.endswith(TOKEN_EMBEDDINGS)
             out_in = (shape[0], shape[1]) if table else _out_in(name, shape, spec)
             copies = 2 if table and spec.tied_embeddings else 1  # the lookup's codes and the tied head's
             total += copies * quantized_bytes(out_in, _BITS[precision], compute_bytes=compute_bytes)
@@ -174,7 +188,7 @@ def _bytes_at(precision: str, params: Mapping[str, TensorMeta], spec: DecoderSpe
 def _out_in(name: str, shape: tuple[int, ...], spec: DecoderSpec) -> tuple[int, int]:
     """(out_features, in_features) of a 2-D matmul weight."""
     rows, cols = shape
-    if spec.model_type in _INPUT_FIRST and not _is_head(name):
+    if input_first_weights(spec.model_type) and not _is_head(name):
         return cols, rows
     return rows, cols
 
@@ -195,11 +209,19 @@ def quantized_bytes(
 def format_footprint(fp: Footprint, spec: DecoderSpec) -> str:
     """A human-readable table (bytes and GiB) for `kvforge inspect`."""
     heads = f"{spec.num_heads} heads ({spec.num_kv_heads} KV) × {spec.head_dim}"
+    if spec.value_head_dim != spec.head_dim:  # multi-head latent attention: what its cache holds
+        cache = f"{spec.num_kv_heads} × ({spec.head_dim} key + {spec.value_head_dim} value)"
+        heads = f"{spec.num_heads} heads, KV cache {cache}"
     shape = f"hidden {spec.hidden_size}, vocab {spec.vocab_size:,}, max positions {spec.max_positions:,}"
     counts = ", ".join(f"{n:,} {d}" for d, n in fp.parameters_by_dtype.items())
     lines = [
         f"{spec.model_type}: {spec.num_layers} layers, {heads}, {shape}",
-        f"parameters: {counts} (total {fp.parameters:,})",
+        f"parameters: {counts} (total {fp.parameters:,})"
+        + (
+            f"; {spec.num_experts} experts, {spec.experts_per_token} per token: {fp.active_parameters:,} active"
+            if spec.num_experts
+            else ""
+        ),
         "",
         _row("weights", "bytes", "GiB"),
         _size_row(f"as stored ({'/'.join(fp.parameters_by_dtype)})", fp.weight_bytes),
@@ -212,6 +234,10 @@ def format_footprint(fp: Footprint, spec: DecoderSpec) -> str:
     for weights, kv in (("fp32", "fp32"), ("fp16", "fp16"), ("int8", "fp16"), ("int4", "fp16")):
         lines.append(_size_row(f"{weights} weights, {kv} KV", fp.total_bytes(weights, kv)))
     return "\n".join(lines)
+
+
+def _experts_note(fp: Footprint, spec: DecoderSpec) -> str:
+    return f"; {spec.num_experts} experts, {spec.experts_per_token} per token: {fp.active_parameters:,} active"
 
 
 def _precision_label(precision: str) -> str:

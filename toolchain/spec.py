@@ -1,10 +1,14 @@
 """The decoder's shape, normalized once from a Hugging Face `config.json`.
 
-Every architecture names its settings differently (gpt2's `n_head` is llama's
-`num_attention_heads`) and assumes different values when a field is absent. Those
-differences are data: one `_Layout` per model_type, read by one function. Defaults mirror
-the transformers config classes, because the exported graph is built by transformers from
-the same config and the KV-cache contract derived from this spec must agree with it.
+Any decoder-only `model_type` that transformers implements is read the same way: through
+its config class, whose `attribute_map` turns a family's own names (gpt2's `n_head`) into
+the standardized ones (`num_attention_heads`) and whose defaults fill absent fields, since
+transformers builds the traced model from that same config. A family gets an entry in
+`LAYOUTS` only where it really differs; the nine families kvforge began with keep entries
+that read their fields without transformers (their defaults written out), which the tests
+compare with the library's. The KV cache's layout (heads, key and value sizes) is not
+taken from here for the contract: `toolchain.export.cache_layout` reads it off the
+modeling code itself, and `with_cache` records it in the spec.
 
 What the spec does not say: which layers use the sliding window (gemma2 alternates,
 qwen2/qwen3 follow `max_window_layers`); `sliding_window` is the window as transformers
@@ -28,6 +32,8 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 
+# Families with an entry of their own (LAYOUTS); every other decoder-only model_type of
+# transformers is read through its config class (`_generic_layout`).
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
     "llama",
     "mistral",
@@ -56,6 +62,8 @@ _LIMITS: dict[str, int] = {
     "vocab_size": 10_000_000,
     "max_positions": 10_000_000,
     "sliding_window": 10_000_000,
+    "value_head_dim": 65_536,
+    "num_experts": 1_000_000,
 }
 
 
@@ -97,7 +105,13 @@ class _Layout:
     bos_token_default: int | None = None
     eos_token_default: int | None = None
     pad_token_default: int | None = None
+    per_layer_type_rope: bool = False  # rope parameters may be one dict per layer kind (gemma3)
+    input_first_weights: bool = False  # 2-D matmul weights stored [in, out] (transformers' Conv1D)
 
+
+# What a family without an entry gets: transformers' standardized names, read from a config
+# with the class's defaults filled in (`_standardized`), so no default is needed here.
+_GENERIC = _Layout(per_layer_type_rope=True)
 
 LAYOUTS: dict[str, _Layout] = {
     "llama": _Layout(bos_token_default=1, eos_token_default=2),
@@ -163,6 +177,7 @@ LAYOUTS: dict[str, _Layout] = {
         norm_eps_default=1e-5,
         position_embedding="learned",
         tied_default=True,
+        input_first_weights=True,
         bos_token_default=50256,
         eos_token_default=50256,
     ),
@@ -180,6 +195,18 @@ LAYOUTS: dict[str, _Layout] = {
     ),
 }
 assert tuple(LAYOUTS) == SUPPORTED_MODEL_TYPES
+
+
+# Weight names, as transformers' families spell them (suffixes of the checkpoint's names).
+TOKEN_EMBEDDINGS: tuple[str, ...] = ("embed_tokens.weight", "wte.weight", "embed_in.weight", "word_embeddings.weight")
+POSITION_EMBEDDINGS: tuple[str, ...] = ("wpe.weight", "embed_positions.weight")
+OUTPUT_HEADS: tuple[str, ...] = ("lm_head.weight", "embed_out.weight")
+
+
+def input_first_weights(model_type: str) -> bool:
+    """Whether the family stores its 2-D matmul weights [in_features, out_features]."""
+    layout = LAYOUTS.get(model_type)
+    return layout is not None and layout.input_first_weights
 
 
 @dataclass(frozen=True)
@@ -204,6 +231,13 @@ class DecoderSpec:
     tied_embeddings: bool
     sliding_window: int | None
     dtype: str  # "float32" | "float16" | "bfloat16"
+    # The KV cache's value size per head; `head_dim` is its key size. They differ where the
+    # modeling code caches something other than per-head keys and values (multi-head latent
+    # attention caches the compressed latent as "keys" and the rotary part as "values").
+    value_head_dim: int
+    # Mixture of experts: routed experts per MoE layer and how many each token uses (0, 0: dense).
+    num_experts: int
+    experts_per_token: int
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
@@ -217,7 +251,9 @@ class DecoderSpec:
         """Normalize a parsed config.json (and generation_config.json, if any)."""
         reader = _Reader(config, CONFIG_FILE)
         model_type = _model_type(reader)
-        layout = LAYOUTS[model_type]
+        layout = LAYOUTS.get(model_type)
+        if layout is None:
+            reader, layout = _generic_layout(reader, model_type)
         shape = _read_shape(reader, layout)
         rope = _read_rope(reader, layout, shape)
         tokens = _read_tokens(reader, layout, generation_config)
@@ -231,6 +267,8 @@ class DecoderSpec:
             tied_embeddings=reader.flag("tie_word_embeddings", layout.tied_default),
             sliding_window=_read_sliding_window(reader, layout),
             dtype=_read_dtype(reader),
+            value_head_dim=shape["head_dim"],
+            **_read_experts(reader),
             **tokens,
         )
         logger.debug("spec for %s: %s", model_type, spec)
@@ -263,6 +301,10 @@ class DecoderSpec:
         _check_spec(spec)
         return spec
 
+    def with_cache(self, num_kv_heads: int, head_dim: int, value_head_dim: int) -> DecoderSpec:
+        """This spec with the KV cache's layout as the modeling code keeps it."""
+        return dataclasses.replace(self, num_kv_heads=num_kv_heads, head_dim=head_dim, value_head_dim=value_head_dim)
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of keys plus values that one token adds to the cache, over all layers.
 
@@ -270,7 +312,7 @@ class DecoderSpec:
         """
         if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes <= 0:
             raise KvforgeError(f"kv_bytes_per_token: dtype_bytes must be a positive int, got {dtype_bytes!r}")
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        return self.num_layers * self.num_kv_heads * (self.head_dim + self.value_head_dim) * dtype_bytes
 
 
 # --- reading config.json ----------------------------------------------------------------
@@ -279,16 +321,19 @@ class DecoderSpec:
 class _Reader:
     """Typed access to one JSON mapping; every error names the file and the field."""
 
-    def __init__(self, data: Mapping[str, Any], source: str) -> None:
+    def __init__(self, data: Mapping[str, Any], source: str, aliases: Mapping[str, str] | None = None) -> None:
         if not isinstance(data, Mapping):
             raise CheckpointError(f"{source}: expected a JSON object, got {type(data).__name__}")
         self.data = data
         self.source = source
+        self.aliases = dict(aliases or {})  # standardized name -> the name the file uses
 
     def has(self, key: str) -> bool:
         return self.data.get(key) is not None
 
     def fail(self, key: str, problem: str) -> CheckpointError:
+        head, dot, rest = key.partition(".")
+        key = self.aliases.get(head, head) + dot + rest
         return CheckpointError(f"{self.source}: field '{key}' {problem}; fix {self.source}")
 
     def int_(self, key: str, default: int | None = None, *, required: bool = False) -> int | None:
@@ -336,13 +381,158 @@ def _as_number(value: Any, fail: Any) -> float:
 def _model_type(reader: _Reader) -> str:
     value = reader.data.get("model_type")
     if value is None:
-        raise reader.fail("model_type", f"is missing; kvforge supports {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if not isinstance(value, str) or value not in LAYOUTS:
+        raise reader.fail(
+            "model_type", f"is missing; set the transformers model_type, such as {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if isinstance(value, str) and value in LAYOUTS:
+        return value
+    refusal = _refusal(value)
+    if refusal is not None:
         raise UnsupportedModelError(
-            f"{CONFIG_FILE}: model_type {value!r} is not supported; supported model types: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{CONFIG_FILE}: model_type {value!r} is not supported: {refusal}; kvforge compiles the decoder-only "
+            f"causal LMs transformers implements (tested families: {', '.join(verified_families())})"
         )
     return value
+
+
+def _refusal(model_type: Any) -> str | None:
+    """Why transformers' code cannot give kvforge a causal decoder of `model_type`, or None."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING_NAMES:
+        return "transformers has no such model_type (a typo, remote code, or a newer transformers)"
+    # Encoders (bert, roberta, ...) have a causal-LM head class too, for use inside
+    # encoder-decoders; a masked-LM class is what marks them as encoders.
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return "transformers has no causal-LM class for it (an encoder, encoder-decoder or non-text model)"
+    return None
+
+
+def verified_families() -> tuple[str, ...]:
+    """The model_types the test suite builds and checks against transformers (docs/architectures.md)."""
+    return (*SUPPORTED_MODEL_TYPES, *GENERIC_TESTED)
+
+
+# Families without an entry of their own that the test suite builds end to end.
+GENERIC_TESTED: tuple[str, ...] = (
+    "stablelm",
+    "phi",
+    "granite",
+    "starcoder2",
+    "smollm3",
+    "opt",
+    "olmo2",
+    "gemma3_text",
+    "cohere",
+    "falcon",
+    "bloom",
+    "gpt_bigcode",
+    "qwen3_moe",
+    "mixtral",
+    "granitemoe",
+    "gpt_oss",
+    "deepseek_v3",
+)
+
+# Standardized config attributes a spec reads; the config class resolves each (its
+# attribute_map, its defaults) for a family without an entry.
+_STANDARD_FIELDS = (
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_size",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "layer_norm_eps",
+    "layer_norm_epsilon",
+    "tie_word_embeddings",
+    "sliding_window",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "rope_parameters",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
+# Kinds of layer whose state is not a growing key/value pair (transformers' layer_types).
+_STATEFUL_LAYER_KINDS = ("linear_attention", "conv", "mamba", "hybrid", "hybrid_sliding")
+_CONTEXT_FIELDS = ("n_positions", "n_ctx", "seq_length", "max_sequence_length")
+_NORM_EPS_FIELDS = (("rms_norm_eps", "rmsnorm"), ("layer_norm_eps", "layernorm"), ("layer_norm_epsilon", "layernorm"))
+
+
+def _generic_layout(reader: _Reader, model_type: str) -> tuple[_Reader, _Layout]:
+    """A reader over the config as transformers' config class resolves it, and the layout
+    of standardized names to read it with."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in reader.data.items() if k not in ("model_type", "auto_map")}
+    try:
+        config = AutoConfig.for_model(model_type, **fields)
+    except Exception as e:  # config classes validate with ValueError, TypeError, KeyError, ...
+        raise CheckpointError(
+            f"{CONFIG_FILE}: transformers' {model_type} config rejects it ({type(e).__name__}: {_first_line(e)}); "
+            f"fix {CONFIG_FILE}"
+        ) from e
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{CONFIG_FILE}: model_type {model_type!r} is an encoder-decoder model; kvforge compiles decoder-only LMs"
+        )
+    kinds = [k for k in (getattr(config, "layer_types", None) or ()) if k in _STATEFUL_LAYER_KINDS]
+    if kinds:
+        raise UnsupportedModelError(
+            f"{CONFIG_FILE}: model_type {model_type!r}: field 'layer_types' has {sorted(set(kinds))} layers, which "
+            "keep a recurrent or convolution state instead of a key/value cache; kvforge does not compile those yet"
+        )
+    if getattr(config, "num_attention_heads", None) is None:
+        raise UnsupportedModelError(
+            f"{CONFIG_FILE}: model_type {model_type!r} has no attention heads (num_attention_heads); kvforge compiles "
+            "softmax-attention decoders with a key/value cache"
+        )
+    aliases = {standard: own for standard, own in getattr(config, "attribute_map", {}).items()}
+    data = dict(reader.data)
+    for name in _STANDARD_FIELDS:
+        if data.get(aliases.get(name, name)) is None:
+            value = getattr(config, name, None)
+            if value is not None:
+                data[name] = value
+        elif name in aliases:
+            data[name] = data[aliases[name]]
+    if data.get("max_position_embeddings") is None:  # older configs name the context otherwise
+        context = next((data[f] for f in _CONTEXT_FIELDS if data.get(f) is not None), None)
+        if context is not None:
+            data["max_position_embeddings"] = context
+    eps_field, norm_kind = next(((f, kind) for f, kind in _NORM_EPS_FIELDS if data.get(f) is not None), ("", "rmsnorm"))
+    layout = dataclasses.replace(
+        _GENERIC,
+        intermediate_multiple=None if data.get("intermediate_size") is not None else 4,
+        norm_kind=norm_kind,
+        norm_eps=eps_field or _GENERIC.norm_eps,
+        position_embedding="rope" if data.get("rope_parameters") is not None else "other",
+        sliding_window="sliding_window",
+    )
+    return _Reader(data, CONFIG_FILE, aliases), layout
+
+
+def _read_experts(reader: _Reader) -> dict[str, Any]:
+    """Routed experts and experts per token, by transformers' standardized names (each MoE
+    config class maps its own, such as deepseek's n_routed_experts, onto them)."""
+    experts = reader.int_("num_local_experts", 0) or 0
+    per_token = (reader.int_("num_experts_per_tok", 0) or 0) if experts else 0
+    if experts and not 1 <= per_token <= experts:
+        raise reader.fail("num_experts_per_tok", f"= {per_token} must be between 1 and the {experts} experts")
+    return {"num_experts": experts, "experts_per_token": per_token}
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).splitlines()
+    return lines[0] if lines else ""
 
 
 def _read_shape(reader: _Reader, layout: _Layout) -> dict[str, Any]:
@@ -459,7 +649,7 @@ def _read_dtype(reader: _Reader) -> str:
 def _read_rope(reader: _Reader, layout: _Layout, shape: Mapping[str, int]) -> dict[str, Any]:
     if layout.position_embedding != "rope":
         return {"rope_theta": None, "rope_scaling": None, "partial_rotary_factor": 1.0}
-    params, key = _rope_source(reader)
+    params, key = _rope_source(reader, layout)
     theta, theta_field = _rope_number(reader, params, key, "rope_theta", layout.rope_theta, DEFAULT_ROPE_THETA)
     if theta <= 0:
         raise reader.fail(theta_field, f"(RoPE base) must be positive, got {theta}")
@@ -479,19 +669,25 @@ def _read_rope(reader: _Reader, layout: _Layout, shape: Mapping[str, int]) -> di
     }
 
 
-def _rope_source(reader: _Reader) -> tuple[dict[str, Any], str]:
-    """The RoPE parameters dict; transformers lets `rope_scaling` (old name) win when both exist."""
+def _rope_source(reader: _Reader, layout: _Layout) -> tuple[dict[str, Any], str]:
+    """The RoPE parameters dict; transformers lets `rope_scaling` (old name) win when both exist.
+    Parameters per layer kind (gemma3: one base for sliding, one for full layers) give those
+    of the full-attention layers, where the family's code reads them so."""
     key = "rope_scaling" if reader.data.get("rope_scaling") else "rope_parameters"
     raw = reader.data.get(key)
     if raw is None:
         return {}, key
     if not isinstance(raw, Mapping):
         raise reader.fail(key, f"must be an object, got {raw!r}")
-    if any(isinstance(v, Mapping) for v in raw.values()):
-        raise UnsupportedModelError(
-            f"{CONFIG_FILE}: field '{key}' holds per-layer-type RoPE parameters, which kvforge "
-            "does not support for this model_type"
-        )
+    nested = {kind: v for kind, v in raw.items() if isinstance(v, Mapping)}
+    if nested:
+        if not layout.per_layer_type_rope:
+            raise UnsupportedModelError(
+                f"{CONFIG_FILE}: field '{key}' holds per-layer-type RoPE parameters, which kvforge "
+                "does not support for this model_type"
+            )
+        kind = "full_attention" if "full_attention" in nested else sorted(nested)[0]
+        return dict(nested[kind]), f"{key}.{kind}"
     return dict(raw), key
 
 
@@ -603,11 +799,16 @@ def _token_list(reader: _Reader, key: str) -> tuple[int, ...]:
 
 # --- checking a rebuilt spec ------------------------------------------------------------
 
+# "other": a family without an entry whose config has no RoPE parameters (learned tables,
+# ALiBi, ...): the modeling code does what it does, and the gate checks it.
+POSITION_EMBEDDINGS = ("rope", "learned", "other")
+
 _INT_FIELDS = (
     "num_layers",
     "num_heads",
     "num_kv_heads",
     "head_dim",
+    "value_head_dim",
     "hidden_size",
     "intermediate_size",
     "vocab_size",
@@ -624,6 +825,10 @@ def _check_field_types(values: Mapping[str, Any]) -> None:
         _check_int(name, values[name], optional=False)
     for name in ("sliding_window", "bos_token_id", "pad_token_id"):
         _check_int(name, values[name], optional=True)
+    for name in ("num_experts", "experts_per_token"):
+        value = values[name]
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _LIMITS["num_experts"]:
+            raise _spec_error(name, f"must be an int in [0, {_LIMITS['num_experts']}], got {value!r}")
     for name in ("norm_eps", "partial_rotary_factor", "rope_theta"):
         value = values[name]
         if value is None and name == "rope_theta":
@@ -647,9 +852,10 @@ def _check_int(name: str, value: Any, *, optional: bool) -> None:
 
 
 def _check_spec(spec: DecoderSpec) -> None:
+    if not isinstance(spec.model_type, str) or not spec.model_type.replace("_", "").isalnum():
+        raise _spec_error("model_type", f"is {spec.model_type!r}, not a transformers model_type")
     choices = {
-        "model_type": SUPPORTED_MODEL_TYPES,
-        "position_embedding": ("rope", "learned"),
+        "position_embedding": POSITION_EMBEDDINGS,
         "norm_kind": ("rmsnorm", "layernorm"),
         "dtype": SUPPORTED_DTYPES,
     }
@@ -661,7 +867,7 @@ def _check_spec(spec: DecoderSpec) -> None:
             raise _spec_error(name, f"is beyond the sanity limit {_LIMITS[name]:,}")
     if spec.num_heads % spec.num_kv_heads:
         raise _spec_error("num_kv_heads", f"= {spec.num_kv_heads} does not divide num_heads = {spec.num_heads}")
-    if (spec.position_embedding == "rope") != (spec.rope_theta is not None):
+    if spec.position_embedding != "other" and (spec.position_embedding == "rope") != (spec.rope_theta is not None):
         raise _spec_error(
             "rope_theta", f"= {spec.rope_theta} contradicts position_embedding {spec.position_embedding!r}"
         )

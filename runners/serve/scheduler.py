@@ -370,8 +370,10 @@ class BatchScheduler:
 
     def _prefill_cache(self) -> dict[str, np.ndarray]:
         if not self._prefill_kv:
-            shape = (1, self.io.num_kv_heads, self._fixed_capacity or self.max_positions, self.io.head_dim)
-            self._prefill_kv = {name: np.zeros(shape, dtype=self.io.kv_dtype) for name in self.io.past_names}
+            length = self._fixed_capacity or self.max_positions
+            self._prefill_kv = {
+                name: np.zeros(self.io.kv_shape(name, 1, length), dtype=self.io.kv_dtype) for name in self.io.past_names
+            }
         return self._prefill_kv
 
     def _join(self, request: Request, cache: dict[str, np.ndarray], token: int) -> None:
@@ -448,9 +450,11 @@ class BatchScheduler:
         new_capacity = self._fixed_capacity or min(max(columns, 2 * capacity, 64), self._capacity_limit)
         if columns > new_capacity or rows > new_slots:  # unreachable while requests fit the context
             raise KvforgeError(f"batch buffer of {rows} x {columns} exceeds {new_slots} x {new_capacity}")
-        shape = (new_slots, self.io.num_kv_heads, new_capacity, self.io.head_dim)
         n, width = len(self._rows), self._width
-        kv = {name: np.zeros(shape, dtype=self.io.kv_dtype) for name in self.io.past_names}
+        kv = {
+            name: np.zeros(self.io.kv_shape(name, new_slots, new_capacity), dtype=self.io.kv_dtype)
+            for name in self.io.past_names
+        }
         for name, buffer in self._kv.items():
             kv[name][:n, :, :width] = buffer[:n, :, :width]
         mask = np.zeros((new_slots, new_capacity), dtype=np.int64)

@@ -41,3 +41,22 @@ def test_missing_field_is_named() -> None:
 
 def test_limits_cover_every_size() -> None:
     assert set(IO_LIMITS) == {"num_layers", "num_kv_heads", "head_dim", "vocab_size"}
+
+
+MLA = DecoderIO(num_layers=2, num_kv_heads=1, head_dim=16, vocab_size=384, value_head_dim=8)
+
+
+def test_values_narrower_than_keys_round_trip_and_shape_the_cache() -> None:
+    assert DecoderIO.from_dict(MLA.to_dict()) == MLA
+    assert "value_head_dim" not in GOOD.to_dict()  # manifests of ordinary models are unchanged
+    dims = {t.name: t.dims for t in MLA.inputs}
+    assert dims["past_key_values.1.key"] == ("batch", 1, "past", 16)
+    assert dims["past_key_values.1.value"] == ("batch", 1, "past", 8)
+    assert MLA.kv_shape("present.0.value", 3, 10) == (3, 1, 10, 8)
+    assert MLA.kv_bytes_per_position() == 2 * 1 * (16 + 8) * 4
+
+
+@pytest.mark.parametrize("value", [0, True, 1 << 17, "8"])
+def test_malformed_value_head_dim_is_refused(value: object) -> None:
+    with pytest.raises(ArtifactError, match="io.value_head_dim"):
+        DecoderIO.from_dict({**MLA.to_dict(), "value_head_dim": value})

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from runners.errors import ArtifactError, CheckpointError, KvforgeError, UnsupportedModelError
-from toolchain.spec import SUPPORTED_MODEL_TYPES, DecoderSpec
+from toolchain.spec import SUPPORTED_MODEL_TYPES, DecoderSpec, verified_families
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -338,12 +338,44 @@ def check_error(exc: pytest.ExceptionInfo[KvforgeError], *needles: str) -> None:
         assert needle in message, f"{needle!r} not in {message!r}"
 
 
-@pytest.mark.parametrize("model_type", ["mamba", "LLaMA", ["llama"], 3])
-def test_unknown_model_type_lists_supported(model_type: Any) -> None:
+@pytest.mark.parametrize("model_type", ["LLaMA", ["llama"], 3, "not_a_model"])
+def test_model_type_transformers_lacks_lists_verified_families(model_type: Any) -> None:
     data = {**config_dict("llama"), "model_type": model_type}
     with pytest.raises(UnsupportedModelError) as exc:
         DecoderSpec.from_config(data)
-    check_error(exc, "config.json", repr(model_type), *SUPPORTED_MODEL_TYPES)
+    check_error(exc, "config.json", repr(model_type), "transformers has no such model_type", *verified_families())
+
+
+@pytest.mark.parametrize(
+    ("model_type", "why"),
+    [
+        ("bert", "no causal-LM class"),  # an encoder
+        ("t5", "no causal-LM class"),  # an encoder-decoder
+        ("mamba", "recurrent or convolution state"),  # a causal LM, but its layers keep no K/V
+    ],
+)
+def test_transformers_models_that_are_no_kv_decoders_are_refused(model_type: str, why: str) -> None:
+    data = {**config_dict("llama"), "model_type": model_type}
+    with pytest.raises(UnsupportedModelError) as exc:
+        DecoderSpec.from_config(data)
+    check_error(exc, "config.json", repr(model_type), why)
+
+
+def test_a_family_without_an_entry_is_read_through_its_config_class() -> None:
+    """bloom names its fields n_layer / n_head; its config class maps them, and its defaults fill the rest."""
+    data = {"model_type": "bloom", "vocab_size": 96, "hidden_size": 64, "n_layer": 3, "n_head": 4, "seq_length": 512}
+    spec = DecoderSpec.from_config(data)
+    cfg = transformers.AutoConfig.for_model("bloom", **{k: v for k, v in data.items() if k != "model_type"})
+    assert (spec.num_layers, spec.num_heads, spec.head_dim) == (3, 4, 16)
+    assert spec.norm_eps == cfg.layer_norm_epsilon and spec.norm_kind == "layernorm"
+    assert spec.max_positions == 512 and spec.position_embedding == "other"  # ALiBi: its context from seq_length
+    assert (spec.bos_token_id, spec.eos_token_ids) == (cfg.bos_token_id, (cfg.eos_token_id,))
+    with pytest.raises(CheckpointError) as exc:
+        DecoderSpec.from_config({**data, "n_head": 0})
+    check_error(exc, "config.json", "'n_head'")  # named as the file names it
+    with pytest.raises(CheckpointError) as exc:
+        DecoderSpec.from_config({k: v for k, v in data.items() if k != "seq_length"})
+    check_error(exc, "config.json", "max_position_embeddings", "missing")
 
 
 def test_missing_model_type() -> None:
@@ -516,7 +548,7 @@ OLD_CONFIG_WITH_SCALING = {**TINY["llama"], "model_type": "llama", "rope_scaling
         ({"tied_embeddings": "no"}, "tied_embeddings"),
         ({"eos_token_ids": [1, "2"]}, "eos_token_ids"),
         ({"dtype": "float64"}, "dtype"),
-        ({"model_type": "bert"}, "model_type"),
+        ({"model_type": "no such/type"}, "model_type"),
         ({"norm_eps": "x"}, "norm_eps"),
         ({"rope_theta": None}, "rope_theta"),
         ({"vocab_size": 10**8}, "vocab_size"),

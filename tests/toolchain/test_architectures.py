@@ -1,0 +1,113 @@
+"""Families without an entry of their own: the spec read through transformers' config
+classes, the KV cache's layout read off the modeling code, MoE parameters counted, and a
+family in no kvforge table built and compared with eager."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from runners.engine import Engine
+from tests.tiny import FAMILIES, GENERIC, hf_greedy, make_checkpoint
+from toolchain import checkpoint as checkpoints
+from toolchain.export import cache_layout
+from toolchain.footprint import footprint
+from toolchain.spec import LAYOUTS, DecoderSpec, verified_families
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _spec(directory: Path) -> DecoderSpec:
+    ckpt = checkpoints.load(directory)
+    return cache_layout(ckpt.config, DecoderSpec.from_config(ckpt.config, ckpt.generation_config))
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_cache_layout_is_what_the_model_caches(model_type: str, tiny_checkpoint: Callable[..., Path]) -> None:
+    """The meta-device probe against a real forward of the real model on the CPU."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    directory = tiny_checkpoint(model_type)
+    spec = _spec(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=cache)
+    assert len(cache.layers) == spec.num_layers
+    for layer in cache.layers:
+        assert tuple(layer.keys.shape) == (1, spec.num_kv_heads, 3, spec.head_dim)
+        assert tuple(layer.values.shape) == (1, spec.num_kv_heads, 3, spec.value_head_dim)
+
+
+def test_cache_layouts_that_differ_from_the_config(tiny_checkpoint: Callable[..., Path]) -> None:
+    mla = _spec(tiny_checkpoint("deepseek_v3"))  # a compressed latent and its rotary part, one head
+    assert (mla.num_kv_heads, mla.head_dim, mla.value_head_dim) == (1, 16, 8)
+    assert _spec(tiny_checkpoint("gpt_bigcode")).num_kv_heads == 1  # multi-query
+    assert _spec(tiny_checkpoint("falcon")).num_kv_heads == 4  # new architecture: every query head cached
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
+def test_inspect_counts_active_parameters(model_type: str, tiny_checkpoint: Callable[..., Path]) -> None:
+    """Active = all parameters but the routed experts a token is not sent to, counted from the model's modules."""
+    from transformers import AutoModelForCausalLM
+
+    directory = tiny_checkpoint(model_type)
+    spec = _spec(directory)
+    fp = footprint(checkpoints.load(directory), spec, batch=1, seq=16)
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    experts = [m for name, m in model.named_modules() if re.search(r"\.experts$", name)]
+    routed = sum(p.numel() for m in experts for p in m.parameters())
+    assert routed > 0 and spec.num_experts == 4 and spec.experts_per_token == 2
+    stored = {t.data_ptr(): t.numel() for t in model.state_dict().values()}  # buffers too (routing biases)
+    assert fp.parameters == sum(stored.values())
+    assert fp.parameters - fp.active_parameters == routed // 2  # 2 of 4 experts idle per token
+
+
+def test_every_tested_family_has_a_tiny_checkpoint_and_a_docs_row() -> None:
+    assert set(verified_families()) == set(FAMILIES)
+    assert not set(GENERIC) & set(LAYOUTS)  # the generic families really have no entry
+    table = (ROOT / "docs" / "architectures.md").read_text()
+    for family in FAMILIES:
+        assert re.search(rf"\| [^|]*\b{family}\b", table), f"docs/architectures.md has no row for {family}"
+
+
+# olmo (OLMo 1): in no kvforge table and not among the tested families above: what a user
+# bringing a family kvforge has never seen gets.
+UNSEEN = "olmo"
+UNSEEN_CONFIG = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    clip_qkv=8.0,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+@pytest.mark.slow
+def test_a_family_in_no_table_builds_and_matches_eager(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from toolchain.build import build
+
+    assert UNSEEN not in LAYOUTS and UNSEEN not in verified_families()
+    directory = make_checkpoint(tmp_path / "ckpt", UNSEEN, arch=UNSEEN_CONFIG)
+    artifact = build(directory, tmp_path / "out").output
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["parity"]["passed"] is True and manifest["spec"]["model_type"] == UNSEEN
+    engine = Engine.load(artifact)
+    engine.eos_ids = ()
+    model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+    for prompt in ["def fibonacci(n):", "class Point:\n    def"]:
+        ids = engine.encode(prompt)
+        assert engine.generate_tokens([ids], max_new_tokens=24, temperature=0.0)[0] == hf_greedy(model, ids, 24)
