@@ -247,3 +247,45 @@ def test_a_blobs_folder_on_another_disk_is_followed(
     shutil.move(blobs, tmp_path / "big-disk-blobs")
     os.symlink(tmp_path / "big-disk-blobs", blobs)
     assert load(REPO).config["model_type"] == "llama"
+
+
+# --- a build by id ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_kvforge_build_by_id_and_revision_records_them_and_shows_progress(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tiny_checkpoint: Callable[..., Path],
+    built_artifact: Callable[..., Path],
+) -> None:
+    """A sharded snapshot found through HF_HOME, at a tag: the same graph as the plain directory
+    gives, and the manifest names the id and the commit. Not a terminal: progress as lines."""
+    from click.testing import CliRunner
+
+    from toolchain.cli import main
+
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    cache = tmp_path / "home" / "hub"
+    hub_snapshot(cache, REPO, tiny_checkpoint("qwen2"))  # main: another model
+    hub_snapshot(cache, REPO, sharded_copy(tiny_checkpoint("llama"), tmp_path / "sharded"), OTHER_COMMIT, "v2")
+    result = CliRunner().invoke(main, ["build", REPO, "--revision", "v2", "-o", "out"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["hub"] == {"id": REPO, "commit": OTHER_COMMIT}
+    assert manifest["spec"]["model_type"] == "llama"
+    plain = json.loads((built_artifact("llama") / "manifest.json").read_text())
+    assert manifest["files"] == plain["files"] and "hub" not in plain
+    assert "model.safetensors.index.json" in manifest["sources"]
+    lines = result.stderr.splitlines()
+    for stage in ("load", "export", "lower", "passes", "emit", "verify", "publish"):
+        assert f"kvforge: {stage}..." in lines
+        assert any(line.startswith(f"kvforge: {stage} done in ") for line in lines)
+    tensors = len(load(tiny_checkpoint("llama")).tensor_metadata())
+    assert any(line.endswith(f"({tensors}/{tensors} tensors)") for line in lines)
+    assert any(line.startswith("kvforge: passes done in ") and line.endswith(" passes)") for line in lines)
+    assert any(line.startswith("kvforge: verify done in ") and line.endswith(" steps)") for line in lines)
+    assert "\r" not in result.stderr
