@@ -192,7 +192,9 @@ def build(
         memory_seq=seq,
         revision=revision,
     )
-    with progress.reporting(progress.for_stream(sys.stderr, quiet)):
+    verbose = bool(click.get_current_context().find_root().params.get("verbose"))
+    reporter = progress.Lines(sys.stderr) if verbose and not quiet else progress.for_stream(sys.stderr, quiet)
+    with progress.reporting(reporter):  # -v logs lines of its own, which a redrawn line would overwrite
         result = run_build(checkpoint, output, options)
     if report:
         click.echo(result.passes.summary(), err=True)
