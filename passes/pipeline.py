@@ -281,6 +281,7 @@ def run(
     weights: WeightQuantization | None = None,
     capacity: int | None = None,
     dtype: str = "float32",
+    on_pass: Callable[[int, int, str], None] | None = None,
 ) -> PassReport:
     """Run the target's pipeline on `model` in place and report what each pass did.
 
@@ -288,10 +289,13 @@ def run(
     fusion that falls short is explained (closest match, failed constraint) in `missed`.
     `weights` adds the weight-only quantization phase. `capacity` is the fixed KV-cache
     length of a target that needs one (`tensorrt`); `dtype` the graph's compute dtype.
+    `on_pass(done, total, name)` is called after each pass (progress).
     """
     expected = dict(expected or {})
     report = PassReport(target, histogram_before=histogram(model))
-    for phase, passes in phases(target, weights, capacity, dtype):
+    pipeline = phases(target, weights, capacity, dtype)
+    total = sum(len(passes) for _, passes in pipeline)
+    for phase, passes in pipeline:
         for p in passes:
             before = len(model.graph)
             start = time.perf_counter()
@@ -307,6 +311,8 @@ def run(
                 report.missed[name] = [str(miss) for miss in p.explain(model)]
             if isinstance(p, QuantizeWeights) and p.counts["skipped"]:
                 report.missed[name] = [f"{w}: {why}" for w, why in p.skipped.items() if not why.startswith("kept")]
+            if on_pass is not None:
+                on_pass(len(report.passes), total, name)
     report.histogram_after = histogram(model)
     return report
 

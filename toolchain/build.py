@@ -38,7 +38,7 @@ from runners.session import OrtSession, Session
 from runners.tokenizer import TokenizerBundle
 from runners.torch_session import TorchSession
 from toolchain import checkpoint as checkpoints
-from toolchain import emit, manifest
+from toolchain import emit, manifest, progress
 from toolchain.emit import tensorrt as trt_engine
 from toolchain.export import DecoderWrapper, cache_layout, eager_model, export_decoder
 from toolchain.footprint import footprint, format_bytes
@@ -87,6 +87,7 @@ class BuildOptions:
     device_memory: int | None = None
     memory_batch: int = 1
     memory_seq: int | None = None
+    revision: str | None = None  # of a Hub id (a branch, tag or commit), resolved in the local cache
 
     def flags(self) -> dict[str, Any]:
         """What determines the artifact's bytes (not `force`, which only says where they may go)."""
@@ -110,7 +111,8 @@ class BuildResult:
     next_step: str | None = None  # what completes the artifact elsewhere (tensorrt without TensorRT here)
 
 
-def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptions()) -> BuildResult:
+def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = BuildOptions()) -> BuildResult:
+    """Build `checkpoint_dir` (a directory, or a Hub id in the local cache) into `output`."""
     output = Path(os.path.abspath(output))
     if options.target not in pipeline.TARGETS:
         raise ArtifactError(f"unknown target {options.target!r}; choose one of {', '.join(pipeline.TARGETS)}")
@@ -119,7 +121,7 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
     check_output(output, options.force)
     _return_freed_memory()
     seconds: dict[str, float] = {}
-    ckpt = checkpoints.load(checkpoint_dir, allow_pickle=options.allow_pickle)
+    ckpt = checkpoints.load(checkpoint_dir, allow_pickle=options.allow_pickle, revision=options.revision)
     spec = read_spec(ckpt)
     io = DecoderIO.for_spec(spec, kv_dtype=options.dtype)
     if options.device_memory is not None:
@@ -147,6 +149,7 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
                 options.weights,
                 capacity=options.capacity,
                 dtype=options.dtype,
+                on_pass=lambda done, total, _: progress.count(done, total, "passes"),
             )
         except UnsupportedByTensorRT as e:
             raise ArtifactError(f"{checkpoint_dir}: {e}") from e
@@ -162,7 +165,7 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
                 emit.copy_tokenizer(ckpt, staging)
                 emit.write_generation_config(ckpt, spec, staging)
             with _timed(seconds, "verify"), _verifiable(staging, graph_io, options.weights is None) as session:
-                report = gate(session)
+                report = gate(progress.CountedSession(session))
                 require_parity(report, str(checkpoint_dir))
                 computed_in = session.io.kv_dtype  # the dtype onnxruntime ran the graph in
                 del session
@@ -176,19 +179,21 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
                         f"`kvforge build-engine {output}` on a machine with TensorRT >= {trt_engine.MIN_TENSORRT} "
                         "and a GPU to add it"
                     )
-            written = manifest.write(
-                staging,
-                spec=spec,
-                io=graph_io,
-                sources=ckpt.source_hashes(),
-                flags=options.flags(),
-                passes=pass_report.to_dict(timings=False),
-                parity=report.to_dict() | {"computed_in": computed_in},
-            )
-            if engine_entry is not None:
-                written = trt_engine.with_engine(written, staging, engine_entry)
-                emit.write_json(staging / MANIFEST, written)
-            publish(staging, output)
+            with _timed(seconds, "publish"):
+                written = manifest.write(
+                    staging,
+                    spec=spec,
+                    io=graph_io,
+                    sources=ckpt.source_hashes(),
+                    flags=options.flags(),
+                    passes=pass_report.to_dict(timings=False),
+                    parity=report.to_dict() | {"computed_in": computed_in},
+                    hub=ckpt.hub,
+                )
+                if engine_entry is not None:
+                    written = trt_engine.with_engine(written, staging, engine_entry)
+                    emit.write_json(staging / MANIFEST, written)
+                publish(staging, output, force=options.force)
     except OSError as e:  # a full disk, a read-only or vanished directory: nothing was published
         where = e.filename or output.parent
         raise ArtifactError(
@@ -218,11 +223,13 @@ def read_spec(ckpt: checkpoints.Checkpoint) -> DecoderSpec:
     return cache_layout(ckpt.config, spec)
 
 
-def verify(artifact: Path, checkpoint_dir: Path, *, allow_pickle: bool = False) -> ParityReport | DistributionReport:
-    """Re-run the parity gate of a published artifact against its checkpoint."""
+def verify(
+    artifact: Path, checkpoint_dir: Path | str, *, allow_pickle: bool = False, revision: str | None = None
+) -> ParityReport | DistributionReport:
+    """Re-run the parity gate of a published artifact against its checkpoint (a directory or a cached Hub id)."""
     recorded = read_manifest(artifact)
     verify_files(artifact, recorded)
-    ckpt = checkpoints.load(checkpoint_dir, allow_pickle=allow_pickle)
+    ckpt = checkpoints.load(checkpoint_dir, allow_pickle=allow_pickle, revision=revision)
     if ckpt.source_hashes() != recorded.get("sources"):
         raise ArtifactError(
             f"{checkpoint_dir}: files differ from the checkpoint {artifact} was built from "
@@ -388,7 +395,8 @@ def _return_freed_memory() -> None:
 def _timed(seconds: dict[str, float], stage: str) -> Iterator[None]:
     log.info("%s...", stage)
     start = time.perf_counter()
-    yield
+    with progress.stage(stage):
+        yield
     seconds[stage] = time.perf_counter() - start
     # the process's peak so far: the stage after which it grows is where the memory goes
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

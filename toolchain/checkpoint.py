@@ -5,6 +5,10 @@ returns a `Checkpoint`; weights are read lazily: `state_dict` memory-maps safete
 files, and `tensor_metadata` reads their headers only. Pickled weights
 (`pytorch_model.bin`) are opt-in and loaded with `weights_only=True`.
 
+The directory may also be a snapshot of the Hugging Face cache, named by its Hub id
+(`toolchain.hub`): there every file is a link, followed only into the same repository's
+`blobs/`.
+
 Every file is untrusted: paths taken from files must stay inside the directory, every
 safetensors header is validated by `toolchain.safetensors_check` before the library opens
 the file, and every failure is a `CheckpointError` naming the file and the field or tensor.
@@ -26,7 +30,7 @@ from typing import Any
 import torch
 
 from runners.errors import CheckpointError
-from toolchain import safetensors_check
+from toolchain import hub, progress, safetensors_check
 from toolchain.safetensors_check import short_repr
 from toolchain.spec import POSITION_EMBEDDINGS, TOKEN_EMBEDDINGS, DecoderSpec
 
@@ -84,6 +88,7 @@ class Checkpoint:
     generation_config: dict[str, Any] | None
     uses_pickle: bool
     index_file: Path | None = None  # model.safetensors.index.json when the weights are sharded
+    hub: hub.HubSnapshot | None = None  # the Hugging Face cache snapshot the directory is, if it is one
 
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """All weights as CPU tensors, floating ones converted to `dtype` if given.
@@ -97,6 +102,7 @@ class Checkpoint:
             return {name: _in_dtype(t, dtype) for name, t in _load_pickle(self.weight_files[0]).items()}
         tensors: dict[str, torch.Tensor] = {}
         origin: dict[str, Path] = {}
+        progress.total(len(_read_headers(self.weight_files)), "tensors")
         for file in self.weight_files:
             _merge(tensors, _read_safetensors(file, dtype), file, origin)
         return tensors
@@ -134,15 +140,20 @@ class Checkpoint:
         return tuple(files)
 
 
-def load(path: str | Path, *, allow_pickle: bool = False) -> Checkpoint:
-    """Validate a local checkpoint directory and describe its files.
+def load(path: str | Path, *, allow_pickle: bool = False, revision: str | None = None) -> Checkpoint:
+    """Validate a local checkpoint directory (or a Hub id's cached snapshot) and describe its files.
 
     Raises CheckpointError naming the file and what to do when anything is missing,
     malformed or unsafe (remote code, shard names escaping the directory, pickles
     without `allow_pickle`, safetensors headers that do not describe their file, an
-    index that disagrees with its shards).
+    index that disagrees with its shards, a cache snapshot's link leading out of its blobs).
     """
-    directory = _checkpoint_dir(path)
+    directory = _checkpoint_dir(hub.locate(path, revision))
+    snapshot = hub.snapshot_of(directory)
+    if snapshot is not None:
+        for name in _READ_BY_NAME:
+            if os.path.lexists(directory / name):
+                _snapshot_file(directory / name, snapshot)
     config = _read_json(directory / CONFIG, required=True)
     assert config is not None
     _refuse_remote_code(config, directory / CONFIG)
@@ -155,6 +166,7 @@ def load(path: str | Path, *, allow_pickle: bool = False) -> Checkpoint:
         generation_config=_read_json(directory / GENERATION_CONFIG, required=False),
         uses_pickle=uses_pickle,
         index_file=index_file,
+        hub=snapshot,
     )
     if not uses_pickle:  # headers only: cheap, and every broken file is refused before any work
         headers = _read_headers(weight_files)
@@ -179,13 +191,27 @@ def check_against_spec(checkpoint: Checkpoint, spec: DecoderSpec) -> None:
 
 # --- finding files ----------------------------------------------------------------------
 
+# Every file the loader opens by a fixed name (shards are named by the index).
+_READ_BY_NAME = (
+    CONFIG,
+    GENERATION_CONFIG,
+    SAFETENSORS,
+    SAFETENSORS_INDEX,
+    PICKLE,
+    PICKLE_INDEX,
+    TOKENIZER,
+    *OPTIONAL_TOKENIZER_FILES,
+)
+
 _EXPECTED = f"a local checkpoint directory with {CONFIG}, {TOKENIZER} and {SAFETENSORS} (or {SAFETENSORS_INDEX})"
 
 
 def _checkpoint_dir(path: str | Path) -> Path:
     given = Path(path).expanduser()
     if not given.exists():
-        raise CheckpointError(f"{given}: no such directory; expected {_EXPECTED} (Hub ids are not downloaded)")
+        raise CheckpointError(
+            f"{given}: no such directory; expected {_EXPECTED}, or a Hub id ORG/NAME in the local Hugging Face cache"
+        )
     if not given.is_dir():
         raise CheckpointError(f"{given}: is a file, not a directory; expected {_EXPECTED}")
     directory = given.resolve()
@@ -304,6 +330,10 @@ def _shard_path(index: Path, name: str) -> Path:
             "shards must be safetensors files"
         )
     shard = directory / name
+    snapshot = hub.snapshot_of(directory)
+    if snapshot is not None:
+        _snapshot_file(shard, snapshot, f"{index}: shard {name!r}")
+        return shard
     target = shard.resolve()
     if not target.is_relative_to(directory):
         raise CheckpointError(
@@ -313,6 +343,25 @@ def _shard_path(index: Path, name: str) -> Path:
     if not shard.is_file():
         raise CheckpointError(f"{index}: shard {name!r} listed in weight_map does not exist in {directory}")
     return shard
+
+
+def _snapshot_file(file: Path, snapshot: hub.HubSnapshot, what: str | None = None) -> None:
+    """A cache snapshot's file: a link (or a chain of links) that ends at an existing file in
+    the repository's own blobs/, or a plain file in the snapshot; anything else is refused
+    before it is opened."""
+    what = what or str(file)
+    target = file.resolve()
+    inside = target.is_relative_to(file.parent) or target.is_relative_to(snapshot.blobs.resolve())
+    if not inside:
+        raise CheckpointError(
+            f"{what}: is a link to {target}, outside {snapshot.blobs} (the blobs of {snapshot.repo_id} in the "
+            f"Hugging Face cache); refusing to follow it, re-download with `hf download {snapshot.repo_id}`"
+        )
+    if not target.is_file():
+        raise CheckpointError(
+            f"{what}: is a link to {target}, which does not exist or is not a file; the download is incomplete, "
+            f"complete it with `hf download {snapshot.repo_id}`"
+        )
 
 
 def _check_index_matches_shards(index: Path, headers: dict[str, tuple[Path, Any]]) -> None:
@@ -448,6 +497,7 @@ def _read_safetensors(file: Path, dtype: torch.dtype | None) -> dict[str, torch.
                     raise CheckpointError(f"{file}: the file ended inside tensor {short_repr(name)}; re-download it")
                 tensor = raw.view(_TORCH_DTYPES[entry.dtype]).reshape(entry.shape)
                 tensors[name] = _in_dtype(tensor, dtype)
+                progress.advance()
     except OSError as e:
         raise CheckpointError(f"{file}: cannot be read ({e.strerror or e}); check the file's permissions") from e
     return tensors

@@ -19,7 +19,12 @@ import click
 
 from runners.errors import KvforgeError
 
-_CHECKPOINT = click.Path(exists=False, file_okay=False, path_type=Path)
+# A checkpoint directory, or a Hub id (ORG/NAME) resolved in the local Hugging Face cache: a string,
+# so that what was typed decides (an existing path wins over an id).
+_CHECKPOINT = click.Path(exists=False, file_okay=False)
+_REVISION = click.option(
+    "--revision", default=None, help="With a Hub id: the branch, tag or commit to use from the cache. Default: main."
+)
 
 
 def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -75,6 +80,8 @@ def main(verbose: bool) -> None:
 
 @main.command()
 @click.argument("checkpoint", type=_CHECKPOINT)
+@_REVISION
+@click.option("-q", "--quiet", is_flag=True, help="No progress output (the result and errors are still printed).")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Artifact directory to create.")
 @click.option("--force", is_flag=True, help="Replace an existing artifact at --output.")
 @click.option(
@@ -138,7 +145,9 @@ def main(verbose: bool) -> None:
 )
 @_guarded
 def build(
-    checkpoint: Path,
+    checkpoint: str,
+    revision: str | None,
+    quiet: bool,
     output: Path,
     target: str,
     dtype: str,
@@ -156,8 +165,13 @@ def build(
     decode_steps: int,
     capacity: int | None,
 ) -> None:
-    """Export CHECKPOINT, lower it to ONNX, verify it against the eager model, publish it to -o."""
+    """Export CHECKPOINT, lower it to ONNX, verify it against the eager model, publish it to -o.
+
+    CHECKPOINT is a checkpoint directory, or a Hub id (ORG/NAME) already in the local Hugging Face
+    cache (HF_HUB_CACHE, else HF_HOME/hub); nothing is downloaded.
+    """
     from passes.quantize import WeightQuantization
+    from toolchain import progress
     from toolchain.build import DTYPES, BuildOptions
     from toolchain.build import build as run_build
     from toolchain.footprint import parse_bytes
@@ -176,8 +190,12 @@ def build(
         device_memory=None if device_memory is None else parse_bytes(device_memory),
         memory_batch=batch,
         memory_seq=seq,
+        revision=revision,
     )
-    result = run_build(checkpoint, output, options)
+    verbose = bool(click.get_current_context().find_root().params.get("verbose"))
+    reporter = progress.Lines(sys.stderr) if verbose and not quiet else progress.for_stream(sys.stderr, quiet)
+    with progress.reporting(reporter):  # -v logs lines of its own, which a redrawn line would overwrite
+        result = run_build(checkpoint, output, options)
     if report:
         click.echo(result.passes.summary(), err=True)
     if explain:
@@ -386,34 +404,41 @@ def export_triton(artifact: Path, output: Path, name: str | None, **options: Any
 
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--checkpoint", required=True, type=_CHECKPOINT, help="The checkpoint the artifact was built from.")
+@click.option(
+    "--checkpoint",
+    required=True,
+    type=_CHECKPOINT,
+    help="The checkpoint the artifact was built from: a directory or a Hub id in the local cache.",
+)
+@_REVISION
 @click.option(
     "--allow-pickle", is_flag=True, help="Accept pytorch_model.bin (read with torch.load(weights_only=True))."
 )
 @_guarded
-def verify(artifact: Path, checkpoint: Path, allow_pickle: bool) -> None:
+def verify(artifact: Path, checkpoint: str, revision: str | None, allow_pickle: bool) -> None:
     """Re-run the parity check of ARTIFACT against the eager model of CHECKPOINT."""
     from toolchain.build import verify as run_verify
 
-    click.echo(run_verify(artifact, checkpoint, allow_pickle=allow_pickle).summary())
+    click.echo(run_verify(artifact, checkpoint, allow_pickle=allow_pickle, revision=revision).summary())
 
 
 @main.command()
 @click.argument("checkpoint", type=_CHECKPOINT)
+@_REVISION
 @click.option("--batch", default=1, show_default=True, type=click.IntRange(1), help="Sequences held at once.")
 @click.option("--seq", default=None, type=click.IntRange(1), help="Tokens per sequence. Default: the model's context.")
 @click.option(
     "--allow-pickle", is_flag=True, help="Accept pytorch_model.bin (read with torch.load(weights_only=True))."
 )
 @_guarded
-def inspect(checkpoint: Path, batch: int, seq: int | None, allow_pickle: bool) -> None:
-    """Parameters, weight bytes per precision and KV-cache bytes of CHECKPOINT."""
+def inspect(checkpoint: str, revision: str | None, batch: int, seq: int | None, allow_pickle: bool) -> None:
+    """Parameters, weight bytes per precision and KV-cache bytes of CHECKPOINT (a directory or a cached Hub id)."""
     from toolchain import checkpoint as checkpoints
     from toolchain.export import cache_layout
     from toolchain.footprint import footprint, format_footprint
     from toolchain.spec import DecoderSpec
 
-    ckpt = checkpoints.load(checkpoint, allow_pickle=allow_pickle)
+    ckpt = checkpoints.load(checkpoint, allow_pickle=allow_pickle, revision=revision)
     spec = cache_layout(ckpt.config, DecoderSpec.from_config(ckpt.config, ckpt.generation_config))
     click.echo(format_footprint(footprint(ckpt, spec, batch=batch, seq=seq or spec.max_positions), spec))
 

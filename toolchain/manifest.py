@@ -14,6 +14,7 @@ from typing import Any
 from runners.contract import DecoderIO
 from runners.manifest import MANIFEST, SCHEMA_VERSION, sha256_file
 from toolchain.emit import write_json
+from toolchain.hub import HubSnapshot
 from toolchain.spec import DecoderSpec
 
 _TOOLS = (
@@ -48,13 +49,16 @@ def write(
     flags: Mapping[str, Any],
     passes: Mapping[str, Any],
     parity: Mapping[str, Any],
+    hub: HubSnapshot | None = None,
 ) -> dict[str, Any]:
+    """`hub`: the Hugging Face cache snapshot the checkpoint was, recorded as `hub` (id and commit)."""
     files = {p.name: sha256_file(p) for p in sorted(directory.iterdir()) if p.name != MANIFEST}
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "target": flags["target"],
         "flags": dict(flags),
         "sources": dict(sources),
+        **({"hub": hub.to_dict()} if hub is not None else {}),
         "tools": tool_versions(),
         "spec": spec.to_dict(),
         "io": io.to_dict(),

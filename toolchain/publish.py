@@ -9,6 +9,12 @@ available (not Linux, or a file system without it), the previous artifact is fir
 to `.NAME.retired-XXXX`; if the process dies before the new one is in place, the next
 build moves it back.
 
+Whether an existing `NAME` may be replaced is decided twice: before any work
+(`check_output`), so a doomed build fails at once, and again at publish time, while the
+build holds an exclusive `flock` on the output's parent directory, so two builds to the
+same output publish one after the other and a build without --force never replaces an
+artifact another build published while it ran.
+
 A killed build leaves only its staging directory, whose lock died with it: the next
 build to the same output removes every unlocked leftover before it starts.
 """
@@ -79,9 +85,34 @@ def staged(output: Path, marker: str = MANIFEST) -> Iterator[Path]:
         os.close(lock)
 
 
-def publish(staging: Path, output: Path, marker: str = MANIFEST) -> None:
-    """Put the complete `staging` directory at `output`, atomically replacing a previous artifact."""
-    check_output(output, force=True, marker=marker)  # the output may have changed while we built
+def publish(staging: Path, output: Path, marker: str = MANIFEST, *, force: bool = True) -> None:
+    """Put the complete `staging` directory at `output`, atomically replacing a previous
+    artifact where `force` allows it; decided and done under the lock of `output`'s parent."""
+    with _publish_lock(output.parent):
+        try:
+            check_output(output, force=force, marker=marker)  # the output may have changed while we built
+        except ArtifactError as e:
+            if force or not output.exists():
+                raise
+            raise ArtifactError(
+                f"{output}: was published by another build while this one ran; nothing was replaced, "
+                "pass --force to replace it"
+            ) from e
+        _swap_in(staging, output)
+
+
+@contextmanager
+def _publish_lock(directory: Path) -> Iterator[None]:
+    """An exclusive flock on `directory`, held while an output in it is checked and swapped."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _swap_in(staging: Path, output: Path) -> None:
     if not output.exists():
         _rename_noreplace(staging, output)
         return

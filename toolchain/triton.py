@@ -116,7 +116,7 @@ def export_triton(artifact: Path, output: Path, options: TritonOptions = TritonO
             "artifact_manifest_sha256": hashlib.sha256((artifact / MANIFEST).read_bytes()).hexdigest(),
         }
         (staging / REPOSITORY_MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
-        publish(staging, output, marker=REPOSITORY_MARKER)
+        publish(staging, output, marker=REPOSITORY_MARKER, force=options.force)
     log.info("wrote %s: model %r, %d artifact files", output, name, len(files))
     return TritonRepository(output, name, len(files))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import signal
@@ -242,3 +243,113 @@ def test_builds_are_byte_identical_across_paths_hash_seeds_and_working_directori
     for name, content in first.items():
         for needle in forbidden:
             assert needle not in content, f"{name} contains {needle!r}"
+
+
+# --- two builds to one output ------------------------------------------------------------
+
+PUBLISHER = """
+import sys, time
+from pathlib import Path
+from toolchain.publish import check_output, publish, staged
+
+out, force, content, go = Path(sys.argv[1]), sys.argv[2] == "force", sys.argv[3], Path(sys.argv[4])
+check_output(out, force)  # what a build checks before any work
+with staged(out) as staging:
+    (staging / "manifest.json").write_text("{}")
+    (staging / "model.onnx").write_text(content)
+    print("ready", flush=True)
+    while not go.exists():
+        time.sleep(0.005)
+    publish(staging, out, force=force)
+"""
+
+
+def start_publisher(out: Path, force: bool, content: str, go: Path) -> subprocess.Popen[str]:
+    process = subprocess.Popen(
+        [sys.executable, "-c", PUBLISHER, str(out), "force" if force else "no", content, str(go)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None and process.stdout.readline() == "ready\n"
+    return process
+
+
+def test_a_build_without_force_never_replaces_what_another_published_meanwhile(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    plain = start_publisher(out, False, "plain", tmp_path / "go-plain")
+    forced = start_publisher(out, True, "forced", tmp_path / "go-forced")
+    (tmp_path / "go-forced").touch()
+    assert forced.wait(60) == 0
+    (tmp_path / "go-plain").touch()
+    assert plain.wait(60) != 0
+    assert plain.stderr is not None and "was published by another build while this one ran" in plain.stderr.read()
+    assert (out / "model.onnx").read_text() == "forced"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_two_builds_released_together_publish_one_after_the_other(tmp_path: Path) -> None:
+    """Whichever swaps first, the one with --force is what stays: the other either published
+    first and was replaced, or found the output taken and published nothing."""
+    for attempt in range(3):
+        out, go = tmp_path / f"out{attempt}", tmp_path / f"go{attempt}"
+        plain = start_publisher(out, False, "plain", go)
+        forced = start_publisher(out, True, "forced", go)
+        go.touch()
+        assert forced.wait(60) == 0
+        plain.wait(60)
+        assert (out / "model.onnx").read_text() == "forced"
+
+
+PUBLISH_AFTER_THE_OTHER = """
+import sys, time
+from pathlib import Path
+from toolchain import build
+from toolchain.cli import main
+
+real = build.publish
+
+def publish_after_the_other(staging, output, **kwargs):
+    deadline = time.monotonic() + 600
+    while not (output / "manifest.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    real(staging, output, **kwargs)
+
+build.publish = publish_after_the_other
+main(["build", sys.argv[1], "-o", sys.argv[2]])
+"""
+
+
+@pytest.mark.slow
+def test_two_real_builds_without_and_with_force(tmp_path: Path, tiny_checkpoint: Callable[..., Path]) -> None:
+    """Started together; the one without --force reaches its swap after the other published
+    (held there until then): it fails and the other's artifact stays. The forced one runs
+    with -q: no progress lines, only its result."""
+    out = tmp_path / "out"
+    plain = subprocess.Popen(
+        [sys.executable, "-c", PUBLISH_AFTER_THE_OTHER, str(tiny_checkpoint("llama")), str(out)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    forced = subprocess.run(
+        [sys.executable, "-m", "toolchain.cli", "build", str(tiny_checkpoint("qwen2")), "-o", str(out)]
+        + ["--force", "-q"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert forced.returncode == 0, forced.stderr[-2000:]
+    _, plain_err = plain.communicate(timeout=600)
+    assert plain.returncode == 2, plain_err[-2000:]
+    assert plain_err.strip().splitlines()[-1].startswith("kvforge: error: ")
+    assert "was published by another build while this one ran" in plain_err
+    assert "kvforge: load done in " in plain_err  # not quiet, not a terminal: progress lines
+    assert not any(line.startswith("kvforge: ") and "error" not in line for line in forced.stderr.splitlines())
+    assert forced.stderr.splitlines()[0].startswith("built ")
+    assert json.loads((out / "manifest.json").read_text())["spec"]["model_type"] == "qwen2"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]

@@ -338,8 +338,10 @@ def test_missing_path(tmp_path: Path) -> None:
 
 def test_hub_id_is_not_downloaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(CheckpointError, match="not downloaded"):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(CheckpointError) as exc:
         load("meta-llama/Llama-3.2-1B")
+    assert str(tmp_path / "cache") in error_text(exc) and "`hf download meta-llama/Llama-3.2-1B`" in error_text(exc)
 
 
 def test_file_instead_of_directory(tmp_path: Path) -> None:
