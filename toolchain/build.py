@@ -39,6 +39,7 @@ from runners.tokenizer import TokenizerBundle
 from runners.torch_session import TorchSession
 from toolchain import checkpoint as checkpoints
 from toolchain import emit, manifest
+from toolchain.emit import genai
 from toolchain.emit import tensorrt as trt_engine
 from toolchain.export import DecoderWrapper, eager_model, export_decoder
 from toolchain.footprint import footprint, format_bytes
@@ -162,6 +163,8 @@ def build(checkpoint_dir: Path, output: Path, options: BuildOptions = BuildOptio
                 gc.collect()
                 emit.copy_tokenizer(ckpt, staging)
                 emit.write_generation_config(ckpt, spec, staging)
+                if genai.drives(options.target, graph_io):
+                    genai.write_genai_config(staging, spec, graph_io, emit.generation_config(ckpt, spec))
             with _timed(seconds, "verify"), _verifiable(staging, graph_io, options.weights is None) as session:
                 report = gate(session)
                 require_parity(report, str(checkpoint_dir))
