@@ -31,6 +31,7 @@ from passes.pipeline import PassReport
 from passes.quantize import WeightQuantization
 from passes.tensorrt_check import UnsupportedByTensorRT
 from passes.widen import WidenFloats
+from runners import runtime as runtimes
 from runners.contract import DecoderIO
 from runners.errors import ArtifactError
 from runners.manifest import MANIFEST, read_manifest, verify_files
@@ -214,10 +215,14 @@ def _write_failure(error: OSError, output: Path) -> str:
     return os.strerror(errno.ENOSPC) if full else str(error)
 
 
-def verify(artifact: Path, checkpoint_dir: Path, *, allow_pickle: bool = False) -> ParityReport | DistributionReport:
-    """Re-run the parity gate of a published artifact against its checkpoint."""
+def verify(
+    artifact: Path, checkpoint_dir: Path, *, allow_pickle: bool = False, runtime: str = "ort"
+) -> ParityReport | DistributionReport:
+    """Re-run the parity gate of a published artifact against its checkpoint, in the session
+    `runtime` chooses (`runners.runtime`; "ort", onnxruntime's CPU provider, as the build's gate)."""
     recorded = read_manifest(artifact)
     verify_files(artifact, recorded)
+    choice = runtimes.choose(runtime, recorded, runtimes.Environment.detect())
     ckpt = checkpoints.load(checkpoint_dir, allow_pickle=allow_pickle)
     if ckpt.source_hashes() != recorded.get("sources"):
         raise ArtifactError(
@@ -232,10 +237,22 @@ def verify(artifact: Path, checkpoint_dir: Path, *, allow_pickle: bool = False) 
     gate = _record_gate(eager, recorded["flags"], spec, artifact)
     del model, eager
     gc.collect()
-    with _verifiable(artifact, io, recorded["flags"].get("weights") is None) as session:
-        report = gate(session)
+    if choice.runtime == "ort":
+        with _verifiable(artifact, io, recorded["flags"].get("weights") is None) as session:
+            report = gate(session)
+    else:
+        report = gate(_device_session(artifact, recorded, io, choice))
     require_parity(report, str(artifact))
     return report
+
+
+def _device_session(artifact: Path, recorded: dict[str, Any], io: DecoderIO, choice: runtimes.Choice) -> Session:
+    """The artifact on a GPU runtime; a TensorRT session copies its cache back, which the gate compares."""
+    if choice.runtime == "tensorrt":
+        from runners.trt_session import TrtSession
+
+        return TrtSession(artifact, mirror_cache=True)
+    return runtimes.open_session(artifact, recorded, io, choice)
 
 
 @contextmanager
