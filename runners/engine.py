@@ -22,8 +22,8 @@ from runners.detokenizer import StreamingDetokenizer
 from runners.errors import ArtifactError, GenerationError
 from runners.generate import Step, check_length, generate_steps
 from runners.manifest import read_io, read_json_object, read_manifest, read_max_positions, verify_files
-from runners.sampling import SamplingParams, make_rng
 from runners.runtime import Choice, Environment, choose, open_session
+from runners.sampling import SamplingParams, make_rng
 from runners.session import Session
 from runners.tokenizer import TokenizerBundle
 
@@ -124,7 +124,9 @@ class Engine:
         )
         if providers is not None and runtime != "auto":
             raise GenerationError(f"pass providers or runtime {runtime!r}, not both")
-        choice = Choice("ort") if providers is not None else choose(runtime, manifest, environment or Environment.detect())
+        choice = (
+            Choice("ort") if providers is not None else choose(runtime, manifest, environment or Environment.detect())
+        )
         return cls(
             open_session(directory, manifest, io, choice, huge_pages=huge_pages, providers=providers),
             TokenizerBundle.load(directory),

@@ -146,4 +146,3 @@ def test_onnxruntime_genai_generates_the_same_tokens_and_text(
         assert text == expected if "\ufffd" not in expected else _valid_prefix(text) == _valid_prefix(expected)
     assert full_runs >= 3  # most prompts run all 16 tokens without meeting eos
     verify_files(artifact, manifest)  # onnxruntime-genai wrote nothing into the artifact
-
