@@ -130,3 +130,62 @@ def test_engine_load_refuses_a_forced_runtime_that_is_missing_before_opening_any
         Engine.load(built_artifact("llama"), runtime="ort-cuda", environment=CPU_ONLY)
     engine = Engine.load(built_artifact("llama"), runtime="ort", huge_pages=False)  # the real CPU session
     assert engine.generate_tokens([[5, 6, 7]], max_new_tokens=2, temperature=0)[0]
+
+
+# --- the CLI's --runtime -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_cli_refuses_a_forced_runtime_in_one_line_and_runs_the_cpu_one(built_artifact: Callable[..., Path]) -> None:
+    from click.testing import CliRunner
+
+    from toolchain.cli import main
+
+    artifact = str(built_artifact("llama"))
+    refused = CliRunner().invoke(main, ["generate", artifact, "def", "--runtime", "tensorrt"])
+    assert refused.exit_code == 2
+    assert refused.stderr.strip().splitlines() == [
+        "kvforge: error: --runtime tensorrt: the artifact has no TensorRT engine; add one with "
+        "`kvforge build-engine ARTIFACT` on a GPU machine"
+    ]
+    ran = CliRunner().invoke(main, ["generate", artifact, "def", "--runtime", "ort", "--max-new-tokens", "3"])
+    assert ran.exit_code == 0 and "3 new tokens" in ran.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "kind"),
+    [([], "cpu"), (["--kind", "gpu"], "gpu"), (["--runtime", "ort-cuda"], "gpu"), (["--runtime", "ort"], "cpu")],
+)
+def test_export_triton_runtime_picks_the_instance_kind(
+    args: list[str], kind: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from click.testing import CliRunner
+
+    import toolchain.triton
+    from toolchain.cli import main
+
+    seen: list[str] = []
+
+    def fake_export(artifact: Path, output: Path, options: Any) -> Any:
+        seen.append(options.kind)
+        raise RuntimeUnavailable("stop here")
+
+    monkeypatch.setattr(toolchain.triton, "export_triton", fake_export)
+    result = CliRunner().invoke(main, ["export-triton", str(tmp_path), "-o", str(tmp_path / "repo"), *args])
+    assert result.exit_code == 2 and seen == [kind]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--runtime", "tensorrt"], "runs kvforge's engine on onnxruntime only"),
+        (["--runtime", "ort-cuda", "--kind", "cpu"], "--runtime ort-cuda runs Triton instances of --kind gpu"),
+    ],
+)
+def test_export_triton_refuses_a_runtime_it_cannot_serve(args: list[str], message: str, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from toolchain.cli import main
+
+    result = CliRunner().invoke(main, ["export-triton", str(tmp_path), "-o", str(tmp_path / "repo"), *args])
+    assert result.exit_code == 2 and message in result.stderr
