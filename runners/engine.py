@@ -125,7 +125,9 @@ class Engine:
         if providers is not None and runtime != "auto":
             raise GenerationError(f"pass providers or runtime {runtime!r}, not both")
         choice = (
-            Choice("ort") if providers is not None else choose(runtime, manifest, environment or Environment.detect())
+            Choice("ort")
+            if providers is not None
+            else choose(runtime, manifest, environment or Environment.detect(), str(directory))
         )
         return cls(
             open_session(directory, manifest, io, choice, huge_pages=huge_pages, providers=providers),

@@ -75,12 +75,13 @@ class Choice:
     providers: tuple[str, ...] = (CPU_PROVIDER,)
 
 
-def choose(runtime: str, manifest: Mapping[str, Any], env: Environment) -> Choice:
-    """The runtime to open, or RuntimeUnavailable naming what is missing for the one asked for."""
+def choose(runtime: str, manifest: Mapping[str, Any], env: Environment, artifact: str = "ARTIFACT") -> Choice:
+    """The runtime to open, or RuntimeUnavailable naming what is missing for the one asked for
+    (`artifact`: the directory, as the message names it)."""
     if runtime not in RUNTIMES:
         raise RuntimeUnavailable(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}; choose one")
     if runtime in ("auto", "tensorrt"):
-        missing = _tensorrt_missing(manifest, env)
+        missing = _tensorrt_missing(manifest, env, artifact)
         if missing is None:
             return Choice("tensorrt", ())
         if runtime == "tensorrt":
@@ -94,9 +95,9 @@ def choose(runtime: str, manifest: Mapping[str, Any], env: Environment) -> Choic
     return Choice("ort")
 
 
-def _tensorrt_missing(manifest: Mapping[str, Any], env: Environment) -> str | None:
+def _tensorrt_missing(manifest: Mapping[str, Any], env: Environment, artifact: str) -> str | None:
     if not isinstance(manifest.get("engine"), dict):
-        return "the artifact has no TensorRT engine; add one with `kvforge build-engine ARTIFACT` on a GPU machine"
+        return f"{artifact} has no TensorRT engine; add one with `kvforge build-engine {artifact}` on a GPU machine"
     if not env.tensorrt:
         return "the tensorrt and cuda-python packages are not installed; pip install 'kvforge[tensorrt]'"
     if env.gpus < 1:

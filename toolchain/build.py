@@ -222,7 +222,7 @@ def verify(
     `runtime` chooses (`runners.runtime`; "ort", onnxruntime's CPU provider, as the build's gate)."""
     recorded = read_manifest(artifact)
     verify_files(artifact, recorded)
-    choice = runtimes.choose(runtime, recorded, runtimes.Environment.detect())
+    choice = runtimes.choose(runtime, recorded, runtimes.Environment.detect(), str(artifact))
     ckpt = checkpoints.load(checkpoint_dir, allow_pickle=allow_pickle)
     if ckpt.source_hashes() != recorded.get("sources"):
         raise ArtifactError(

@@ -145,8 +145,8 @@ def test_cli_refuses_a_forced_runtime_in_one_line_and_runs_the_cpu_one(built_art
     refused = CliRunner().invoke(main, ["generate", artifact, "def", "--runtime", "tensorrt"])
     assert refused.exit_code == 2
     assert refused.stderr.strip().splitlines() == [
-        "kvforge: error: --runtime tensorrt: the artifact has no TensorRT engine; add one with "
-        "`kvforge build-engine ARTIFACT` on a GPU machine"
+        f"kvforge: error: --runtime tensorrt: {artifact} has no TensorRT engine; add one with "
+        f"`kvforge build-engine {artifact}` on a GPU machine"
     ]
     ran = CliRunner().invoke(main, ["generate", artifact, "def", "--runtime", "ort", "--max-new-tokens", "3"])
     assert ran.exit_code == 0 and "3 new tokens" in ran.stderr
