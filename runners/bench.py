@@ -231,10 +231,11 @@ def bench(
     new_tokens: int = 32,
     repeats: int = 3,
     bandwidth: float | None = None,
+    runtime: str = "auto",
 ) -> tuple[list[BenchResult], list[str], float]:
     """Results per (prompt, batch), the configurations skipped and why, and the median
     bandwidth of the rounds (`bandwidth`, when given, stands for every round's)."""
-    engine = Engine.load(artifact)  # generate_steps without eos ids: every run has its full length
+    engine = Engine.load(artifact, runtime=runtime)  # generate_steps without eos ids: every run has its full length
     weights = weight_bytes_per_step(artifact, read_manifest(artifact))
     rng = np.random.default_rng(0)
     configs, skipped = [], []

@@ -22,11 +22,11 @@ from runners.detokenizer import StreamingDetokenizer
 from runners.errors import ArtifactError, GenerationError
 from runners.generate import Step, check_length, generate_steps
 from runners.manifest import read_io, read_json_object, read_manifest, read_max_positions, verify_files
+from runners.runtime import Choice, Environment, choose, open_session
 from runners.sampling import SamplingParams, make_rng
-from runners.session import OrtSession, Session
+from runners.session import Session
 from runners.tokenizer import TokenizerBundle
 
-MODEL_FILE = "model.onnx"
 GENERATION_CONFIG = "generation_config.json"
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -88,14 +88,27 @@ class Engine:
 
     @classmethod
     def load(
-        cls, directory: str | Path, providers: Sequence[str] = ("CPUExecutionProvider",), *, huge_pages: bool = True
+        cls,
+        directory: str | Path,
+        providers: Sequence[str] | None = None,
+        *,
+        runtime: str = "auto",
+        huge_pages: bool = True,
+        environment: Environment | None = None,
     ) -> Engine:
         """Open an artifact after checking every file against its manifest.
 
         The hashes are checked before any file is used, and the model's external data must
         name files among those checked, before onnxruntime opens it.
 
-        `huge_pages` backs the weights onnxruntime loads with 2 MiB pages on Linux
+        `runtime` chooses the session (`runners.runtime`): "auto" runs the artifact's
+        TensorRT engine where TensorRT and a GPU are present, else onnxruntime's CUDA provider
+        where onnxruntime-gpu and a GPU are, else the CPU; "ort", "ort-cuda" and "tensorrt"
+        ask for one, and one that cannot run here is a RuntimeUnavailable error naming what is
+        missing. `providers`, where given, are onnxruntime's as the caller chose them.
+        `environment` stands for what is installed (`Environment.detect()` when None).
+
+        `huge_pages` backs the weights onnxruntime loads on the CPU with 2 MiB pages on Linux
         (`runners.hugepages`): decode about 8% faster on the 125M reference, for 0.3 to
         0.9 s more at load; pass False when a process loads to generate a few tokens.
         """
@@ -109,8 +122,15 @@ class Engine:
         settings = generation_settings(
             read_json_object(config, missing_ok=True), manifest.get("spec"), source=str(config)
         )
+        if providers is not None and runtime != "auto":
+            raise GenerationError(f"pass providers or runtime {runtime!r}, not both")
+        choice = (
+            Choice("ort")
+            if providers is not None
+            else choose(runtime, manifest, environment or Environment.detect(), str(directory))
+        )
         return cls(
-            OrtSession(directory / MODEL_FILE, io, providers, data_files=set(manifest["files"]), huge_pages=huge_pages),
+            open_session(directory, manifest, io, choice, huge_pages=huge_pages, providers=providers),
             TokenizerBundle.load(directory),
             max_positions=max_positions,
             eos_ids=settings.eos_ids,

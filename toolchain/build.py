@@ -31,6 +31,7 @@ from passes.pipeline import PassReport
 from passes.quantize import WeightQuantization
 from passes.tensorrt_check import UnsupportedByTensorRT
 from passes.widen import WidenFloats
+from runners import runtime as runtimes
 from runners.contract import DecoderIO
 from runners.errors import ArtifactError
 from runners.manifest import MANIFEST, read_manifest, verify_files
@@ -39,6 +40,7 @@ from runners.tokenizer import TokenizerBundle
 from runners.torch_session import TorchSession
 from toolchain import checkpoint as checkpoints
 from toolchain import emit, manifest, progress
+from toolchain.emit import genai
 from toolchain.emit import tensorrt as trt_engine
 from toolchain.export import DecoderWrapper, cache_layout, eager_model, export_decoder
 from toolchain.footprint import footprint, format_bytes
@@ -164,6 +166,8 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
                 gc.collect()
                 emit.copy_tokenizer(ckpt, staging)
                 emit.write_generation_config(ckpt, spec, staging)
+                if genai.drives(options.target, graph_io):
+                    genai.write_genai_config(staging, spec, graph_io, emit.generation_config(ckpt, spec))
             with _timed(seconds, "verify"), _verifiable(staging, graph_io, options.weights is None) as session:
                 report = gate(progress.CountedSession(session))
                 require_parity(report, str(checkpoint_dir))
@@ -224,11 +228,19 @@ def read_spec(ckpt: checkpoints.Checkpoint) -> DecoderSpec:
 
 
 def verify(
-    artifact: Path, checkpoint_dir: Path | str, *, allow_pickle: bool = False, revision: str | None = None
+    artifact: Path,
+    checkpoint_dir: Path | str,
+    *,
+    allow_pickle: bool = False,
+    revision: str | None = None,
+    runtime: str = "ort",
 ) -> ParityReport | DistributionReport:
-    """Re-run the parity gate of a published artifact against its checkpoint (a directory or a cached Hub id)."""
+    """Re-run the parity gate of a published artifact against its checkpoint (a directory or a
+    cached Hub id), in the session `runtime` chooses (`runners.runtime`; "ort", onnxruntime's
+    CPU provider, as the build's gate)."""
     recorded = read_manifest(artifact)
     verify_files(artifact, recorded)
+    choice = runtimes.choose(runtime, recorded, runtimes.Environment.detect(), str(artifact))
     ckpt = checkpoints.load(checkpoint_dir, allow_pickle=allow_pickle, revision=revision)
     if ckpt.source_hashes() != recorded.get("sources"):
         raise ArtifactError(
@@ -242,10 +254,22 @@ def verify(
     gate = _record_gate(eager, recorded["flags"], spec, artifact)
     del model, eager
     gc.collect()
-    with _verifiable(artifact, io, recorded["flags"].get("weights") is None) as session:
-        report = gate(session)
+    if choice.runtime == "ort":
+        with _verifiable(artifact, io, recorded["flags"].get("weights") is None) as session:
+            report = gate(session)
+    else:
+        report = gate(_device_session(artifact, recorded, io, choice))
     require_parity(report, str(artifact))
     return report
+
+
+def _device_session(artifact: Path, recorded: dict[str, Any], io: DecoderIO, choice: runtimes.Choice) -> Session:
+    """The artifact on a GPU runtime; a TensorRT session copies its cache back, which the gate compares."""
+    if choice.runtime == "tensorrt":
+        from runners.trt_session import TrtSession
+
+        return TrtSession(artifact, mirror_cache=True)
+    return runtimes.open_session(artifact, recorded, io, choice)
 
 
 @contextmanager

@@ -65,6 +65,23 @@ def _engine_options(queue_note: str) -> Callable[[Callable[..., Any]], Callable[
     return apply
 
 
+def _runtime_option(help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return click.option(
+        "--runtime",
+        type=click.Choice(["auto", "ort", "ort-cuda", "tensorrt"]),
+        default="auto",
+        show_default=True,
+        help=help_text,
+    )
+
+
+_RUNTIME_HELP = (
+    "auto: the artifact's TensorRT engine where TensorRT and a GPU are present, else onnxruntime's CUDA provider "
+    "where onnxruntime-gpu and a GPU are, else the CPU; ort (CPU), ort-cuda, tensorrt: that one, or an error "
+    "saying what is missing."
+)
+
+
 @click.group()
 @click.option("-v", "--verbose", is_flag=True, help="Log each stage to stderr.")
 def main(verbose: bool) -> None:
@@ -260,6 +277,7 @@ def build_engine(artifact: Path, **engine: Any) -> None:
 @click.option("--seed", type=int, default=None, help="Same seed, same text.")
 @click.option("--stop", multiple=True, help="Stop before this string (repeatable); it is not printed.")
 @click.option("--chat", is_flag=True, help="Format the prompt with the tokenizer's chat template.")
+@_runtime_option(_RUNTIME_HELP)
 @_guarded
 def generate(
     artifact: Path,
@@ -267,12 +285,13 @@ def generate(
     max_new_tokens: int | None,
     stop: tuple[str, ...],
     chat: bool,
+    runtime: str,
     **sampling: Any,
 ) -> None:
     """Generate from ARTIFACT. One prompt streams to stdout; several run as one batch."""
     from runners.engine import Engine
 
-    engine = Engine.load(artifact)
+    engine = Engine.load(artifact, runtime=runtime)
     if len(prompts) > 1:
         for text in engine.generate(list(prompts), max_new_tokens=max_new_tokens, stop=stop, chat=chat, **sampling):
             click.echo(json.dumps(text, ensure_ascii=False))
@@ -311,16 +330,28 @@ def generate(
     help="Rounds, each running every configuration once; medians over rounds are reported.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+@_runtime_option(_RUNTIME_HELP)
 @_guarded
 def bench(
-    artifact: Path, prompts: tuple[int, ...], batches: tuple[int, ...], new_tokens: int, repeats: int, as_json: bool
+    artifact: Path,
+    prompts: tuple[int, ...],
+    batches: tuple[int, ...],
+    new_tokens: int,
+    repeats: int,
+    as_json: bool,
+    runtime: str,
 ) -> None:
     """First token, decode tokens/s and its fraction of the memory-bandwidth roofline for ARTIFACT."""
     from runners.bench import bench as run_bench
     from runners.bench import format_results, peak_memory_bytes, ratios
 
     results, skipped, bandwidth = run_bench(
-        artifact, prompts=prompts or (128, 1024), batches=batches or (1, 8), new_tokens=new_tokens, repeats=repeats
+        artifact,
+        prompts=prompts or (128, 1024),
+        batches=batches or (1, 8),
+        new_tokens=new_tokens,
+        repeats=repeats,
+        runtime=runtime,
     )
     if as_json:
         data = {
@@ -348,6 +379,7 @@ def bench(
     type=click.FloatRange(0),
     help="Seconds SIGTERM waits for in-flight requests.",
 )
+@_runtime_option(_RUNTIME_HELP)
 @_guarded
 def serve(
     artifact: Path,
@@ -358,12 +390,15 @@ def serve(
     max_queued: int,
     prefill_chunk: int,
     drain_timeout: float,
+    runtime: str,
 ) -> None:
     """Serve ARTIFACT over an OpenAI-compatible HTTP API with continuous batching."""
     from runners.serve import ServeOptions
     from runners.serve import serve as run_serve
 
-    options = ServeOptions(host, port, served_model_name, max_num_seqs, max_queued, prefill_chunk, drain_timeout)
+    options = ServeOptions(
+        host, port, served_model_name, max_num_seqs, max_queued, prefill_chunk, drain_timeout, runtime
+    )
     run_serve(artifact, options, announce=lambda line: click.echo(f"kvforge serve: {line}", err=True))
 
 
@@ -389,17 +424,40 @@ def serve(
 )
 @click.option("--name", default=None, help="Triton model name. Default: ARTIFACT's directory name.")
 @_engine_options(", per instance")
+@_runtime_option(
+    "auto: as --kind says; ort: onnxruntime on the CPU (--kind cpu); ort-cuda: onnxruntime's CUDA provider "
+    "(--kind gpu). The Triton backend runs onnxruntime only, so tensorrt is refused."
+)
 @_guarded
-def export_triton(artifact: Path, output: Path, name: str | None, **options: Any) -> None:
+def export_triton(artifact: Path, output: Path, name: str | None, runtime: str, **options: Any) -> None:
     """Write a Triton Inference Server model repository that serves ARTIFACT with kvforge's engine."""
     from toolchain.triton import TritonOptions
     from toolchain.triton import export_triton as run_export
+
+    options["kind"] = _triton_kind(runtime, options["kind"], click.get_current_context())
 
     written = run_export(artifact, output, TritonOptions(name=name, **options))
     click.echo(
         f"wrote {written.path}: Triton model {written.model!r}; serving commands in {written.path / 'README.md'}",
         err=True,
     )
+
+
+def _triton_kind(runtime: str, kind: str, context: click.Context) -> str:
+    """The Triton instance kind --runtime asks for; a --kind given that contradicts it is refused."""
+    from runners.runtime import RuntimeUnavailable
+
+    if runtime == "tensorrt":
+        raise RuntimeUnavailable(
+            "export-triton --runtime tensorrt: the Triton backend runs kvforge's engine on onnxruntime only; "
+            "use --runtime ort-cuda (or serve the engine with `kvforge serve --runtime tensorrt`)"
+        )
+    wanted = {"ort": "cpu", "ort-cuda": "gpu"}.get(runtime)
+    if wanted is None:
+        return kind
+    if kind != wanted and context.get_parameter_source("kind") == click.core.ParameterSource.COMMANDLINE:
+        raise RuntimeUnavailable(f"--runtime {runtime} runs Triton instances of --kind {wanted}, not --kind {kind}")
+    return wanted
 
 
 @main.command()
@@ -414,12 +472,14 @@ def export_triton(artifact: Path, output: Path, name: str | None, **options: Any
 @click.option(
     "--allow-pickle", is_flag=True, help="Accept pytorch_model.bin (read with torch.load(weights_only=True))."
 )
+@_runtime_option("The session the check runs ARTIFACT in; " + _RUNTIME_HELP)
 @_guarded
-def verify(artifact: Path, checkpoint: str, revision: str | None, allow_pickle: bool) -> None:
+def verify(artifact: Path, checkpoint: str, revision: str | None, allow_pickle: bool, runtime: str) -> None:
     """Re-run the parity check of ARTIFACT against the eager model of CHECKPOINT."""
     from toolchain.build import verify as run_verify
 
-    click.echo(run_verify(artifact, checkpoint, allow_pickle=allow_pickle, revision=revision).summary())
+    report = run_verify(artifact, checkpoint, allow_pickle=allow_pickle, revision=revision, runtime=runtime)
+    click.echo(report.summary())
 
 
 @main.command()

@@ -49,6 +49,7 @@ class ServeOptions:
     max_queued: int = 64
     prefill_chunk: int = 256
     drain_timeout: float = 30.0
+    runtime: str = "auto"  # runners.runtime: which session runs the artifact
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "prefill_chunk"):
@@ -377,7 +378,7 @@ def serve(
     try:
         host, port = server.server_address[:2]
         announce(f"listening on http://{_url_host(str(host))}:{port}, loading {artifact}")
-        engine = Engine.load(artifact)
+        engine = Engine.load(artifact, runtime=options.runtime)
         scheduler = BatchScheduler.for_engine(
             engine,
             max_num_seqs=options.max_num_seqs,
