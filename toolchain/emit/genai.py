@@ -42,8 +42,9 @@ _HF_TOP_K = 50  # transformers' GenerationConfig default
 
 
 def drives(target: str, io: DecoderIO) -> bool:
-    """Whether onnxruntime-genai can run an artifact of this target and contract."""
-    return target in TARGETS and io.kv_dtype in _KV_DTYPES and io.capacity is None
+    """Whether onnxruntime-genai can run an artifact of this target and contract (its config
+    has one head size for keys and values: not multi-head latent attention's cache)."""
+    return target in TARGETS and io.kv_dtype in _KV_DTYPES and io.capacity is None and io.value_head_dim is None
 
 
 def model_type(spec: DecoderSpec) -> str:
