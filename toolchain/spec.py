@@ -801,7 +801,7 @@ def _token_list(reader: _Reader, key: str) -> tuple[int, ...]:
 
 # "other": a family without an entry whose config has no RoPE parameters (learned tables,
 # ALiBi, ...): the modeling code does what it does, and the gate checks it.
-POSITION_EMBEDDINGS = ("rope", "learned", "other")
+POSITION_KINDS = ("rope", "learned", "other")
 
 _INT_FIELDS = (
     "num_layers",
@@ -855,7 +855,7 @@ def _check_spec(spec: DecoderSpec) -> None:
     if not isinstance(spec.model_type, str) or not spec.model_type.replace("_", "").isalnum():
         raise _spec_error("model_type", f"is {spec.model_type!r}, not a transformers model_type")
     choices = {
-        "position_embedding": POSITION_EMBEDDINGS,
+        "position_embedding": POSITION_KINDS,
         "norm_kind": ("rmsnorm", "layernorm"),
         "dtype": SUPPORTED_DTYPES,
     }
