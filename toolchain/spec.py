@@ -504,6 +504,14 @@ def _generic_layout(reader: _Reader, model_type: str) -> tuple[_Reader, _Layout]
                 data[name] = value
         elif name in aliases:
             data[name] = data[aliases[name]]
+    layer_types = getattr(config, "layer_types", None)
+    windowed = (
+        any(kind in ("sliding_attention", "chunked_attention") for kind in layer_types)
+        if layer_types
+        else getattr(config, "use_sliding_window", True) is not False
+    )
+    if not windowed:  # the window is off (qwen2_moe keeps sliding_window 0 with use_sliding_window false)
+        data["sliding_window"] = None
     if data.get("max_position_embeddings") is None:  # older configs name the context otherwise
         context = next((data[f] for f in _CONTEXT_FIELDS if data.get(f) is not None), None)
         if context is not None:
