@@ -1,6 +1,6 @@
 """The OpenAPI 3.0 description of the server, served at GET /openapi.json.
 
-It lists the fields this server reads (others are accepted and ignored) with the ranges it
+It lists the fields this server reads (a field it does not implement is refused with a 400) with the ranges it
 accepts, and every status each route answers with, so that schema-driven testers can check
 the server against it.
 """

@@ -2,7 +2,9 @@
 
 `parse_request` checks everything about a request before any work is queued, and raises
 `ApiError` carrying OpenAI's error shape: the message names the field and value and says
-what to do. Fields the API has but this server does not use are accepted and ignored.
+what to do. A field is either implemented, harmless to ignore (`user`, `metadata`, ...), or
+refused with a 400 naming it: a request is never answered as if a field it sent had been
+honoured when it was not.
 """
 
 from __future__ import annotations
@@ -21,8 +23,44 @@ from runners.sampling import SamplingParams
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 _MAX_STOP_STRINGS = 16
-# OpenAI fields whose effect this server does not implement: refused unless neutral.
-_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "echo": False}
+# OpenAI fields whose effect this server does not implement: refused unless absent, null
+# or the neutral value listed (the value that asks for nothing).
+_NEUTRAL: dict[str, tuple[object, ...]] = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "best_of": (1,),
+    "echo": (False,),
+    "logit_bias": ({},),
+    "suffix": ("",),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "parallel_tool_calls": (),
+    "response_format": ({"type": "text"},),
+    "logprobs": (False,),
+    "top_logprobs": (),
+    "n": (1,),
+    "prediction": (),
+    "audio": (),
+    "modalities": (["text"],),
+    "reasoning_effort": (),
+    "web_search_options": (),
+}
+# Fields that describe the caller, not the generation: accepted and not acted on.
+_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+_IMPLEMENTED = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "max_completion_tokens",
+        *_SAMPLING_FIELDS,
+        "stop",
+        "stream",
+        "stream_options",
+        "ignore_eos",
+    }
+)
 
 
 class ApiError(Exception):
@@ -74,13 +112,7 @@ def parse_request(raw: bytes, *, chat: bool, engine: Engine, served_name: str) -
             "model",
             "model_not_found",
         )
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise ApiError(400, f"n must be 1 (one choice per request is supported), got {_preview(n)}", "n")
-    for name, neutral in _NEUTRAL.items():
-        value = body.get(name)
-        if value is not None and value != neutral:
-            raise ApiError(400, f"{name}={_preview(value)} is not supported; leave it out or set it to {neutral}", name)
+    _refuse_unsupported(body, chat)
     stream, include_usage = _stream_fields(body)
     params = _sampling(body, engine)
     stop = _stop(body.get("stop"))
@@ -90,6 +122,26 @@ def parse_request(raw: bytes, *, chat: bool, engine: Engine, served_name: str) -
     if ignore_eos is not None and not isinstance(ignore_eos, bool):
         raise ApiError(400, f"ignore_eos must be true or false, got {_preview(ignore_eos)}", "ignore_eos")
     return ParsedRequest(chat, ids, params, budget, stop, stream, include_usage, bool(ignore_eos))
+
+
+def _refuse_unsupported(body: Mapping[str, Any], chat: bool) -> None:
+    """A 400 naming the first field the server would otherwise have to drop."""
+    implemented = _IMPLEMENTED | {"messages" if chat else "prompt"}
+    for name, value in body.items():
+        if name in implemented or name in _IGNORED or value is None:
+            continue
+        if name in _NEUTRAL:
+            neutral = _NEUTRAL[name]
+            if any(_same(value, v) for v in neutral):
+                continue
+            hint = f"leave it out or set it to {_preview(neutral[0])}" if neutral else "leave it out"
+            raise ApiError(400, f"{name}={_preview(value)} is not supported by this server; {hint}", name)
+        raise ApiError(400, f"unknown field {name!r}; this server does not implement it, so leave it out", name)
+
+
+def _same(value: object, neutral: object) -> bool:
+    """Equal and of the same kind: 0 == False in Python, but not here."""
+    return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:

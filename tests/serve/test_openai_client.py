@@ -130,6 +130,44 @@ def test_bad_parameters_are_bad_requests_naming_the_field(
     assert body["type"] == "invalid_request_error" and param in body["message"]
 
 
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"echo": True}, "echo"),
+        ({"suffix": "x"}, "suffix"),
+        ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
+    ],
+)
+def test_fields_the_server_does_not_implement_are_refused_by_name(
+    client: openai.OpenAI, fields: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="def", max_tokens=4, **fields)
+    body = info.value.body
+    assert isinstance(body, dict) and body["param"] == param and param in body["message"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ],
+)
+def test_chat_fields_the_server_does_not_implement_are_refused_by_name(
+    client: openai.OpenAI, fields: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, **fields
+        )
+    body = info.value.body
+    assert isinstance(body, dict) and body["param"] == param and param in body["message"]
+
+
 def test_context_overflow_is_a_bad_request_with_its_code(client: openai.OpenAI, engine: Engine) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="def", max_tokens=engine.max_positions)
