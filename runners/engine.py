@@ -184,9 +184,16 @@ class Engine:
         GrammarError names what does not compile."""
         if json_schema is None and regex is None and grammar is None:
             return None
+        return self._compiler().compile(json_schema=json_schema, regex=regex, grammar=grammar)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (a byte-level token may hold part of a character)."""
+        return self._compiler().tokenizer.decode_bytes([int(token)])
+
+    def _compiler(self) -> GrammarCompiler:
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer, self.session.io.vocab_size, self.eos_ids)
-        return self._grammars.compile(json_schema=json_schema, regex=regex, grammar=grammar)
+        return self._grammars
 
     def decoder(
         self, params: SamplingParams, prompt: Sequence[int], grammar: Grammar | None = None, logprobs: int | None = None

@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -40,6 +40,7 @@ from runners.errors import KvforgeError
 from runners.generate import forward
 from runners.sampling import SamplingParams, greedy
 from runners.serve.metrics import Metrics
+from runners.serve.protocol import ParsedRequest
 from runners.session import Session
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,32 @@ class _Prefill:
     done: int = 0  # prompt tokens prefilled so far
 
 
+def choice_requests(engine: Engine, parsed: ParsedRequest, arrival: float) -> list[Request]:
+    """The engine requests of one checked API request: one per choice, sharing one event queue,
+    choice i seeded with seed + i (unseeded choices draw independently). A bad stop string
+    raises the detokenizer's KvforgeError."""
+    events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+    requests = []
+    for index in range(parsed.n):
+        params = (
+            parsed.params if parsed.params.seed is None else replace(parsed.params, seed=parsed.params.seed + index)
+        )
+        requests.append(
+            Request(
+                parsed.ids,
+                params,
+                parsed.budget,
+                engine.tokenizer.detokenizer(parsed.stop, context_ids=parsed.ids),
+                events=events,
+                arrival=arrival,
+                ignore_eos=parsed.ignore_eos,
+                decoder=engine.decoder(params, parsed.ids, parsed.grammar, parsed.logprobs),
+                index=index,
+            )
+        )
+    return requests
+
+
 class BatchScheduler:
     """The engine thread and its bounded queue; `submit` and `cancel` are thread-safe."""
 
@@ -190,20 +217,21 @@ class BatchScheduler:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request: Request) -> None:
-        """Queue a request, or raise Overloaded (429) / Unavailable (503) at once."""
+    def submit(self, *requests: Request) -> None:
+        """Queue requests (the choices of one, all or none), or raise Overloaded (429) /
+        Unavailable (503) at once."""
         with self._cond:
             if self.failure is not None:
                 raise Unavailable(f"the engine failed ({self.failure}); restart the server")
             if self._stopping:
                 raise Unavailable("the server is shutting down; retry on another instance")
-            if self._in_system >= self.max_num_seqs + self.max_queued:
+            if self._in_system + len(requests) > self.max_num_seqs + self.max_queued:
                 raise Overloaded(
                     f"server at capacity: {self.max_num_seqs} requests running (--max-num-seqs) and "
                     f"{self.max_queued} waiting (--max-queued); retry later"
                 )
-            self._in_system += 1
-            self._waiting.append(request)
+            self._in_system += len(requests)
+            self._waiting.extend(requests)
             self.metrics.waiting.set(len(self._waiting))
             self._cond.notify_all()
 
