@@ -273,7 +273,8 @@ def generate(
     sampling["grammar"] = grammar.read_text() if grammar else None
     sampling["regex"] = regex
     if len(prompts) > 1:
-        for text in engine.generate(list(prompts), max_new_tokens=max_new_tokens, stop=stop, chat=chat, **sampling):
+        texts = engine.generate(list(prompts), max_new_tokens=max_new_tokens, stop=stop, chat=chat, **sampling)
+        for text in texts if isinstance(texts, list) else [texts]:
             click.echo(json.dumps(text, ensure_ascii=False))
         return
     stream = engine.stream(prompts[0], max_new_tokens=max_new_tokens, stop=stop, chat=chat, **sampling)
