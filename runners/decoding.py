@@ -167,7 +167,7 @@ class Decoder:
         scores = np.asarray(logits, dtype=np.float64)[None, :]
         for processor in self.processors:
             scores = processor(scores)
-        if not np.isfinite(scores.max()):
+        if scores.max() == -np.inf:
             raise GenerationError(
                 "every token is excluded at this step (the grammar allows none); no token can be chosen"
             )
