@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,11 +22,13 @@ from runners.decoding import Decoder, TokenLogprob, end_of_row
 from runners.detokenizer import StreamingDetokenizer
 from runners.errors import ArtifactError, GenerationError
 from runners.generate import Step, check_length, generate_steps
-from runners.grammar import Grammar, GrammarCompiler
 from runners.manifest import read_io, read_json_object, read_manifest, read_max_positions, verify_files
 from runners.sampling import SamplingParams, make_rng
 from runners.session import OrtSession, Session
 from runners.tokenizer import TokenizerBundle
+
+if TYPE_CHECKING:  # runners.grammar imports llguidance, loaded only when a grammar or logprobs are asked for
+    from runners.grammar import Grammar, GrammarCompiler
 
 MODEL_FILE = "model.onnx"
 GENERATION_CONFIG = "generation_config.json"
@@ -192,6 +194,8 @@ class Engine:
 
     def _compiler(self) -> GrammarCompiler:
         if self._grammars is None:
+            from runners.grammar import GrammarCompiler
+
             self._grammars = GrammarCompiler(self.tokenizer, self.session.io.vocab_size, self.eos_ids)
         return self._grammars
 

@@ -15,13 +15,15 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runners.decoding import MAX_TOP_LOGPROBS, TokenLogprob
 from runners.engine import Engine
 from runners.errors import GenerationError
-from runners.grammar import Grammar
 from runners.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from runners.grammar import Grammar
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 _MAX_STOP_STRINGS = 16
