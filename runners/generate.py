@@ -9,7 +9,7 @@ contract's `shared` mode they are the same preallocated buffers, written in plac
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,16 +126,7 @@ def last_logits(logits: np.ndarray, active: np.ndarray, vocab_size: int, step: i
             f"[{active.shape[0]}, seq, {vocab_size}] floats; the artifact does not match its manifest, rebuild it"
         )
     last = array[:, -1, :]
-    # One pass when all is well (a sum is NaN or infinite if any logit is), the details only
-    # on failure; a sum that merely overflows finds no problem below and passes.
-    if np.isfinite(last.sum()):
-        return last
-    problems = (
-        ("contain NaN", np.isnan(last).any(axis=-1)),
-        ("contain +inf", np.isposinf(last).any(axis=-1)),
-        ("are all -inf", np.isneginf(last).all(axis=-1)),
-    )
-    for problem, rows in problems:
+    for problem, rows in invalid_rows(last):
         bad = np.flatnonzero(rows & active)
         if bad.size:
             raise GenerationError(
@@ -143,6 +134,22 @@ def last_logits(logits: np.ndarray, active: np.ndarray, vocab_size: int, step: i
                 "token was sampled: check the artifact with `kvforge verify` or try another execution provider"
             )
     return last
+
+
+def invalid_rows(last: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """What is wrong with which rows of [batch, vocab] logits no token may be sampled from:
+    (problem, bool [batch]) pairs, none when every row is fine. A -inf logit alone is fine
+    (that token cannot be chosen); NaN, +inf, or a row of -inf only is not."""
+    # One pass when all is well (a sum is NaN or infinite if any logit is), the details only
+    # on failure; a sum that merely overflows finds no problem below and passes.
+    if np.isfinite(last.sum()):
+        return []
+    problems = (
+        ("contain NaN", np.asarray(np.isnan(last).any(axis=-1))),
+        ("contain +inf", np.asarray(np.isposinf(last).any(axis=-1))),
+        ("are all -inf", np.asarray(np.isneginf(last).all(axis=-1))),
+    )
+    return [(problem, rows) for problem, rows in problems if rows.any()]
 
 
 def generate_steps(
@@ -198,9 +205,17 @@ def generate_steps(
 
 
 def choose_tokens(
-    decoders: Sequence[Decoder], last: np.ndarray, active: np.ndarray, pad_id: int
+    decoders: Sequence[Decoder],
+    last: np.ndarray,
+    active: np.ndarray,
+    pad_id: int,
+    on_error: Callable[[int, Exception], None] | None = None,
 ) -> tuple[np.ndarray, tuple[TokenLogprob | None, ...]]:
-    """Each active row's token from its decoder (plain greedy rows as one argmax), handed back to it."""
+    """Each active row's token from its decoder (plain greedy rows as one argmax), handed back to it.
+
+    A row whose decoder fails raises, or with `on_error` is reported to it and gets `pad_id`,
+    so that one request's sampler or grammar cannot stop the others.
+    """
     tokens = np.full(len(decoders), pad_id, dtype=np.int64)
     entries: list[TokenLogprob | None] = [None] * len(decoders)
     rows = [int(r) for r in np.flatnonzero(active)]
@@ -209,7 +224,13 @@ def choose_tokens(
         tokens[plain] = greedy(last[plain])
     for row in rows:
         decoder = decoders[row]
-        if not decoder.plain_greedy:
-            tokens[row], entries[row] = decoder.choose(last[row])
-        decoder.accept(int(tokens[row]))
+        try:
+            if not decoder.plain_greedy:
+                tokens[row], entries[row] = decoder.choose(last[row])
+            decoder.accept(int(tokens[row]))
+        except Exception as error:
+            if on_error is None:
+                raise
+            tokens[row], entries[row] = pad_id, None
+            on_error(row, error)
     return tokens, tuple(entries)

@@ -37,8 +37,8 @@ from runners.decoding import Decoder, TokenLogprob, end_of_row
 from runners.detokenizer import StreamingDetokenizer
 from runners.engine import Engine
 from runners.errors import KvforgeError
-from runners.generate import forward
-from runners.sampling import SamplingParams, greedy
+from runners.generate import choose_tokens, forward, invalid_rows
+from runners.sampling import SamplingParams
 from runners.serve.metrics import Metrics
 from runners.serve.protocol import ParsedRequest
 from runners.session import Session
@@ -341,26 +341,20 @@ class BatchScheduler:
                 rows[index].next_token = int(token)
 
     def _sample_rows(self, last: np.ndarray, requests: list[Request]) -> np.ndarray:
-        """One token per row, each with its own sampler; -1 where the row failed (and was told)."""
-        tokens = np.full(len(requests), -1, dtype=np.int64)
-        finite = np.isfinite(last).all(axis=-1)
-        plain = [i for i, r in enumerate(requests) if r.chooser.plain_greedy and finite[i]]
-        if plain:
-            tokens[plain] = greedy(last[plain])
-        for index, request in enumerate(requests):
-            if not finite[index]:
-                self._fail(request, "the model produced invalid logits (NaN or inf) for this request")
-                continue
-            try:
-                decoder = request.chooser
-                if not decoder.plain_greedy:
-                    tokens[index], entry = decoder.choose(last[index])
-                    if entry is not None and int(tokens[index]) not in self.eos_ids:
-                        request.pending_logprobs.append(entry)
-                decoder.accept(int(tokens[index]))
-            except Exception as error:  # one request's sampler or grammar must not stop the others
-                tokens[index] = -1
-                self._fail(request, f"sampling failed: {error}")
+        """One token per row, each from its own decoder; -1 where the row failed (and was told)."""
+        ok = np.ones(len(requests), dtype=bool)
+        for _, rows in invalid_rows(last):
+            ok &= ~rows
+        for index in np.flatnonzero(~ok):
+            self._fail(requests[index], "the model produced invalid logits (NaN or inf) for this request")
+
+        def failed(row: int, error: Exception) -> None:
+            self._fail(requests[row], f"sampling failed: {error}")
+
+        tokens, entries = choose_tokens([r.chooser for r in requests], last, ok, -1, failed)
+        for request, token, entry in zip(requests, tokens, entries):
+            if entry is not None and int(token) not in self.eos_ids:
+                request.pending_logprobs.append(entry)
         return tokens
 
     def _deliver(self, request: Request, token: int) -> bool:
