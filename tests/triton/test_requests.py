@@ -63,10 +63,19 @@ def test_absent_inputs_take_the_defaults(engine: Engine) -> None:
     [
         (
             {"guided_decoding_guide_type": ["BYTES", [["json_schema"]]]},
-            "UNSUPPORTED",
-            "guided decoding is not supported",
+            "INVALID_ARG",
+            "needs the json_schema in guided_decoding_guide",
         ),
-        ({"guided_decoding_guide": ["BYTES", [['{"type": "object"}']]]}, "UNSUPPORTED", "guided decoding is not"),
+        (
+            {"guided_decoding_guide": ["BYTES", [['{"type": "object"}']]]},
+            "UNSUPPORTED",
+            "guided_decoding_guide_type '' is not supported",
+        ),
+        (
+            {"guided_decoding_guide_type": ["BYTES", [["json_schema"]]], "guided_decoding_guide": ["BYTES", [["{x"]]]},
+            "INVALID_ARG",
+            "input guided_decoding_guide: the JSON schema is not JSON",
+        ),
         (
             {"presence_penalty": ["FP32", [[0.5]]]},
             "INVALID_ARG",
