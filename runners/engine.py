@@ -14,10 +14,11 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from runners.decoding import Decoder, TokenLogprob, end_of_row
 from runners.detokenizer import StreamingDetokenizer
 from runners.errors import ArtifactError, GenerationError
 from runners.generate import Step, check_length, generate_steps
@@ -26,6 +27,9 @@ from runners.runtime import Choice, Environment, choose, open_session
 from runners.sampling import SamplingParams, make_rng
 from runners.session import Session
 from runners.tokenizer import TokenizerBundle
+
+if TYPE_CHECKING:  # runners.grammar imports llguidance, loaded only when a grammar or logprobs are asked for
+    from runners.grammar import Grammar, GrammarCompiler
 
 GENERATION_CONFIG = "generation_config.json"
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -46,12 +50,28 @@ class GenerationStats:
         return (self.new_tokens - 1) / decode_s if self.new_tokens > 1 and decode_s > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class Completion:
+    """What `Engine.generate` returns when logprobs are asked for: the text, the ids of its
+    tokens, one logprob entry per token, and why the row ended ("stop" or "length")."""
+
+    text: str
+    tokens: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str
+
+
 @dataclass
 class TextStream:
-    """Iterator of text chunks; `stats` is complete once iteration ends."""
+    """Iterator of text chunks; `stats` is complete once iteration ends.
+
+    With `logprobs` asked for, `logprobs` gains one entry per token of the text as it is
+    generated (the end-of-text token is not part of the text and has none).
+    """
 
     _chunks: Iterator[str]
     stats: GenerationStats = field(default_factory=GenerationStats)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __iter__(self) -> Iterator[str]:
         return self._chunks
@@ -85,6 +105,7 @@ class Engine:
         self.pad_id = pad_id
         self.defaults = defaults
         self.max_new_tokens = max_new_tokens
+        self._grammars: GrammarCompiler | None = None
 
     @classmethod
     def load(
@@ -174,6 +195,42 @@ class Engine:
             raise GenerationError(f"prompt {_preview(prompt)} encodes to no tokens; pass text the tokenizer keeps")
         return ids
 
+    def compile_grammar(
+        self,
+        *,
+        json_schema: Mapping[str, Any] | str | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
+    ) -> Grammar | None:
+        """A structured-output constraint compiled for this artifact's tokenizer (None when none is given);
+        GrammarError names what does not compile."""
+        if json_schema is None and regex is None and grammar is None:
+            return None
+        return self._compiler().compile(json_schema=json_schema, regex=regex, grammar=grammar)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (a byte-level token may hold part of a character)."""
+        return self._compiler().tokenizer.decode_bytes([int(token)])
+
+    def _compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            from runners.grammar import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.session.io.vocab_size, self.eos_ids)
+        return self._grammars
+
+    def decoder(
+        self, params: SamplingParams, prompt: Sequence[int], grammar: Grammar | None = None, logprobs: int | None = None
+    ) -> Decoder:
+        """One request's (or one choice's) token chooser: repetition penalty, grammar mask, sampler."""
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, numbers.Integral)):
+            raise GenerationError(f"logprobs must be an integer number of top tokens (or None), got {logprobs!r}")
+        masks = []
+        if grammar is not None:
+            assert self._grammars is not None  # compile_grammar made it
+            masks.append(self._grammars.mask(grammar))
+        return Decoder(params, prompt, processors=masks, logprobs=None if logprobs is None else int(logprobs))
+
     def _encode_row(self, row: int, prompt: str, chat: bool, single: bool) -> list[int]:
         try:
             return self.encode(prompt, chat)
@@ -189,9 +246,18 @@ class Engine:
         max_new_tokens: int | None = None,
         stop: Sequence[str] = (),
         chat: bool = False,
+        logprobs: int | None = None,
+        json_schema: Mapping[str, Any] | str | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
         **sampling: Any,
     ) -> TextStream:
         """Stream the generated text (not the prompt) as it is produced.
+
+        `logprobs` = k fills the stream's `logprobs` with each token's log-probability under
+        the model (before temperature, top-k/top-p and masks) and its k most likely
+        alternatives. `json_schema`, `regex` or `grammar` (Lark) constrain the text to that
+        language, and the text ends when it is complete.
 
         Everything about the request is checked here, before the first chunk is asked for.
         """
@@ -200,34 +266,49 @@ class Engine:
         ids = self.encode(prompt, chat)
         check_length([ids], budget, self.max_positions)
         detok = self.tokenizer.detokenizer(stop, context_ids=ids)  # refuses bad stop strings now
-        stats = GenerationStats(prompt_tokens=len(ids))
-        return TextStream(self._stream_chunks(ids, budget, detok, params, stats), stats)
+        compiled = self.compile_grammar(json_schema=json_schema, regex=regex, grammar=grammar)
+        decoder = self.decoder(params, ids, compiled, logprobs)
+        stream = TextStream(iter(()), GenerationStats(prompt_tokens=len(ids)))
+        stream._chunks = self._stream_chunks(ids, budget, detok, decoder, stream)
+        return stream
 
     def _stream_chunks(
-        self, ids: list[int], budget: int, detok: StreamingDetokenizer, params: SamplingParams, stats: GenerationStats
+        self, ids: list[int], budget: int, detok: StreamingDetokenizer, decoder: Decoder, stream: TextStream
     ) -> Iterator[str]:
+        stats = stream.stats
         start = time.perf_counter()
-        done = np.zeros(1, dtype=bool)
-        for step in self._steps([ids], budget, params, done):
+        for step in self._steps([ids], budget, decoder.params, [decoder]):
             token = int(step.tokens[0])
             stats.new_tokens += 1
             if stats.new_tokens == 1:
                 stats.first_token_s = time.perf_counter() - start
-            if token in self.eos_ids:
-                stats.finish_reason = "stop"
+            eos = token in self.eos_ids
+            if not eos:
+                entry = step.logprobs[0]
+                if entry is not None:
+                    stream.logprobs.append(entry)
+                chunk = detok.add(token)
+                if chunk:
+                    yield chunk
+            reason = end_of_row(
+                eos=eos, stopped=detok.stopped, finished=decoder.finished, generated=stats.new_tokens, budget=budget
+            )
+            if reason is not None:
+                stats.finish_reason = reason
                 break
-            chunk = detok.add(token)
-            if chunk:
-                yield chunk
-            if detok.stopped:
-                stats.finish_reason = "stop"
-                done[0] = True
         tail = detok.finish()
         stats.total_s = time.perf_counter() - start
         if tail:
             yield tail
 
-    def _steps(self, prompts: list[list[int]], budget: int, params: SamplingParams, done: np.ndarray) -> Iterator[Step]:
+    def _steps(
+        self,
+        prompts: list[list[int]],
+        budget: int,
+        params: SamplingParams,
+        decoders: Sequence[Decoder] | None = None,
+        done: np.ndarray | None = None,
+    ) -> Iterator[Step]:
         return generate_steps(
             self.session,
             prompts,
@@ -238,6 +319,7 @@ class Engine:
             eos_ids=self.eos_ids,
             pad_id=self.pad_id,
             done=done,
+            decoders=decoders,
         )
 
     def generate_tokens(
@@ -250,7 +332,7 @@ class Engine:
         check_length(batch, budget, self.max_positions)
         rows: list[list[int]] = [[] for _ in batch]
         done = np.zeros(len(batch), dtype=bool)
-        for step in self._steps(batch, budget, params, done):
+        for step in self._steps(batch, budget, params, done=done):
             for row in np.flatnonzero(step.active):
                 rows[row].append(int(step.tokens[row]))
         return rows
@@ -272,9 +354,19 @@ class Engine:
         max_new_tokens: int | None = None,
         stop: Sequence[str] = (),
         chat: bool = False,
+        logprobs: int | None = None,
+        json_schema: Mapping[str, Any] | str | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
         **sampling: Any,
-    ) -> str | list[str]:
-        """Generate for one prompt, or for several as one left-padded batch."""
+    ) -> str | list[str] | Completion | list[Completion]:
+        """Generate for one prompt, or for several as one left-padded batch.
+
+        Returns the text (a list of texts for a list of prompts); with `logprobs` = k, a
+        `Completion` per prompt instead, with the text's tokens, their log-probabilities
+        under the model and the k most likely alternatives of each. `json_schema`, `regex`
+        and `grammar` constrain every row as in `stream`.
+        """
         single = isinstance(prompts, str)
         if not single and (isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence)):
             raise GenerationError(f"prompts must be a string or a list of strings, got {type(prompts).__name__}")
@@ -284,17 +376,38 @@ class Engine:
         encoded = [self._encode_row(row, p, chat, single) for row, p in enumerate(batch)]
         check_length(encoded, budget, self.max_positions)
         detoks = [self.tokenizer.detokenizer(stop, context_ids=ids) for ids in encoded]
+        compiled = self.compile_grammar(json_schema=json_schema, regex=regex, grammar=grammar)
+        plain = compiled is None and logprobs is None
+        decoders = None if plain else [self.decoder(params, ids, compiled, logprobs) for ids in encoded]
         texts = [""] * len(batch)
+        tokens: list[list[int]] = [[] for _ in batch]
+        entries: list[list[TokenLogprob]] = [[] for _ in batch]
+        reasons = ["length"] * len(batch)
         done = np.zeros(len(batch), dtype=bool)
-        for step in self._steps(encoded, budget, params, done):
+        for step in self._steps(encoded, budget, params, decoders, done):
             for row in np.flatnonzero(step.active):
                 token = int(step.tokens[row])
-                if token in self.eos_ids:
-                    continue
-                texts[row] += detoks[row].add(token)
-                done[row] |= detoks[row].stopped
+                eos = token in self.eos_ids
+                if not eos:
+                    texts[row] += detoks[row].add(token)
+                    tokens[row].append(token)
+                    entry = step.logprobs[row] if step.logprobs else None
+                    if entry is not None:
+                        entries[row].append(entry)
+                reason = end_of_row(
+                    eos=eos,
+                    stopped=detoks[row].stopped,
+                    finished=decoders is not None and decoders[row].finished,
+                    generated=len(tokens[row]) + eos,
+                    budget=budget,
+                )
+                if reason is not None:
+                    done[row], reasons[row] = True, reason
         texts = [t + d.finish() for t, d in zip(texts, detoks)]
-        return texts[0] if single else texts
+        if logprobs is None:
+            return texts[0] if single else texts
+        results = [Completion(*fields) for fields in zip(texts, tokens, entries, reasons)]
+        return results[0] if single else results
 
 
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))

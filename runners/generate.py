@@ -9,14 +9,15 @@ contract's `shared` mode they are the same preallocated buffers, written in plac
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from runners.contract import DecoderIO
+from runners.decoding import Decoder, TokenLogprob
 from runners.errors import GenerationError
-from runners.sampling import SamplingParams, sample_checked
+from runners.sampling import SamplingParams, greedy, sample_checked
 from runners.session import Session
 
 
@@ -27,6 +28,7 @@ class Step:
     tokens: np.ndarray  # int64 [batch]; pad id for rows that had already finished
     logits: np.ndarray  # [batch, vocab], before sampling
     active: np.ndarray  # bool [batch]: rows still generating when this step was taken
+    logprobs: tuple[TokenLogprob | None, ...] = ()  # per row, when its decoder was asked for them
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -123,16 +125,7 @@ def last_logits(logits: np.ndarray, active: np.ndarray, vocab_size: int, step: i
             f"[{active.shape[0]}, seq, {vocab_size}] floats; the artifact does not match its manifest, rebuild it"
         )
     last = array[:, -1, :]
-    # One pass when all is well (a sum is NaN or infinite if any logit is), the details only
-    # on failure; a sum that merely overflows finds no problem below and passes.
-    if np.isfinite(last.sum()):
-        return last
-    problems = (
-        ("contain NaN", np.isnan(last).any(axis=-1)),
-        ("contain +inf", np.isposinf(last).any(axis=-1)),
-        ("are all -inf", np.isneginf(last).all(axis=-1)),
-    )
-    for problem, rows in problems:
+    for problem, rows in invalid_rows(last):
         bad = np.flatnonzero(rows & active)
         if bad.size:
             raise GenerationError(
@@ -140,6 +133,22 @@ def last_logits(logits: np.ndarray, active: np.ndarray, vocab_size: int, step: i
                 "token was sampled: check the artifact with `kvforge verify` or try another execution provider"
             )
     return last
+
+
+def invalid_rows(last: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """What is wrong with which rows of [batch, vocab] logits no token may be sampled from:
+    (problem, bool [batch]) pairs, none when every row is fine. A -inf logit alone is fine
+    (that token cannot be chosen); NaN, +inf, or a row of -inf only is not."""
+    # One pass when all is well (a sum is NaN or infinite if any logit is), the details only
+    # on failure; a sum that merely overflows finds no problem below and passes.
+    if np.isfinite(last.sum()):
+        return []
+    problems = (
+        ("contain NaN", np.asarray(np.isnan(last).any(axis=-1))),
+        ("contain +inf", np.asarray(np.isposinf(last).any(axis=-1))),
+        ("are all -inf", np.asarray(np.isneginf(last).all(axis=-1))),
+    )
+    return [(problem, rows) for problem, rows in problems if rows.any()]
 
 
 def generate_steps(
@@ -153,12 +162,17 @@ def generate_steps(
     eos_ids: Sequence[int] = (),
     pad_id: int = 0,
     done: np.ndarray | None = None,
+    decoders: Sequence[Decoder] | None = None,
 ) -> Iterator[Step]:
     """Yield one `Step` per generated position until every row is done or the budget is spent.
 
     A row is done after it samples an eos id. The caller may also mark rows done by
     setting `done[row] = True` between steps (a stop string, a cancelled request); the
     loop ends as soon as every row is done.
+
+    With `decoders` (one per row), each row's token is its decoder's choice (its own
+    processors, sampler and seed) and is handed back to it; `params` and `rng` are then
+    only checked. Without, the batch is sampled as one under `params` from `rng`.
     """
     params.validate()
     check_length(prompts, max_new_tokens, max_positions)
@@ -173,13 +187,49 @@ def generate_steps(
         last = last_logits(logits, active, session.io.vocab_size, step)
         # Finished rows are still computed; whatever they hold must not stop the others.
         # last_logits has checked every row that is still generating; the others are zeroed
-        sampled = sample_checked(last if active.all() else np.where(active[:, None], last, 0.0), params, rng, seen)
-        tokens = np.where(active, sampled, pad_id).astype(np.int64)
-        yield Step(tokens, last, active)
+        if decoders is None:
+            sampled = sample_checked(last if active.all() else np.where(active[:, None], last, 0.0), params, rng, seen)
+            tokens = np.where(active, sampled, pad_id).astype(np.int64)
+            yield Step(tokens, last, active)
+        else:
+            tokens, entries = choose_tokens(decoders, last, active, pad_id)
+            yield Step(tokens, last, active, entries)
         done |= (tokens[:, None] == eos).any(axis=1) & active
         if done.all() or step == max_new_tokens - 1:
             return
-        if params.repetition_penalty != 1.0:  # only the penalty reads what each row has seen
+        if decoders is None and params.repetition_penalty != 1.0:  # only the penalty reads what each row has seen
             seen = [np.append(s, t) if a else s for s, t, a in zip(seen, tokens, active)]
         mask = np.concatenate([mask, active[:, None].astype(np.int64)], axis=1)
         logits, cache = forward(session, tokens[:, None], mask, cache)
+
+
+def choose_tokens(
+    decoders: Sequence[Decoder],
+    last: np.ndarray,
+    active: np.ndarray,
+    pad_id: int,
+    on_error: Callable[[int, Exception], None] | None = None,
+) -> tuple[np.ndarray, tuple[TokenLogprob | None, ...]]:
+    """Each active row's token from its decoder (plain greedy rows as one argmax), handed back to it.
+
+    A row whose decoder fails raises, or with `on_error` is reported to it and gets `pad_id`,
+    so that one request's sampler or grammar cannot stop the others.
+    """
+    tokens = np.full(len(decoders), pad_id, dtype=np.int64)
+    entries: list[TokenLogprob | None] = [None] * len(decoders)
+    rows = [int(r) for r in np.flatnonzero(active)]
+    plain = [r for r in rows if decoders[r].plain_greedy]
+    if plain:
+        tokens[plain] = greedy(last[plain])
+    for row in rows:
+        decoder = decoders[row]
+        try:
+            if not decoder.plain_greedy:
+                tokens[row], entries[row] = decoder.choose(last[row])
+            decoder.accept(int(tokens[row]))
+        except Exception as error:
+            if on_error is None:
+                raise
+            tokens[row], entries[row] = pad_id, None
+            on_error(row, error)
+    return tokens, tuple(entries)

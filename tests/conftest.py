@@ -39,3 +39,12 @@ def built_artifact(
         return built[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def example_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """examples/model (the bundled example model) built once per test session with the Python API."""
+    from toolchain.build import build
+
+    model = Path(__file__).resolve().parents[1] / "examples" / "model"
+    return build(model, tmp_path_factory.mktemp("example") / "out").output

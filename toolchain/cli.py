@@ -278,6 +278,17 @@ def build_engine(artifact: Path, **engine: Any) -> None:
 @click.option("--stop", multiple=True, help="Stop before this string (repeatable); it is not printed.")
 @click.option("--chat", is_flag=True, help="Format the prompt with the tokenizer's chat template.")
 @_runtime_option(_RUNTIME_HELP)
+@click.option(
+    "--json-schema",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Reply as JSON valid under this schema file.",
+)
+@click.option("--regex", default=None, help="Reply with text matching this regular expression.")
+@click.option(
+    "--grammar",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Reply in the language of this Lark grammar file.",
+)
 @_guarded
 def generate(
     artifact: Path,
@@ -286,14 +297,21 @@ def generate(
     stop: tuple[str, ...],
     chat: bool,
     runtime: str,
+    json_schema: Path | None,
+    regex: str | None,
+    grammar: Path | None,
     **sampling: Any,
 ) -> None:
     """Generate from ARTIFACT. One prompt streams to stdout; several run as one batch."""
     from runners.engine import Engine
 
     engine = Engine.load(artifact, runtime=runtime)
+    sampling["json_schema"] = json_schema.read_text() if json_schema else None
+    sampling["grammar"] = grammar.read_text() if grammar else None
+    sampling["regex"] = regex
     if len(prompts) > 1:
-        for text in engine.generate(list(prompts), max_new_tokens=max_new_tokens, stop=stop, chat=chat, **sampling):
+        texts = engine.generate(list(prompts), max_new_tokens=max_new_tokens, stop=stop, chat=chat, **sampling)
+        for text in texts if isinstance(texts, list) else [texts]:
             click.echo(json.dumps(text, ensure_ascii=False))
         return
     stream = engine.stream(prompts[0], max_new_tokens=max_new_tokens, stop=stop, chat=chat, **sampling)

@@ -1,6 +1,6 @@
 """The OpenAPI 3.0 description of the server, served at GET /openapi.json.
 
-It lists the fields this server reads (others are accepted and ignored) with the ranges it
+It lists the fields this server reads (a field it does not implement is refused with a 400) with the ranges it
 accepts, and every status each route answers with, so that schema-driven testers can check
 the server against it.
 """
@@ -41,7 +41,25 @@ _SAMPLING: dict[str, Any] = {
     "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
     "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": True, "minimum": 0}),
     "seed": _nullable({"type": "integer", "minimum": 0}),
-    "n": _nullable({"type": "integer", "enum": [1]}),
+    "n": _nullable({"type": "integer", "minimum": 1}),
+    "response_format": _nullable(
+        {
+            "type": "object",
+            "required": ["type"],
+            "properties": {
+                "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+                "json_schema": {
+                    "type": "object",
+                    "required": ["schema"],
+                    "properties": {
+                        "name": {"type": "string"},
+                        "schema": {"type": "object"},
+                        "strict": _nullable({"type": "boolean"}),
+                    },
+                },
+            },
+        }
+    ),
     "stop": _nullable(
         {
             "oneOf": [
@@ -185,6 +203,7 @@ def openapi_schema(model: str | None = None) -> dict[str, Any]:
                             ]
                         },
                         **_SAMPLING,
+                        "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20}),
                     },
                 },
                 "ChatCompletionRequest": {
@@ -212,6 +231,8 @@ def openapi_schema(model: str | None = None) -> dict[str, Any]:
                             },
                         },
                         **_SAMPLING,
+                        "logprobs": _nullable({"type": "boolean"}),
+                        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20}),
                     },
                 },
                 "Completion": _response("text_completion", {"text": {"type": "string"}}),

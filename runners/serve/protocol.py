@@ -2,7 +2,9 @@
 
 `parse_request` checks everything about a request before any work is queued, and raises
 `ApiError` carrying OpenAI's error shape: the message names the field and value and says
-what to do. Fields the API has but this server does not use are accepted and ignored.
+what to do. A field is either implemented, harmless to ignore (`user`, `metadata`, ...), or
+refused with a 400 naming it: a request is never answered as if a field it sent had been
+honoured when it was not.
 """
 
 from __future__ import annotations
@@ -13,16 +15,56 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from runners.decoding import MAX_TOP_LOGPROBS, TokenLogprob
 from runners.engine import Engine
 from runners.errors import GenerationError
 from runners.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from runners.grammar import Grammar
+
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 _MAX_STOP_STRINGS = 16
-# OpenAI fields whose effect this server does not implement: refused unless neutral.
-_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "echo": False}
+# OpenAI fields whose effect this server does not implement: refused unless absent, null
+# or the neutral value listed (the value that asks for nothing).
+_NEUTRAL: dict[str, tuple[object, ...]] = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "best_of": (1,),
+    "echo": (False,),
+    "logit_bias": ({},),
+    "suffix": ("",),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "parallel_tool_calls": (),
+    "prediction": (),
+    "audio": (),
+    "modalities": (["text"],),
+    "reasoning_effort": (),
+    "web_search_options": (),
+}
+# Fields that describe the caller, not the generation: accepted and not acted on.
+_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+_IMPLEMENTED = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "max_completion_tokens",
+        *_SAMPLING_FIELDS,
+        "stop",
+        "stream",
+        "stream_options",
+        "ignore_eos",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+        "n",
+    }
+)
 
 
 class ApiError(Exception):
@@ -59,6 +101,9 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     ignore_eos: bool = False
+    logprobs: int | None = None  # top alternatives per token; None: no logprobs
+    grammar: Grammar | None = None
+    n: int = 1
 
 
 def parse_request(raw: bytes, *, chat: bool, engine: Engine, served_name: str) -> ParsedRequest:
@@ -74,13 +119,7 @@ def parse_request(raw: bytes, *, chat: bool, engine: Engine, served_name: str) -
             "model",
             "model_not_found",
         )
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise ApiError(400, f"n must be 1 (one choice per request is supported), got {_preview(n)}", "n")
-    for name, neutral in _NEUTRAL.items():
-        value = body.get(name)
-        if value is not None and value != neutral:
-            raise ApiError(400, f"{name}={_preview(value)} is not supported; leave it out or set it to {neutral}", name)
+    _refuse_unsupported(body, chat)
     stream, include_usage = _stream_fields(body)
     params = _sampling(body, engine)
     stop = _stop(body.get("stop"))
@@ -89,7 +128,95 @@ def parse_request(raw: bytes, *, chat: bool, engine: Engine, served_name: str) -
     ignore_eos = body.get("ignore_eos")
     if ignore_eos is not None and not isinstance(ignore_eos, bool):
         raise ApiError(400, f"ignore_eos must be true or false, got {_preview(ignore_eos)}", "ignore_eos")
-    return ParsedRequest(chat, ids, params, budget, stop, stream, include_usage, bool(ignore_eos))
+    logprobs = _chat_logprobs(body) if chat else _completion_logprobs(body)
+    grammar = _response_format(body.get("response_format"), engine)
+    n = body.get("n")
+    if n is None:
+        n = 1
+    if not _is_int(n) or n < 1:
+        raise ApiError(400, f"n must be an integer >= 1, got {_preview(n)}", "n")
+    return ParsedRequest(
+        chat, ids, params, budget, stop, stream, include_usage, bool(ignore_eos), logprobs, grammar, int(n)
+    )
+
+
+def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Legacy completions: `logprobs` is the number of alternatives per token (0: the chosen one only)."""
+    value = body.get("logprobs")
+    if body.get("top_logprobs") is not None:
+        raise ApiError(400, "top_logprobs is a chat field; on completions, logprobs is the count", "top_logprobs")
+    if value is None:
+        return None
+    if not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ApiError(
+            400, f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {_preview(value)}", "logprobs"
+        )
+    return int(value)
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Chat: `logprobs: true` asks for them, `top_logprobs: k` for k alternatives per token."""
+    flag, top = body.get("logprobs"), body.get("top_logprobs")
+    if flag is not None and not isinstance(flag, bool):
+        raise ApiError(400, f"logprobs must be true or false, got {_preview(flag)}", "logprobs")
+    if top is not None:
+        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ApiError(
+                400, f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {_preview(top)}", "top_logprobs"
+            )
+        if not flag:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return (int(top) if top is not None else 0) if flag else None
+
+
+def _response_format(value: object, engine: Engine) -> Grammar | None:
+    """OpenAI's response_format: text (nothing), json_object, or json_schema {name, schema, strict}."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema: object = {"type": "object"}
+    elif kind == "json_schema":
+        spec = value.get("json_schema") if isinstance(value, dict) else None
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError(
+                400,
+                f"response_format.json_schema.schema must be a JSON schema object, got {_preview(schema)}",
+                "response_format.json_schema.schema",
+            )
+    else:
+        raise ApiError(
+            400,
+            f"response_format must be {{'type': 'text' | 'json_object' | 'json_schema'}}, got {_preview(value)}",
+            "response_format",
+        )
+    try:
+        return engine.compile_grammar(json_schema=schema)  # type: ignore[arg-type]
+    except GenerationError as error:
+        raise ApiError(400, f"response_format: {error}", "response_format") from error
+
+
+def _refuse_unsupported(body: Mapping[str, Any], chat: bool) -> None:
+    """A 400 naming the first field the server would otherwise have to drop."""
+    implemented = _IMPLEMENTED | {"messages" if chat else "prompt"}
+    for name, value in body.items():
+        if name in implemented or name in _IGNORED or value is None:
+            continue
+        if name in _NEUTRAL:
+            neutral = _NEUTRAL[name]
+            if any(_same(value, v) for v in neutral):
+                continue
+            hint = f"leave it out or set it to {_preview(neutral[0])}" if neutral else "leave it out"
+            raise ApiError(400, f"{name}={_preview(value)} is not supported by this server; {hint}", name)
+        raise ApiError(400, f"unknown field {name!r}; this server does not implement it, so leave it out", name)
+
+
+def _same(value: object, neutral: object) -> bool:
+    """Equal and of the same kind: 0 == False in Python, but not here."""
+    return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -290,21 +417,32 @@ class Reply:
             kind = "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def complete(self, text: str, reason: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice.update(logprobs=None, finish_reason=reason)
+    def complete(self, choices: list[Choice], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        """The whole response; `completion_tokens` counts the tokens of every choice."""
         body = self._head(chunk=False)
-        body.update(choices=[choice], usage=usage(prompt_tokens, completion_tokens))
+        body.update(choices=[self._choice(c) for c in choices], usage=usage(prompt_tokens, completion_tokens))
         return body
 
+    def _choice(self, choice: Choice) -> dict[str, Any]:
+        entry: dict[str, Any] = {"index": choice.index}
+        if self.chat:
+            entry["message"] = {"role": "assistant", "content": choice.text}
+        else:
+            entry["text"] = choice.text
+        entry.update(logprobs=choice.logprobs, finish_reason=choice.reason)
+        return entry
+
     def chunk(
-        self, text: str, *, first: bool = False, reason: str | None = None, include_usage: bool
+        self,
+        text: str,
+        *,
+        index: int = 0,
+        first: bool = False,
+        reason: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+        include_usage: bool,
     ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
             delta: dict[str, str] = {"role": "assistant"} if first else {}
             if text or first:
@@ -312,7 +450,7 @@ class Reply:
             choice["delta"] = delta
         else:
             choice["text"] = text
-        choice.update(logprobs=None, finish_reason=reason)
+        choice.update(logprobs=logprobs, finish_reason=reason)
         body = self._head(chunk=True)
         body["choices"] = [choice]
         if include_usage:
@@ -323,6 +461,57 @@ class Reply:
         body = self._head(chunk=True)
         body.update(choices=[], usage=usage(prompt_tokens, completion_tokens))
         return body
+
+
+@dataclass(frozen=True)
+class Choice:
+    index: int
+    text: str
+    reason: str
+    logprobs: dict[str, Any] | None
+
+
+class LogprobsWriter:
+    """One choice's logprob entries in OpenAI's shape: chat `{"content": [...]}`, or the legacy
+    completions `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`; offsets run on
+    across the chunks of a stream. A token that holds part of a UTF-8 character is spelled as
+    OpenAI does, `bytes:\\xe2\\x80`; chat's `bytes` are always the token's exact bytes."""
+
+    def __init__(self, engine: Engine, chat: bool) -> None:
+        self.engine, self.chat, self.offset = engine, chat, 0
+
+    def token(self, token: int) -> str:
+        return token_text(self.engine.token_bytes(token))
+
+    def _item(self, token: int, logprob: float) -> dict[str, Any]:
+        raw = self.engine.token_bytes(token)
+        return {"token": token_text(raw), "logprob": logprob, "bytes": list(raw)}
+
+    def render(self, entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict[str, Any]:
+        if self.chat:
+            content = [
+                {**self._item(e.token, e.logprob), "top_logprobs": [self._item(t, v) for t, v in e.top]}
+                for e in entries
+            ]
+            return {"content": content}
+        tokens = [self.token(e.token) for e in entries]
+        offsets = []
+        for text in tokens:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self.token(t): v for t, v in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+
+def token_text(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

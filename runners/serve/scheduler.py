@@ -29,16 +29,18 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from runners.decoding import Decoder, TokenLogprob, end_of_row
 from runners.detokenizer import StreamingDetokenizer
 from runners.engine import Engine
 from runners.errors import KvforgeError
-from runners.generate import forward
-from runners.sampling import SamplingParams, greedy, make_rng, sample
+from runners.generate import choose_tokens, forward, invalid_rows
+from runners.sampling import SamplingParams
 from runners.serve.metrics import Metrics
+from runners.serve.protocol import ParsedRequest
 from runners.session import Session
 
 logger = logging.getLogger(__name__)
@@ -49,21 +51,26 @@ _MIN_COMPACTION = 16
 
 @dataclass(frozen=True)
 class Delta:
-    """Text newly safe to show."""
+    """Text newly safe to show, with the logprob entries of the tokens generated since the last
+    Delta (when asked for); `index` is the choice of the request (n > 1)."""
 
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    index: int = 0
 
 
 @dataclass(frozen=True)
 class Finished:
-    reason: str  # "stop" (eos or stop string) or "length"
+    reason: str  # "stop" (eos, stop string or grammar end) or "length"
     prompt_tokens: int
     completion_tokens: int
+    index: int = 0
 
 
 @dataclass(frozen=True)
 class Failed:
     message: str
+    index: int = 0
 
 
 Event = Delta | Finished | Failed
@@ -79,7 +86,11 @@ class Unavailable(KvforgeError):
 
 @dataclass(eq=False)
 class Request:
-    """One generation: prompt ids, budget and sampler in; events out through `events`."""
+    """One generation: prompt ids, budget and decoder in; events out through `events`.
+
+    Without a `decoder`, one is built from `params` (no grammar, no logprobs). The choices
+    of one request (n > 1) are requests of their own that share `events`, told apart by `index`.
+    """
 
     ids: list[int]
     params: SamplingParams
@@ -88,18 +99,22 @@ class Request:
     events: queue.SimpleQueue[Event] = field(default_factory=queue.SimpleQueue)
     arrival: float = field(default_factory=time.perf_counter)
     ignore_eos: bool = False  # generate the whole budget (vLLM's field, for load tests)
+    decoder: Decoder | None = None
+    index: int = 0
     cancelled: bool = False
     generated: int = 0
     last_token_at: float = 0.0
     released: bool = False
 
     def __post_init__(self) -> None:
-        self.rng = make_rng(self.params.seed)
-        self.seen = np.asarray(self.ids, dtype=np.int64)
+        if self.decoder is None:
+            self.decoder = Decoder(self.params, self.ids)
+        self.pending_logprobs: list[TokenLogprob] = []
 
     @property
-    def plain_greedy(self) -> bool:
-        return self.params.greedy and self.params.repetition_penalty == 1.0
+    def chooser(self) -> Decoder:
+        assert self.decoder is not None  # made in __post_init__
+        return self.decoder
 
 
 @dataclass(eq=False)
@@ -113,6 +128,32 @@ class _Row:
 class _Prefill:
     request: Request
     done: int = 0  # prompt tokens prefilled so far
+
+
+def choice_requests(engine: Engine, parsed: ParsedRequest, arrival: float) -> list[Request]:
+    """The engine requests of one checked API request: one per choice, sharing one event queue,
+    choice i seeded with seed + i (unseeded choices draw independently). A bad stop string
+    raises the detokenizer's KvforgeError."""
+    events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+    requests = []
+    for index in range(parsed.n):
+        params = (
+            parsed.params if parsed.params.seed is None else replace(parsed.params, seed=parsed.params.seed + index)
+        )
+        requests.append(
+            Request(
+                parsed.ids,
+                params,
+                parsed.budget,
+                engine.tokenizer.detokenizer(parsed.stop, context_ids=parsed.ids),
+                events=events,
+                arrival=arrival,
+                ignore_eos=parsed.ignore_eos,
+                decoder=engine.decoder(params, parsed.ids, parsed.grammar, parsed.logprobs),
+                index=index,
+            )
+        )
+    return requests
 
 
 class BatchScheduler:
@@ -176,20 +217,21 @@ class BatchScheduler:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request: Request) -> None:
-        """Queue a request, or raise Overloaded (429) / Unavailable (503) at once."""
+    def submit(self, *requests: Request) -> None:
+        """Queue requests (the choices of one, all or none), or raise Overloaded (429) /
+        Unavailable (503) at once."""
         with self._cond:
             if self.failure is not None:
                 raise Unavailable(f"the engine failed ({self.failure}); restart the server")
             if self._stopping:
                 raise Unavailable("the server is shutting down; retry on another instance")
-            if self._in_system >= self.max_num_seqs + self.max_queued:
+            if self._in_system + len(requests) > self.max_num_seqs + self.max_queued:
                 raise Overloaded(
                     f"server at capacity: {self.max_num_seqs} requests running (--max-num-seqs) and "
                     f"{self.max_queued} waiting (--max-queued); retry later"
                 )
-            self._in_system += 1
-            self._waiting.append(request)
+            self._in_system += len(requests)
+            self._waiting.extend(requests)
             self.metrics.waiting.set(len(self._waiting))
             self._cond.notify_all()
 
@@ -299,20 +341,20 @@ class BatchScheduler:
                 rows[index].next_token = int(token)
 
     def _sample_rows(self, last: np.ndarray, requests: list[Request]) -> np.ndarray:
-        """One token per row, each with its own sampler; -1 where the row failed (and was told)."""
-        tokens = np.full(len(requests), -1, dtype=np.int64)
-        finite = np.isfinite(last).all(axis=-1)
-        plain = [i for i, r in enumerate(requests) if r.plain_greedy and finite[i]]
-        if plain:
-            tokens[plain] = greedy(last[plain])
-        for index, request in enumerate(requests):
-            if not finite[index]:
-                self._fail(request, "the model produced invalid logits (NaN or inf) for this request")
-            elif not request.plain_greedy:
-                try:
-                    tokens[index] = sample(last[index : index + 1], request.params, request.rng, [request.seen])[0]
-                except Exception as error:  # one request's sampler must not stop the others
-                    self._fail(request, f"sampling failed: {error}")
+        """One token per row, each from its own decoder; -1 where the row failed (and was told)."""
+        ok = np.ones(len(requests), dtype=bool)
+        for _, rows in invalid_rows(last):
+            ok &= ~rows
+        for index in np.flatnonzero(~ok):
+            self._fail(requests[index], "the model produced invalid logits (NaN or inf) for this request")
+
+        def failed(row: int, error: Exception) -> None:
+            self._fail(requests[row], f"sampling failed: {error}")
+
+        tokens, entries = choose_tokens([r.chooser for r in requests], last, ok, -1, failed)
+        for request, token, entry in zip(requests, tokens, entries):
+            if entry is not None and int(token) not in self.eos_ids:
+                request.pending_logprobs.append(entry)
         return tokens
 
     def _deliver(self, request: Request, token: int) -> bool:
@@ -325,22 +367,29 @@ class BatchScheduler:
         else:
             self.metrics.inter_token_latency.observe(now - request.last_token_at)
         request.last_token_at = now
-        if token in self.eos_ids and not request.ignore_eos:
-            return self._finish(request, "stop")
-        try:
-            text = request.detokenizer.add(token)
-        except Exception as error:  # one request's detokenizer must not stop the others
-            self._fail(request, f"detokenizing failed: {error}")
-            return True
-        if text:
-            request.events.put(Delta(text))
-        if request.detokenizer.stopped:
-            return self._finish(request, "stop")
-        if request.generated >= request.budget:
-            return self._finish(request, "length")
-        if request.params.repetition_penalty != 1.0:
-            request.seen = np.append(request.seen, token)
-        return False
+        eos = token in self.eos_ids and not request.ignore_eos
+        if not eos:
+            try:
+                text = request.detokenizer.add(token)
+            except Exception as error:  # one request's detokenizer must not stop the others
+                self._fail(request, f"detokenizing failed: {error}")
+                return True
+            if text:
+                request.events.put(Delta(text, self._take_logprobs(request), request.index))
+        reason = end_of_row(
+            eos=eos,
+            stopped=request.detokenizer.stopped,
+            finished=request.chooser.finished,
+            generated=request.generated,
+            budget=request.budget,
+        )
+        return False if reason is None else self._finish(request, reason)
+
+    @staticmethod
+    def _take_logprobs(request: Request) -> tuple[TokenLogprob, ...]:
+        entries = tuple(request.pending_logprobs)
+        request.pending_logprobs.clear()
+        return entries
 
     # -- prefill ------------------------------------------------------------------------
 
@@ -483,16 +532,16 @@ class BatchScheduler:
         except Exception as error:
             self._fail(request, f"detokenizing failed: {error}")
             return True
-        if tail:
-            request.events.put(Delta(tail))
-        request.events.put(Finished(reason, len(request.ids), request.generated))
+        if tail or request.pending_logprobs:
+            request.events.put(Delta(tail, self._take_logprobs(request), request.index))
+        request.events.put(Finished(reason, len(request.ids), request.generated, request.index))
         self.metrics.request_success.inc(value=reason)
         self.metrics.e2e_latency.observe(time.perf_counter() - request.arrival)
         self._release_locked(request)
         return True
 
     def _fail(self, request: Request, message: str) -> None:
-        request.events.put(Failed(message))
+        request.events.put(Failed(message, request.index))
         self.metrics.request_failed.inc()
         self._release_locked(request)
 

@@ -25,12 +25,32 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from runners.decoding import TokenLogprob
 from runners.engine import Engine
 from runners.errors import KvforgeError
 from runners.serve.metrics import Metrics
 from runners.serve.openapi import openapi_schema
-from runners.serve.protocol import ApiError, Reply, dumps, error_body, model_list, parse_request
-from runners.serve.scheduler import BatchScheduler, Delta, Event, Failed, Finished, Overloaded, Request, Unavailable
+from runners.serve.protocol import (
+    ApiError,
+    Choice,
+    LogprobsWriter,
+    Reply,
+    dumps,
+    error_body,
+    model_list,
+    parse_request,
+)
+from runners.serve.scheduler import (
+    BatchScheduler,
+    Delta,
+    Event,
+    Failed,
+    Finished,
+    Overloaded,
+    Request,
+    Unavailable,
+    choice_requests,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -224,15 +244,16 @@ class _Handler(BaseHTTPRequestHandler):
         engine, scheduler = app.engine, app.scheduler
         assert engine is not None and scheduler is not None
         parsed = parse_request(raw, chat=chat, engine=engine, served_name=app.name)
+        if parsed.n > scheduler.max_num_seqs:
+            raise ApiError(
+                400, f"n={parsed.n} exceeds the server's --max-num-seqs {scheduler.max_num_seqs}; ask for fewer", "n"
+            )
         try:
-            detokenizer = engine.tokenizer.detokenizer(parsed.stop, context_ids=parsed.ids)
+            requests = choice_requests(engine, parsed, arrival)
         except KvforgeError as error:
             raise ApiError(400, str(error), "stop") from error
-        request = Request(
-            parsed.ids, parsed.params, parsed.budget, detokenizer, arrival=arrival, ignore_eos=parsed.ignore_eos
-        )
         try:
-            scheduler.submit(request)
+            scheduler.submit(*requests)
         except Overloaded as error:
             app.metrics.request_rejected.inc()
             raise ApiError(
@@ -242,43 +263,62 @@ class _Handler(BaseHTTPRequestHandler):
             app.metrics.request_rejected.inc()
             raise ApiError(503, str(error), type="service_unavailable") from error
         reply = Reply.new(chat, app.name)
+        writers = [LogprobsWriter(engine, chat) if parsed.logprobs is not None else None for _ in requests]
         if parsed.stream:
-            self._stream(request, reply, parsed.include_usage)
+            self._stream(requests, reply, writers, parsed.include_usage)
         else:
-            self._collect(request, reply)
+            self._collect(requests, reply, writers)
 
-    def _events(self, request: Request) -> Iterator[Event]:
-        """The request's events until it ends; stops early (cancelling it) if the client left."""
+    def _events(self, requests: list[Request]) -> Iterator[Event]:
+        """The events of a request's choices until each has ended; stops early (cancelling them
+        all) if the client left. A failed choice ends them all."""
+        events = requests[0].events  # shared by the choices
+        open_choices = len(requests)
         checked = time.monotonic()
-        while True:
+        while open_choices:
             try:
-                event: Event | None = request.events.get(timeout=_POLL_S)
+                event: Event | None = events.get(timeout=_POLL_S)
             except queue.Empty:
                 event = None
             now = time.monotonic()
             if event is None or now - checked >= _POLL_S:
                 checked = now
                 if self._client_gone():
-                    self._abandon(request)
+                    self._abandon(requests)
                     return
             if event is None:
                 continue
             yield event
-            if not isinstance(event, Delta):
+            if isinstance(event, Failed):
+                self._cancel(requests)
                 return
+            if isinstance(event, Finished):
+                open_choices -= 1
 
-    def _collect(self, request: Request, reply: Reply) -> None:
-        parts: list[str] = []
-        for event in self._events(request):
+    def _collect(self, requests: list[Request], reply: Reply, writers: list[LogprobsWriter | None]) -> None:
+        parts: list[list[str]] = [[] for _ in requests]
+        entries: list[list[TokenLogprob]] = [[] for _ in requests]
+        choices: list[Choice] = []
+        prompt_tokens = completion_tokens = 0
+        for event in self._events(requests):
             if isinstance(event, Delta):
-                parts.append(event.text)
+                parts[event.index].append(event.text)
+                entries[event.index].extend(event.logprobs)
             elif isinstance(event, Finished):
-                body = reply.complete("".join(parts), event.reason, event.prompt_tokens, event.completion_tokens)
-                self._send_json(200, body)
+                writer = writers[event.index]
+                logprobs = None if writer is None else writer.render(entries[event.index])
+                choices.append(Choice(event.index, "".join(parts[event.index]), event.reason, logprobs))
+                prompt_tokens = event.prompt_tokens
+                completion_tokens += event.completion_tokens
+                if len(choices) == len(requests):
+                    choices.sort(key=lambda c: c.index)
+                    self._send_json(200, reply.complete(choices, prompt_tokens, completion_tokens))
             elif isinstance(event, Failed):
                 self._send_json(500, error_body(event.message, "server_error"))
 
-    def _stream(self, request: Request, reply: Reply, include_usage: bool) -> None:
+    def _stream(
+        self, requests: list[Request], reply: Reply, writers: list[LogprobsWriter | None], include_usage: bool
+    ) -> None:
         self._streaming = True
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
@@ -286,22 +326,33 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("X-Accel-Buffering", "no")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
+        finished = 0
+        prompt_tokens = completion_tokens = 0
         try:
             if reply.chat:
-                self._sse(reply.chunk("", first=True, include_usage=include_usage))
-            for event in self._events(request):
+                for request in requests:
+                    self._sse(reply.chunk("", index=request.index, first=True, include_usage=include_usage))
+            for event in self._events(requests):
                 if isinstance(event, Delta):
-                    self._sse(reply.chunk(event.text, include_usage=include_usage))
+                    writer = writers[event.index]
+                    logprobs = None if writer is None else writer.render(event.logprobs)
+                    self._sse(
+                        reply.chunk(event.text, index=event.index, logprobs=logprobs, include_usage=include_usage)
+                    )
                 elif isinstance(event, Finished):
-                    self._sse(reply.chunk("", reason=event.reason, include_usage=include_usage))
-                    if include_usage:
-                        self._sse(reply.usage_chunk(event.prompt_tokens, event.completion_tokens))
-                    self._sse_done()
+                    self._sse(reply.chunk("", index=event.index, reason=event.reason, include_usage=include_usage))
+                    finished += 1
+                    prompt_tokens = event.prompt_tokens
+                    completion_tokens += event.completion_tokens
+                    if finished == len(requests):
+                        if include_usage:
+                            self._sse(reply.usage_chunk(prompt_tokens, completion_tokens))
+                        self._sse_done()
                 elif isinstance(event, Failed):
                     self._sse(error_body(event.message, "server_error"))
                     self._sse_done()
         except OSError:  # the client went away mid-stream
-            self._abandon(request)
+            self._abandon(requests)
 
     def _sse(self, body: Any) -> None:
         self._chunk(b"data: " + dumps(body) + b"\n\n")
@@ -313,11 +364,15 @@ class _Handler(BaseHTTPRequestHandler):
     def _chunk(self, data: bytes) -> None:
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
 
-    def _abandon(self, request: Request) -> None:
+    def _abandon(self, requests: list[Request]) -> None:
         self.close_connection = True
+        self._cancel(requests)
+
+    def _cancel(self, requests: list[Request]) -> None:
         scheduler = self.server.app.scheduler
         if scheduler is not None:
-            scheduler.cancel(request)
+            for request in requests:
+                scheduler.cancel(request)
 
     def _client_gone(self) -> bool:
         """True when the peer has closed its side (readable with nothing to read) or reset it."""

@@ -28,7 +28,7 @@ from typing import Any, cast
 from runners.engine import Engine
 from runners.errors import KvforgeError
 from runners.serve.metrics import FINISH_REASONS, Metrics
-from runners.serve.scheduler import BatchScheduler, Event, Overloaded, Request, Unavailable
+from runners.serve.scheduler import BatchScheduler, Event, Overloaded, Request, Unavailable, choice_requests
 from runners.triton.contract import ARTIFACT_DIR, ENGINE_PARAMETERS
 from runners.triton.requests import Reply, ReplyStream, TritonRequestError, parse_inputs
 
@@ -189,13 +189,12 @@ class ServingModel:
             tensor = self.pb.get_input_tensor_by_name(triton_request, name)
             return None if tensor is None else tensor.as_numpy()
 
+        arrival = time.perf_counter()
         generation = parse_inputs(read, self.engine, self.name)
-        parsed = generation.parsed
-        try:
-            detokenizer = self.engine.tokenizer.detokenizer(parsed.stop, context_ids=parsed.ids)
+        try:  # the same path as kvforge serve's: one request (n is 1 here), its arrival kept for the metrics
+            (request,) = choice_requests(self.engine, generation.parsed, arrival)
         except KvforgeError as error:
             raise TritonRequestError(f"input stop_words: {error}") from error
-        request = Request(parsed.ids, parsed.params, parsed.budget, detokenizer)
         try:
             self.scheduler.submit(request)
         except (Overloaded, Unavailable) as error:

@@ -3,15 +3,16 @@
 Both directions are plain functions over numpy arrays and the engine's events, so they are
 tested without Triton. The request's fields are checked by the HTTP server's own parser
 (`runners.serve.protocol.parse_request`): the tensors are read into the OpenAI body they came
-from, so ranges, stop strings, the context check and the refused penalties are exactly
-`kvforge serve`'s, and its messages name the Triton input where its name differs.
+from (guided decoding's json and json_schema as its response_format), so ranges, stop strings,
+the context check and the refused penalties are exactly `kvforge serve`'s, and its messages
+name the Triton input where its name differs.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ Read = Callable[[str], "np.ndarray | None"]
 # Inputs that are the OpenAI field of the same name.
 _SAME_NAME = ("max_tokens", "temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty", "seed")
 _TRITON_NAMES = {"prompt": "text_input", "stop": "stop_words"}
+_NO_LLGUIDANCE = "guided decoding needs llguidance in the Python backend's environment ({}); pip install llguidance"
 _ERROR_CODES = {400: "INVALID_ARG", 404: "INVALID_ARG", 429: "UNAVAILABLE", 503: "UNAVAILABLE"}
 
 
@@ -53,8 +55,8 @@ class Generation:
 
 def parse_inputs(read: Read, engine: Engine, model_name: str) -> Generation:
     """Check a request's tensors and encode its prompt, or raise TritonRequestError naming the input."""
-    _refuse_guided_decoding(read)
     body: dict[str, Any] = {"model": model_name, "prompt": _string(read, "text_input"), "stream": _flag(read, "stream")}
+    regex = _guided_decoding(read, body)
     if body["prompt"] is None:
         raise TritonRequestError("input text_input is missing; send the prompt as text_input")
     for name in _SAME_NAME:
@@ -68,6 +70,15 @@ def parse_inputs(read: Read, engine: Engine, model_name: str) -> Generation:
         parsed = parse_request(json.dumps(body).encode(), chat=False, engine=engine, served_name=model_name)
     except ApiError as error:
         raise TritonRequestError(_triton_message(error), _ERROR_CODES.get(error.status, "INTERNAL")) from error
+    except ImportError as error:  # llguidance missing from the backend's environment
+        raise TritonRequestError(_NO_LLGUIDANCE.format(error), "UNSUPPORTED") from error
+    if regex is not None:
+        try:
+            parsed = replace(parsed, grammar=engine.compile_grammar(regex=regex))
+        except ImportError as error:
+            raise TritonRequestError(_NO_LLGUIDANCE.format(error), "UNSUPPORTED") from error
+        except KvforgeError as error:
+            raise TritonRequestError(f"input guided_decoding_guide: {error}") from error
     return Generation(parsed, _flag(read, "return_num_input_tokens"), _flag(read, "return_num_output_tokens"))
 
 
@@ -76,15 +87,32 @@ def _triton_message(error: ApiError) -> str:
     return f"input {name}: {error.message}" if name else error.message
 
 
-def _refuse_guided_decoding(read: Read) -> None:
+def _guided_decoding(read: Read, body: dict[str, Any]) -> str | None:
+    """TensorRT-LLM's guided decoding inputs: `json` (any JSON object) and `json_schema` become the
+    OpenAI body's response_format; `regex` is returned, to be compiled after the body is checked.
+    Other guide types (`ebnf_grammar`, `structural_tag`) are refused."""
     kind, guide = _string(read, "guided_decoding_guide_type"), _string(read, "guided_decoding_guide")
-    if kind or guide:
-        raise TritonRequestError(
-            f"guided_decoding_guide_type {kind or ''!r}: guided decoding is not supported by kvforge's engine; "
-            "send the request without guided_decoding_guide_type and guided_decoding_guide (through Triton's "
-            "OpenAI frontend: without a tool_choice that forces a tool)",
-            "UNSUPPORTED",
-        )
+    if not kind and not guide:
+        return None
+    if kind == "json":
+        body["response_format"] = {"type": "json_object"}
+        return None
+    if kind in ("json_schema", "regex") and not guide:
+        raise TritonRequestError(f"guided_decoding_guide_type {kind!r} needs the {kind} in guided_decoding_guide")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(str(guide))
+        except ValueError as error:
+            raise TritonRequestError(f"input guided_decoding_guide: the JSON schema is not JSON ({error})") from error
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "guide", "schema": schema}}
+        return None
+    if kind == "regex":
+        return guide
+    raise TritonRequestError(
+        f"guided_decoding_guide_type {kind or ''!r} is not supported by kvforge's engine; use json, json_schema or "
+        "regex, or send the request without guided_decoding_guide_type and guided_decoding_guide",
+        "UNSUPPORTED",
+    )
 
 
 def _values(read: Read, name: str) -> list[Any] | None:

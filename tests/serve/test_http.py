@@ -132,10 +132,13 @@ def test_chat_message_errors_name_the_message(shared_server: Server) -> None:
 
 
 @pytest.mark.slow
-def test_unknown_fields_are_ignored(shared_server: Server) -> None:
+def test_caller_fields_and_neutral_values_are_accepted_unknown_fields_refused(shared_server: Server) -> None:
     request = {"model": "out", "prompt": "def", "max_tokens": 3, "temperature": 0, "user": "x", "logit_bias": {}}
     status, _, payload = call(shared_server.url, "POST", "/v1/completions", request)
     assert status == 200 and json.loads(payload)["usage"]["completion_tokens"] >= 1
+    status, _, payload = call(shared_server.url, "POST", "/v1/completions", request | {"max_token": 5})
+    assert status == 400
+    assert "max_token" in assert_error_shape(payload, "max_token")["message"]
 
 
 @pytest.mark.slow

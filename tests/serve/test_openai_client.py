@@ -9,7 +9,7 @@ from typing import Any
 import openai
 import pytest
 
-from runners.engine import Engine
+from runners.engine import Completion, Engine
 from tests.serve.conftest import Server
 
 pytestmark = pytest.mark.slow
@@ -110,7 +110,9 @@ def test_the_four_include_usage_cases(client: openai.OpenAI) -> None:
     [
         ({"temperature": -1}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
-        ({"n": 2}, "n"),
+        ({"n": 5}, "n"),  # above the server's --max-num-seqs 4
+        ({"n": 0}, "n"),
+        ({"logprobs": 21}, "logprobs"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": [""]}, "stop"),
         ({"seed": -3}, "seed"),
@@ -128,6 +130,44 @@ def test_bad_parameters_are_bad_requests_naming_the_field(
     body = info.value.body
     assert isinstance(body, dict) and body["param"] == param
     assert body["type"] == "invalid_request_error" and param in body["message"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"echo": True}, "echo"),
+        ({"suffix": "x"}, "suffix"),
+        ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
+    ],
+)
+def test_fields_the_server_does_not_implement_are_refused_by_name(
+    client: openai.OpenAI, fields: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="def", max_tokens=4, **fields)
+    body = info.value.body
+    assert isinstance(body, dict) and body["param"] == param and param in body["message"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ],
+)
+def test_chat_fields_the_server_does_not_implement_are_refused_by_name(
+    client: openai.OpenAI, fields: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, **fields
+        )
+    body = info.value.body
+    assert isinstance(body, dict) and body["param"] == param and param in body["message"]
 
 
 def test_context_overflow_is_a_bad_request_with_its_code(client: openai.OpenAI, engine: Engine) -> None:
@@ -209,3 +249,68 @@ def test_max_completion_tokens_bounds_a_chat_answer(client: openai.OpenAI, engin
     assert result.usage is not None and result.usage.completion_tokens == len(tokens)
     assert result.choices[0].finish_reason == ("length" if len(tokens) == 3 else "stop")
     assert result.choices[0].message.content == solo_text(engine, "def", 3, chat=True)
+
+
+def test_completion_logprobs_legacy_shape(client: openai.OpenAI, tiny_artifact: Path) -> None:
+    prompt = "class Point:"
+    result = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    )
+    choice = result.choices[0]
+    logprobs = choice.logprobs
+    assert logprobs is not None and logprobs.tokens and logprobs.token_logprobs and logprobs.top_logprobs
+    assert result.usage is not None and len(logprobs.tokens) == result.usage.completion_tokens == 8
+    if not any(t.startswith("bytes:") for t in logprobs.tokens):  # no token holds part of a character
+        assert "".join(logprobs.tokens) == choice.text
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(8)]
+    free = Engine.load(tiny_artifact)
+    free.eos_ids = ()  # as ignore_eos
+    reference = free.generate(prompt, max_new_tokens=8, temperature=0.0, logprobs=3)
+    assert isinstance(reference, Completion)
+    for position, (token, value, top) in enumerate(
+        zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs)
+    ):
+        assert len(top) <= 3 and max(top, key=top.__getitem__) == token  # greedy: the top entry
+        assert value == pytest.approx(reference.logprobs[position].logprob, abs=1e-3)
+
+
+def test_chat_logprobs_streamed_and_not(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, logprobs=True
+    )
+    result = client.chat.completions.create(top_logprobs=2, **kwargs)
+    content = result.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and result.usage is not None
+    eos = result.choices[0].finish_reason == "stop"
+    assert len(content) == result.usage.completion_tokens - eos  # the end-of-text token has no entry
+    for entry in content:
+        raw = bytes(entry.bytes or [])
+        if entry.token.startswith("bytes:"):  # part of a character: spelled from its bytes
+            assert entry.token == "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        else:
+            assert raw == entry.token.encode()
+        assert entry.logprob <= 0
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token
+    streamed = [
+        item
+        for chunk in client.chat.completions.create(stream=True, top_logprobs=2, **kwargs)
+        if chunk.choices and chunk.choices[0].logprobs is not None
+        for item in chunk.choices[0].logprobs.content or []
+    ]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+
+def test_n_choices_are_seeded_per_choice_and_all_counted(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(
+        model=MODEL, prompt="def", max_tokens=10, temperature=1.0, extra_body={"ignore_eos": True}
+    )
+    result = client.completions.create(n=3, seed=7, **kwargs)
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert result.usage is not None and result.usage.completion_tokens == 30
+    for index in range(3):
+        alone = client.completions.create(seed=7 + index, **kwargs)
+        assert alone.choices[0].text == result.choices[index].text
+    chunks = list(client.completions.create(n=2, seed=7, stream=True, stream_options={"include_usage": True}, **kwargs))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(2)]
+    assert texts == [result.choices[0].text, result.choices[1].text]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20

@@ -223,10 +223,36 @@ def test_a_bad_request_gets_one_final_error(served: tuple[ServingModel, SimpleNa
     [response] = request.sender.wait()
     assert response.error is not None and response.error.code == "INVALID_ARG"
     assert "max_tokens must be an integer >= 1, got 0" in response.error.message
-    guided = FakeRequest(frontend_request("def", stream=True, max_tokens=4, guided=("json_schema", "{}")))
+    guided = FakeRequest(frontend_request("def", stream=True, max_tokens=4, guided=("ebnf_grammar", "root ::= x")))
     model.execute([guided])
     [response] = guided.sender.wait()
     assert response.error is not None and response.error.code == "UNSUPPORTED"
+    guided = FakeRequest(frontend_request("def", stream=True, max_tokens=4, guided=("regex", "[a-")))
+    model.execute([guided])
+    [response] = guided.sender.wait()
+    assert response.error is not None and response.error.code == "INVALID_ARG"
+    assert "guided_decoding_guide" in response.error.message
+
+
+def test_guided_decoding_json_schema_and_regex(served: tuple[ServingModel, SimpleNamespace]) -> None:
+    model, _ = served
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    cases = [("json_schema", json.dumps(schema)), ("regex", "[0-9]{3}"), ("json", "")]
+    requests = [FakeRequest(frontend_request("def", stream=False, max_tokens=32, guided=g)) for g in cases]
+    model.execute(requests)
+    texts = []
+    for request in requests:
+        [response] = request.sender.wait()
+        assert response.error is None, response.error
+        texts.append(response.text())
+    assert json.loads(texts[0]) in ({"ok": True}, {"ok": False})
+    assert len(texts[1]) == 3 and texts[1].isdigit()
+    assert texts[2].startswith("{")
 
 
 def test_a_cancelled_request_is_aborted_in_the_engine(served: tuple[ServingModel, SimpleNamespace]) -> None:

@@ -63,11 +63,24 @@ def test_absent_inputs_take_the_defaults(engine: Engine) -> None:
     [
         (
             {"guided_decoding_guide_type": ["BYTES", [["json_schema"]]]},
-            "UNSUPPORTED",
-            "guided decoding is not supported",
+            "INVALID_ARG",
+            "needs the json_schema in guided_decoding_guide",
         ),
-        ({"guided_decoding_guide": ["BYTES", [['{"type": "object"}']]]}, "UNSUPPORTED", "guided decoding is not"),
-        ({"presence_penalty": ["FP32", [[0.5]]]}, "INVALID_ARG", "presence_penalty=0.5 is not supported; leave it out"),
+        (
+            {"guided_decoding_guide": ["BYTES", [['{"type": "object"}']]]},
+            "UNSUPPORTED",
+            "guided_decoding_guide_type '' is not supported",
+        ),
+        (
+            {"guided_decoding_guide_type": ["BYTES", [["json_schema"]]], "guided_decoding_guide": ["BYTES", [["{x"]]]},
+            "INVALID_ARG",
+            "input guided_decoding_guide: the JSON schema is not JSON",
+        ),
+        (
+            {"presence_penalty": ["FP32", [[0.5]]]},
+            "INVALID_ARG",
+            "presence_penalty=0.5 is not supported by this server; leave it out",
+        ),
         ({"frequency_penalty": ["FP32", [[-1.0]]]}, "INVALID_ARG", "frequency_penalty=-1.0 is not supported"),
         ({"temperature": ["FP32", [[-1.0]]]}, "INVALID_ARG", "temperature must be >= 0"),
         ({"top_p": ["FP32", [[0.0]]]}, "INVALID_ARG", "top_p must be in (0, 1]"),
