@@ -160,7 +160,20 @@ def weight_bytes_per_step(artifact: Path, manifest: dict[str, Any]) -> int:
         gathered_only += _input_table_bytes(spec, lookup, itemsize)
     if spec["position_embedding"] == "learned":
         gathered_only += spec["max_positions"] * spec["hidden_size"] * itemsize
-    return (artifact / "model.onnx.data").stat().st_size - gathered_only
+    return (artifact / "model.onnx.data").stat().st_size - gathered_only - _idle_expert_bytes(manifest)
+
+
+def _idle_expert_bytes(manifest: dict[str, Any]) -> int:
+    """The routed experts' weights a decode step of one token does not read (the manifest's
+    `experts`, written by a build of a mixture of experts): all but `per_token` of `routed`."""
+    experts = manifest.get("experts")
+    if not isinstance(experts, dict):
+        return 0
+    routed, per_token, nbytes = (experts.get(k) for k in ("routed", "per_token", "weight_bytes"))
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (routed, per_token, nbytes)):
+        return 0
+    assert isinstance(routed, int) and isinstance(per_token, int) and isinstance(nbytes, int)
+    return 0 if routed == 0 else nbytes * (routed - per_token) // routed
 
 
 def _input_table_bytes(spec: dict[str, Any], lookup: dict[str, Any] | None, itemsize: int) -> int:

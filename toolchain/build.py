@@ -156,6 +156,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
         except UnsupportedByTensorRT as e:
             raise ArtifactError(f"{checkpoint_dir}: {e}") from e
     graph_io = _graph_contract(onnx_model, io, options.capacity)
+    experts = _experts(onnx_model, spec)
     engine_entry: dict[str, Any] | None = None
     next_step = None
     try:
@@ -193,6 +194,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
                     passes=pass_report.to_dict(timings=False),
                     parity=report.to_dict() | {"computed_in": computed_in},
                     hub=ckpt.hub,
+                    experts=experts,
                 )
                 if engine_entry is not None:
                     written = trt_engine.with_engine(written, staging, engine_entry)
@@ -375,6 +377,24 @@ def _tensorrt_options(options: BuildOptions, spec: DecoderSpec) -> BuildOptions:
             "drop the asymmetric setting"
         )
     return replace(options, capacity=capacity)
+
+
+def _experts(model: ir.Model, spec: DecoderSpec) -> dict[str, int] | None:
+    """A mixture of experts' routed experts, how many a token uses, and the bytes of their
+    weights in the graph (initializers under `experts` stacked over the experts), so that
+    `kvforge bench` counts only the experts a decode step reads. None for a dense model."""
+    if not spec.num_experts:
+        return None
+    stacked = [
+        value.const_value
+        for name, value in model.graph.initializers.items()
+        if ".experts." in name
+        and value.const_value is not None
+        and value.const_value.shape[0] == spec.num_experts
+        and len(value.const_value.shape) >= 2
+    ]
+    nbytes = sum(tensor.nbytes for tensor in stacked if tensor is not None)
+    return {"routed": spec.num_experts, "per_token": spec.experts_per_token, "weight_bytes": nbytes}
 
 
 def _graph_contract(model: ir.Model, io: DecoderIO, capacity: int | None = None) -> DecoderIO:

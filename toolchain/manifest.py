@@ -50,8 +50,10 @@ def write(
     passes: Mapping[str, Any],
     parity: Mapping[str, Any],
     hub: HubSnapshot | None = None,
+    experts: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
-    """`hub`: the Hugging Face cache snapshot the checkpoint was, recorded as `hub` (id and commit)."""
+    """`hub`: the Hugging Face cache snapshot the checkpoint was, recorded as `hub` (id and commit).
+    `experts`: a mixture of experts' routed experts, experts per token and their weight bytes."""
     files = {p.name: sha256_file(p) for p in sorted(directory.iterdir()) if p.name != MANIFEST}
     manifest = {
         "schema_version": SCHEMA_VERSION,
@@ -64,6 +66,7 @@ def write(
         "io": io.to_dict(),
         "passes": dict(passes),
         "parity": dict(parity),
+        **({"experts": dict(experts)} if experts is not None else {}),
         "files": files,
     }
     write_json(directory / MANIFEST, manifest)

@@ -111,3 +111,29 @@ def test_a_family_in_no_table_builds_and_matches_eager(tmp_path: Path) -> None:
     for prompt in ["def fibonacci(n):", "class Point:\n    def"]:
         ids = engine.encode(prompt)
         assert engine.generate_tokens([ids], max_new_tokens=24, temperature=0.0)[0] == hf_greedy(model, ids, 24)
+
+
+@pytest.mark.slow
+def test_moe_manifest_and_bench_count_the_experts_a_step_reads(
+    built_artifact: Callable[..., Path], tiny_checkpoint: Callable[..., Path]
+) -> None:
+    from runners.bench import weight_bytes_per_step
+
+    artifact = built_artifact("qwen3_moe")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    directory = tiny_checkpoint("qwen3_moe")
+    fp = footprint(checkpoints.load(directory), _spec(directory), batch=1, seq=16)
+    assert manifest["experts"] == {"routed": 4, "per_token": 2, "weight_bytes": 4 * fp.expert_parameters}
+    dense_count = weight_bytes_per_step(artifact, {k: v for k, v in manifest.items() if k != "experts"})
+    assert weight_bytes_per_step(artifact, manifest) == dense_count - 4 * fp.expert_parameters // 2  # 2 of 4 idle
+    assert "experts" not in json.loads((built_artifact("llama") / "manifest.json").read_text())
+
+
+@pytest.mark.slow
+def test_moe_int8_build_passes_the_distribution_gate(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    from passes.quantize import WeightQuantization
+    from toolchain.build import BuildOptions, build
+
+    result = build(tiny_checkpoint("mixtral"), tmp_path / "out", BuildOptions(weights=WeightQuantization(bits=8)))
+    assert result.manifest["parity"]["passed"] is True
+    assert result.manifest["flags"]["weights"]["bits"] == 8
