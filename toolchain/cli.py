@@ -60,6 +60,17 @@ def _engine_options(queue_note: str) -> Callable[[Callable[..., Any]], Callable[
     return apply
 
 
+def _tolerance_option(default: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The parity gate's bound, shared by `build` and `verify`."""
+    return click.option(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="The parity gate's largest error, as a fraction of each output's scale (a logits row's standard "
+        f"deviation, a present tensor's RMS). Default: {default} (fp32 2e-4, fp16 0.1, bf16 0.3).",
+    )
+
+
 @click.group()
 @click.option("-v", "--verbose", is_flag=True, help="Log each stage to stderr.")
 def main(verbose: bool) -> None:
@@ -136,6 +147,7 @@ def main(verbose: bool) -> None:
     type=click.IntRange(1, 256),
     help="Greedy decode steps the verification gate compares.",
 )
+@_tolerance_option("the compute dtype's")
 @_guarded
 def build(
     checkpoint: Path,
@@ -155,6 +167,7 @@ def build(
     allow_pickle: bool,
     decode_steps: int,
     capacity: int | None,
+    tolerance: float | None,
 ) -> None:
     """Export CHECKPOINT, lower it to ONNX, verify it against the eager model, publish it to -o."""
     from passes.quantize import WeightQuantization
@@ -176,6 +189,7 @@ def build(
         device_memory=None if device_memory is None else parse_bytes(device_memory),
         memory_batch=batch,
         memory_seq=seq,
+        tolerance=tolerance,
     )
     result = run_build(checkpoint, output, options)
     if report:
@@ -390,12 +404,13 @@ def export_triton(artifact: Path, output: Path, name: str | None, **options: Any
 @click.option(
     "--allow-pickle", is_flag=True, help="Accept pytorch_model.bin (read with torch.load(weights_only=True))."
 )
+@_tolerance_option("the one ARTIFACT was built with, else the compute dtype's")
 @_guarded
-def verify(artifact: Path, checkpoint: Path, allow_pickle: bool) -> None:
+def verify(artifact: Path, checkpoint: Path, allow_pickle: bool, tolerance: float | None) -> None:
     """Re-run the parity check of ARTIFACT against the eager model of CHECKPOINT."""
     from toolchain.build import verify as run_verify
 
-    click.echo(run_verify(artifact, checkpoint, allow_pickle=allow_pickle).summary())
+    click.echo(run_verify(artifact, checkpoint, allow_pickle=allow_pickle, tolerance=tolerance).summary())
 
 
 @main.command()
