@@ -24,9 +24,14 @@ def test_compare_judges_logits_by_each_rows_spread_and_a_present_tensor_by_its_r
     np.testing.assert_allclose(error.error, 2 * TOL.relative, rtol=1e-4)
     shifted = rows + 50.0  # a constant offset leaves each row's spread, and the bound, as it was
     assert compare("logits", shifted, shifted + (near_zero - rows), TOL, rows=True).within
-    tensor = np.array([3.0, -4.0, 0.0, 0.0], dtype=np.float32)  # RMS 2.5
-    assert compare("present.0.key", tensor, tensor + [0, 0, 0.9 * TOL.relative * 2.5, 0], TOL, rows=False).within
-    assert not compare("present.0.key", tensor, tensor + [0, 0, 1.1 * TOL.relative * 2.5, 0], TOL, rows=False).within
+    tensor = np.array([3.0, -4.0, 0.0, 0.0, 40.0], dtype=np.float32)  # RMS 18.1
+    rms = float(np.sqrt(np.mean(tensor.astype(np.float64) ** 2)))
+    assert compare("present.0.key", tensor, tensor + [0, 0, 0.9 * TOL.relative * rms, 0, 0], TOL, rows=False).within
+    late = compare("present.0.key", tensor, tensor + [0, 0, 1.1 * TOL.relative * rms, 0, 0], TOL, rows=False)
+    assert not late.within and abs(late.scale - rms) < 1e-4  # a value near zero: judged on the RMS
+    # the outlier channel is judged on its own magnitude, 40, which is more than the RMS
+    assert compare("present.0.key", tensor, tensor + [0, 0, 0, 0, 0.9 * TOL.relative * 40], TOL, rows=False).within
+    assert not compare("present.0.key", tensor, tensor + [0, 0, 0, 0, 1.1 * TOL.relative * 40], TOL, rows=False).within
 
 
 def test_compare_refuses_non_finite_and_shape_mismatch() -> None:
