@@ -90,6 +90,8 @@ QUOTED_MESSAGES = [
     "files differ from the checkpoint ",
     "compiled model does not match the eager model: ",
     "greedy tokens diverge at step ",
+    "first diverging output ",
+    "int4 costs too much accuracy on this model: build with --weights int8",
     "is not supported (expected one of ",
     " where decisive, ",
     "more than --device-memory ",

@@ -90,6 +90,8 @@ class BuildOptions:
     memory_batch: int = 1
     memory_seq: int | None = None
     revision: str | None = None  # of a Hub id (a branch, tag or commit), resolved in the local cache
+    # The parity gate's relative tolerance in place of the table's (TOLERANCES) for the dtype
+    tolerance: float | None = None
 
     def flags(self) -> dict[str, Any]:
         """What determines the artifact's bytes (not `force`, which only says where they may go)."""
@@ -100,6 +102,7 @@ class BuildOptions:
             "allow_pickle": self.allow_pickle,
             "decode_steps": self.decode_steps,
             "weights": None if self.weights is None else self.weights.to_dict(),
+            "tolerance": self.tolerance,
         } | ({"capacity": self.capacity} if self.target == "tensorrt" else {})
 
 
@@ -120,6 +123,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
         raise ArtifactError(f"unknown target {options.target!r}; choose one of {', '.join(pipeline.TARGETS)}")
     if options.dtype not in DTYPES.values():
         raise ArtifactError(f"unknown dtype {options.dtype!r}; choose one of {', '.join(DTYPES.values())}")
+    _check_tolerance(options.tolerance, options.weights is not None)
     check_output(output, options.force)
     _return_freed_memory()
     seconds: dict[str, float] = {}
@@ -236,12 +240,18 @@ def verify(
     allow_pickle: bool = False,
     revision: str | None = None,
     runtime: str = "ort",
+    tolerance: float | None = None,
 ) -> ParityReport | DistributionReport:
     """Re-run the parity gate of a published artifact against its checkpoint (a directory or a
     cached Hub id), in the session `runtime` chooses (`runners.runtime`; "ort", onnxruntime's
-    CPU provider, as the build's gate)."""
+    CPU provider, as the build's gate), with the tolerance it was built with (its flags), or
+    `tolerance` in its place."""
     recorded = read_manifest(artifact)
     verify_files(artifact, recorded)
+    flags = dict(recorded["flags"])
+    _check_tolerance(tolerance, flags.get("weights") is not None)
+    if tolerance is not None:
+        flags["tolerance"] = tolerance
     choice = runtimes.choose(runtime, recorded, runtimes.Environment.detect(), str(artifact))
     ckpt = checkpoints.load(checkpoint_dir, allow_pickle=allow_pickle, revision=revision)
     if ckpt.source_hashes() != recorded.get("sources"):
@@ -251,13 +261,13 @@ def verify(
         )
     spec = read_spec(ckpt)
     io = DecoderIO.from_dict(recorded["io"])
-    model = eager_model(ckpt, spec, getattr(torch, recorded["flags"].get("dtype", "float32")))
+    model = eager_model(ckpt, spec, getattr(torch, flags.get("dtype", "float32")))
     eager = _eager_session(model, spec, replace(io, kv_mode="concat"))
-    gate = _record_gate(eager, recorded["flags"], spec, artifact)
+    gate = _record_gate(eager, flags, spec, artifact)
     del model, eager
     gc.collect()
     if choice.runtime == "ort":
-        with _verifiable(artifact, io, recorded["flags"].get("weights") is None) as session:
+        with _verifiable(artifact, io, flags.get("weights") is None) as session:
             report = gate(session)
     else:
         report = gate(_device_session(artifact, recorded, io, choice))
@@ -332,11 +342,30 @@ def _record_gate(
             reference, max_positions=spec.max_positions, decode_steps=flags["decode_steps"]
         )
         return lambda candidate: compare_with_reference(
-            reference_run, candidate, max_positions=spec.max_positions, dtype=flags["dtype"]
+            reference_run,
+            candidate,
+            max_positions=spec.max_positions,
+            dtype=flags["dtype"],
+            tolerance=flags.get("tolerance"),
         )
     tokens = gate_tokens(TokenizerBundle.load(tokenizer_dir).encode)
     expected = reference_log_probs(reference, tokens)
     return lambda candidate: check_distribution(expected, candidate, tokens, f"int{weights['bits']}")
+
+
+def _check_tolerance(tolerance: float | None, quantized: bool) -> None:
+    if tolerance is None:
+        return
+    if quantized:
+        raise ArtifactError(
+            f"--tolerance {tolerance:g} sets the parity gate of an unquantized build; a --weights build is judged "
+            "by its next-token distributions instead (AGREEMENT in toolchain/verify.py): drop --tolerance"
+        )
+    if not 0 < tolerance < 1:
+        raise ArtifactError(
+            f"--tolerance {tolerance:g} must be a fraction of each output's scale between 0 and 1 "
+            "(the defaults: TOLERANCES in toolchain/verify.py)"
+        )
 
 
 def _check_fits(ckpt: checkpoints.Checkpoint, spec: DecoderSpec, options: BuildOptions) -> None:

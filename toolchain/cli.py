@@ -82,6 +82,17 @@ _RUNTIME_HELP = (
 )
 
 
+def _tolerance_option(default: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The parity gate's bound, shared by `build` and `verify`."""
+    return click.option(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="The parity gate's largest error, as a fraction of each output's scale (a logits row's standard "
+        f"deviation, a present tensor's RMS). Default: {default} (fp32 2e-4, fp16 0.1, bf16 0.3).",
+    )
+
+
 @click.group()
 @click.option("-v", "--verbose", is_flag=True, help="Log each stage to stderr.")
 def main(verbose: bool) -> None:
@@ -160,6 +171,7 @@ def main(verbose: bool) -> None:
     type=click.IntRange(1, 256),
     help="Greedy decode steps the verification gate compares.",
 )
+@_tolerance_option("the compute dtype's")
 @_guarded
 def build(
     checkpoint: str,
@@ -181,6 +193,7 @@ def build(
     allow_pickle: bool,
     decode_steps: int,
     capacity: int | None,
+    tolerance: float | None,
 ) -> None:
     """Export CHECKPOINT, lower it to ONNX, verify it against the eager model, publish it to -o.
 
@@ -208,6 +221,7 @@ def build(
         memory_batch=batch,
         memory_seq=seq,
         revision=revision,
+        tolerance=tolerance,
     )
     verbose = bool(click.get_current_context().find_root().params.get("verbose"))
     reporter = progress.Lines(sys.stderr) if verbose and not quiet else progress.for_stream(sys.stderr, quiet)
@@ -491,12 +505,17 @@ def _triton_kind(runtime: str, kind: str, context: click.Context) -> str:
     "--allow-pickle", is_flag=True, help="Accept pytorch_model.bin (read with torch.load(weights_only=True))."
 )
 @_runtime_option("The session the check runs ARTIFACT in; " + _RUNTIME_HELP)
+@_tolerance_option("the one ARTIFACT was built with, else the compute dtype's")
 @_guarded
-def verify(artifact: Path, checkpoint: str, revision: str | None, allow_pickle: bool, runtime: str) -> None:
+def verify(
+    artifact: Path, checkpoint: str, revision: str | None, allow_pickle: bool, runtime: str, tolerance: float | None
+) -> None:
     """Re-run the parity check of ARTIFACT against the eager model of CHECKPOINT."""
     from toolchain.build import verify as run_verify
 
-    report = run_verify(artifact, checkpoint, allow_pickle=allow_pickle, revision=revision, runtime=runtime)
+    report = run_verify(
+        artifact, checkpoint, allow_pickle=allow_pickle, revision=revision, runtime=runtime, tolerance=tolerance
+    )
     click.echo(report.summary())
 
 

@@ -98,3 +98,33 @@ def test_a_build_that_would_not_fit_the_device_is_refused_before_any_work(
     assert quantized < need  # the suggestion helps: int4 fits where fp32 did not
     result = CliRunner().invoke(main, [*args, "--device-memory", "12 parsecs"])
     assert result.exit_code == 2 and "memory size '12 parsecs'" in result.output
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--weights", "int8", "--tolerance", "1e-3"], "a --weights build is judged by its next-token distributions"),
+        (["--tolerance", "2"], "must be a fraction of each output's scale between 0 and 1"),
+    ],
+)
+def test_a_tolerance_the_gate_cannot_use_is_refused_before_any_work(
+    tmp_path: Path, tiny_checkpoint: Callable[..., Path], extra: list[str], message: str
+) -> None:
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["build", str(tiny_checkpoint("llama")), "-o", str(out), *extra])
+    assert result.exit_code == 2 and message in result.stderr and not out.exists()
+
+
+def test_verify_takes_a_tolerance_in_place_of_the_recorded_one(
+    tiny_checkpoint: Callable[..., Path], built_artifact: Callable[..., Path]
+) -> None:
+    from toolchain.build import BuildOptions
+    from toolchain.build import verify as run_verify
+
+    assert BuildOptions(tolerance=1e-3).flags()["tolerance"] == 1e-3
+    assert BuildOptions().flags()["tolerance"] is None
+    report = run_verify(built_artifact("llama"), tiny_checkpoint("llama"), tolerance=0.5)
+    assert report.passed and report.tolerance.relative == 0.5
+    args = ["verify", str(built_artifact("llama")), "--checkpoint", str(tiny_checkpoint("llama")), "--tolerance", "0.5"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0 and "tolerance 0.5 of each output's scale" in result.stdout

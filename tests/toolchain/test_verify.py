@@ -10,19 +10,37 @@ from toolchain.verify import TOLERANCES, check_distribution, check_parity, compa
 TOL = TOLERANCES["float32"]
 
 
-def test_compare_applies_atol_and_rtol() -> None:
-    ref = np.array([1.0, 100.0], dtype=np.float32)
-    assert compare("x", ref, ref + np.array([0.5 * TOL.atol, 0.5 * TOL.rtol * 100]), TOL).within
-    assert not compare("x", ref, ref + np.array([0.0, 2 * TOL.rtol * 100]), TOL).within
+def test_compare_judges_logits_by_each_rows_spread_and_a_present_tensor_by_its_rms() -> None:
+    rows = np.array([[0.0, 1.0, 2.0, 3.0], [100.0, 110.0, 120.0, 130.0]], dtype=np.float32)
+    spread = rows.astype(np.float64).std(axis=-1)  # 1.118 and 11.18
+    near_zero = rows + np.array([[0.9 * TOL.relative * spread[0], 0, 0, 0], [0, 0, 0, 0]])
+    assert compare("logits", rows, near_zero, TOL, rows=True).within  # an error at 0 judged on the row's scale
+    # the same absolute error fails on the narrow row; the wide row's offset of 100 buys nothing
+    off = rows + np.array([[0, 0, 0, 0], [0, 0, 0, 2 * TOL.relative * spread[0]]])
+    assert compare("logits", rows, off, TOL, rows=True).within
+    off = rows + np.array([[2 * TOL.relative * spread[0], 0, 0, 0], [0, 0, 0, 0]])
+    error = compare("logits", rows, off, TOL, rows=True)
+    assert not error.within and abs(error.scale - spread[0]) < 1e-6
+    np.testing.assert_allclose(error.error, 2 * TOL.relative, rtol=1e-4)
+    shifted = rows + 50.0  # a constant offset leaves each row's spread, and the bound, as it was
+    assert compare("logits", shifted, shifted + (near_zero - rows), TOL, rows=True).within
+    tensor = np.array([3.0, -4.0, 0.0, 0.0, 40.0], dtype=np.float32)  # RMS 18.1
+    rms = float(np.sqrt(np.mean(tensor.astype(np.float64) ** 2)))
+    assert compare("present.0.key", tensor, tensor + [0, 0, 0.9 * TOL.relative * rms, 0, 0], TOL, rows=False).within
+    late = compare("present.0.key", tensor, tensor + [0, 0, 1.1 * TOL.relative * rms, 0, 0], TOL, rows=False)
+    assert not late.within and abs(late.scale - rms) < 1e-4  # a value near zero: judged on the RMS
+    # the outlier channel is judged on its own magnitude, 40, which is more than the RMS
+    assert compare("present.0.key", tensor, tensor + [0, 0, 0, 0, 0.9 * TOL.relative * 40], TOL, rows=False).within
+    assert not compare("present.0.key", tensor, tensor + [0, 0, 0, 0, 1.1 * TOL.relative * 40], TOL, rows=False).within
 
 
 def test_compare_refuses_non_finite_and_shape_mismatch() -> None:
     ref = np.ones(3, dtype=np.float32)
     bad = ref.copy()
     bad[1] = np.nan
-    error = compare("logits", ref, bad, TOL)
+    error = compare("logits", ref, bad, TOL, rows=True)
     assert not error.within and "NaN or Inf in the compiled" in error.name
-    assert not compare("logits", ref, np.ones(4, np.float32), TOL).within
+    assert not compare("logits", ref, np.ones(4, np.float32), TOL, rows=True).within
 
 
 class FakeSession:
@@ -60,6 +78,30 @@ def test_a_shifted_logit_is_reported_with_the_first_diverging_step() -> None:
     assert not report.passed
     assert report.prefill[0].max_abs == 6.0 and not report.prefill[0].within
     assert report.decode == []  # no decoding from a prefill that already failed
+    assert report.failures().startswith("first diverging output logits: ")
+
+
+def test_the_first_diverging_output_is_named_in_the_order_the_model_computes_it() -> None:
+    from toolchain.verify import OutputError, ParityReport
+
+    report = ParityReport("float32", TOL)
+    report.prefill = [
+        OutputError("logits", 1.0, 0.5, 2.0, False),
+        OutputError("present.0.key", 0.0, 0.0, 1.0, True),
+        OutputError("present.1.key", 0.1, 0.01, 10.0, False),
+        OutputError("present.2.key", 0.2, 0.02, 10.0, False),
+    ]
+    message = report.failures()
+    assert message.startswith("first diverging output present.1.key: 0.01 of its scale 10")
+    assert message.index("present.2.key") < message.index("logits")
+    assert message.endswith("[tolerance 0.0002 of the scale (float32)]")
+
+
+def test_a_tolerance_override_replaces_the_table() -> None:
+    strict = check_parity(FakeSession(), FakeSession(shift=0.01), max_positions=64, decode_steps=2)
+    assert not strict.passed
+    loose = check_parity(FakeSession(), FakeSession(shift=0.01), max_positions=64, decode_steps=2, tolerance=0.5)
+    assert loose.passed and loose.tolerance.relative == 0.5
 
 
 def test_nan_during_decode_is_a_failed_report_not_an_exception() -> None:
@@ -71,11 +113,13 @@ def test_nan_during_decode_is_a_failed_report_not_an_exception() -> None:
 def test_a_near_tie_may_part_the_tokens_a_clear_lead_may_not() -> None:
     from toolchain.verify import TOLERANCES, _near_tie
 
-    tol = TOLERANCES["float16"]  # atol 0.02, rtol 0.02: two logits of 5 may each be off by 0.12
+    tol = TOLERANCES["float16"]
     logits = np.array([[0.0, 5.0, 4.8], [1.0, 0.0, 0.0]], np.float32)
-    assert _near_tie(logits, np.array([1, 0]), np.array([2, 0]), tol)  # 0.2 apart: within 2 x 0.12
-    logits[0, 2] = 4.7
-    assert not _near_tie(logits, np.array([1, 0]), np.array([2, 0]), tol)  # 0.3 apart: a real difference
+    allowed = 2 * tol.relative * logits[0].astype(np.float64).std()  # each logit may be off by the bound
+    logits[0, 2] = 5.0 - 0.9 * allowed
+    assert _near_tie(logits, np.array([1, 0]), np.array([2, 0]), tol)
+    logits[0, 2] = 5.0 - 1.2 * allowed
+    assert not _near_tie(logits, np.array([1, 0]), np.array([2, 0]), tol)  # a real difference
 
 
 def test_distribution_metrics_match_a_whole_array_computation_and_the_reference_is_spilled() -> None:

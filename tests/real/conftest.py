@@ -1,0 +1,60 @@
+"""Real trained checkpoints (tests/real/models.py), converted once and cached under pytest's
+cache directory (`.pytest_cache`, keyed by the shipping package's version), and their
+artifacts, built once per session."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.real.models import MODELS, convert, missing
+
+BUILD_SECONDS: dict[str, float] = {}  # what each build took, printed at the end of the run
+
+
+@pytest.fixture(scope="session")
+def real_checkpoint(request: pytest.FixtureRequest) -> Callable[[str], Path]:
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        model = MODELS[name]
+        if (why := missing(model)) is not None:
+            pytest.skip(f"{model.name}: {why}")
+        if name not in made:
+            made[name] = convert(model, Path(request.config.cache.mkdir("kvforge-real-checkpoints")))
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def real_artifact(
+    real_checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., Path]:
+    """The artifact of a real checkpoint at `weights` (None: fp32), built once per session."""
+    from passes.quantize import WeightQuantization
+    from toolchain.build import BuildOptions, build
+
+    built: dict[tuple[str, str | None], Path] = {}
+
+    def get(name: str, weights: str | None = None) -> Path:
+        key = (name, weights)
+        if key not in built:
+            quantization = None if weights is None else WeightQuantization(int(weights[3:]), 32, True, ())
+            out = tmp_path_factory.mktemp(f"real-{name}-{weights or 'fp32'}") / "out"
+            checkpoint = real_checkpoint(name)  # converted, the first time, before the clock starts
+            start = time.perf_counter()
+            built[key] = build(checkpoint, out, BuildOptions(weights=quantization)).output
+            BUILD_SECONDS[f"{name} {weights or 'fp32'}"] = time.perf_counter() - start
+        return built[key]
+
+    return get
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if BUILD_SECONDS:
+        builds = ", ".join(f"{k} {v:.0f} s" for k, v in BUILD_SECONDS.items())
+        terminalreporter.write_line(f"real checkpoints built: {builds}")
