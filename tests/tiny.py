@@ -25,7 +25,7 @@ VOCAB_SIZE = 384
 # Shapes shared by every architecture: 2 layers, 4 query heads over 2 KV heads (GQA),
 # head_dim 16. Fields are each config class's own names.
 _COMMON: dict[str, Any] = dict(vocab_size=VOCAB_SIZE, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-_LLAMA_LIKE: dict[str, Any] = dict(
+LLAMA_LIKE: dict[str, Any] = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
@@ -34,14 +34,14 @@ _LLAMA_LIKE: dict[str, Any] = dict(
     max_position_embeddings=256,
 )
 ARCH_CONFIGS: dict[str, dict[str, Any]] = {
-    "llama": dict(_LLAMA_LIKE, tie_word_embeddings=False),
-    "mistral": dict(_LLAMA_LIKE, sliding_window=None),
-    "qwen2": dict(_LLAMA_LIKE, tie_word_embeddings=True),
-    "qwen3": dict(_LLAMA_LIKE, head_dim=16, tie_word_embeddings=True),
-    "phi3": dict(_LLAMA_LIKE, partial_rotary_factor=0.5),
-    "gemma": dict(_LLAMA_LIKE, head_dim=16, hidden_activation="gelu_pytorch_tanh"),
+    "llama": dict(LLAMA_LIKE, tie_word_embeddings=False),
+    "mistral": dict(LLAMA_LIKE, sliding_window=None),
+    "qwen2": dict(LLAMA_LIKE, tie_word_embeddings=True),
+    "qwen3": dict(LLAMA_LIKE, head_dim=16, tie_word_embeddings=True),
+    "phi3": dict(LLAMA_LIKE, partial_rotary_factor=0.5),
+    "gemma": dict(LLAMA_LIKE, head_dim=16, hidden_activation="gelu_pytorch_tanh"),
     "gemma2": dict(
-        _LLAMA_LIKE,
+        LLAMA_LIKE,
         head_dim=16,
         sliding_window=8,
         query_pre_attn_scalar=16,
@@ -63,35 +63,35 @@ SUPPORTED = tuple(ARCH_CONFIGS)
 
 # Families with no entry in kvforge's architecture table: read through transformers' config
 # classes, traced as they are. Each config sets what makes the family differ (the comments).
-_NO_GQA: dict[str, Any] = {k: v for k, v in _LLAMA_LIKE.items() if k != "num_key_value_heads"}
+_NO_GQA: dict[str, Any] = {k: v for k, v in LLAMA_LIKE.items() if k != "num_key_value_heads"}
 GENERIC_CONFIGS: dict[str, dict[str, Any]] = {
-    "stablelm": dict(_LLAMA_LIKE, partial_rotary_factor=0.25),  # partial rotary, LayerNorm
-    "phi": dict(_LLAMA_LIKE, partial_rotary_factor=0.5),  # parallel block, dense bias
+    "stablelm": dict(LLAMA_LIKE, partial_rotary_factor=0.25),  # partial rotary, LayerNorm
+    "phi": dict(LLAMA_LIKE, partial_rotary_factor=0.5),  # parallel block, dense bias
     "granite": dict(  # embedding / residual / attention / logit multipliers
-        _LLAMA_LIKE, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0
+        LLAMA_LIKE, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0
     ),
-    "starcoder2": dict(_LLAMA_LIKE),  # LayerNorm with bias, GELU MLP
-    "smollm3": dict(_LLAMA_LIKE, no_rope_layer_interval=2),  # every second layer without rotary
+    "starcoder2": dict(LLAMA_LIKE),  # LayerNorm with bias, GELU MLP
+    "smollm3": dict(LLAMA_LIKE, no_rope_layer_interval=2),  # every second layer without rotary
     "opt": dict(_NO_GQA, ffn_dim=128, word_embed_proj_dim=64),  # learned positions (offset 2)
-    "olmo2": dict(_LLAMA_LIKE),  # norms after each block, q/k norm over the whole projection
+    "olmo2": dict(LLAMA_LIKE),  # norms after each block, q/k norm over the whole projection
     "gemma3_text": dict(  # alternating sliding / full layers, q/k norm, a rope base per layer kind
-        _LLAMA_LIKE,
+        LLAMA_LIKE,
         head_dim=16,
         sliding_window=8,
         layer_types=["sliding_attention", "full_attention"],
         query_pre_attn_scalar=16,
     ),
-    "cohere": dict(_LLAMA_LIKE, logit_scale=0.5),  # parallel block, logit scale
+    "cohere": dict(LLAMA_LIKE, logit_scale=0.5),  # parallel block, logit scale
     "falcon": dict(_NO_GQA, new_decoder_architecture=True, num_kv_heads=2),  # caches every query head
     "bloom": dict(_NO_GQA, n_layer=2, n_head=4),  # ALiBi
     "gpt_bigcode": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, multi_query=True),  # one KV head
     "qwen3_moe": dict(  # MoE, softmax top-k
-        _LLAMA_LIKE, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[]
+        LLAMA_LIKE, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[]
     ),
-    "mixtral": dict(_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2),
-    "granitemoe": dict(_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2),
+    "mixtral": dict(LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2),
+    "granitemoe": dict(LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2),
     "gpt_oss": dict(  # attention sinks, alternating sliding window, MoE with biases
-        _LLAMA_LIKE,
+        LLAMA_LIKE,
         head_dim=16,
         num_local_experts=4,
         num_experts_per_tok=2,
