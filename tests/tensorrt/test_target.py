@@ -146,7 +146,8 @@ def test_a_graph_the_parser_would_refuse_fails_the_build_naming_the_node(
     del data["ops"]["RotaryEmbedding"]
     monkeypatch.setattr(tensorrt_check, "support_data", lambda: data)
     out = tmp_path / "out"
-    run = CliRunner().invoke(main, ["build", str(tiny_checkpoint("llama")), "-o", str(out), "--target", "tensorrt"])
+    args = ["build", str(tiny_checkpoint("llama")), "-q", "-o", str(out), "--target", "tensorrt"]  # -q: no progress
+    run = CliRunner().invoke(main, args)
     assert run.exit_code == 2
     assert "RotaryEmbedding(" in run.output and "is not supported by the TensorRT 10.15 ONNX parser" in run.output
     assert len(run.output.strip().splitlines()) == 1 and not out.exists()
