@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.examples.conftest import EXAMPLES
+from tests.genai import genai_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -21,18 +22,6 @@ SCRIPT = EXAMPLES / "genai" / "genai_stream.py"
 C_SOURCE = EXAMPLES / "genai" / "genai_stream.c"
 PROMPTS = ("def read_config(path):", "import os\nimport sys\n", "class Stack:\n    def push(self, item):")
 NEW_TOKENS = 32
-
-
-def _greedy(model: object, ids: list[int]) -> list[int]:
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(ids) + NEW_TOKENS, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(ids)
-    tokens: list[int] = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        tokens.append(int(generator.get_next_tokens()[0]))
-    return tokens
 
 
 def test_generator_and_tokenizer_match_kvforge_on_the_example_model(example_artifact: Path) -> None:
@@ -44,7 +33,7 @@ def test_generator_and_tokenizer_match_kvforge_on_the_example_model(example_arti
     for prompt in PROMPTS:
         ids = [int(i) for i in tokenizer.encode(prompt)]
         assert ids == engine.encode(prompt)
-        tokens = _greedy(model, ids)
+        tokens = genai_greedy(og, model, ids, NEW_TOKENS)
         assert tokens == engine.generate_tokens([ids], max_new_tokens=NEW_TOKENS, temperature=0)[0]
         expected = engine.generate(prompt, max_new_tokens=NEW_TOKENS, temperature=0)
         body = [t for t in tokens if t not in engine.eos_ids]

@@ -17,6 +17,7 @@ import pytest
 from runners.contract import DecoderIO
 from runners.errors import ArtifactError
 from runners.manifest import read_manifest, verify_files
+from tests.genai import genai_greedy
 from tests.tiny import CORPUS
 from toolchain.emit import genai
 from toolchain.spec import DecoderSpec
@@ -97,18 +98,6 @@ def int4_artifact(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest
     return build(tiny_checkpoint("llama"), out, BuildOptions(weights=WeightQuantization(4))).output
 
 
-def _genai_greedy(og: object, model: object, ids: list[int]) -> list[int]:
-    params = og.GeneratorParams(model)  # type: ignore[attr-defined]
-    params.set_search_options(max_length=len(ids) + NEW_TOKENS, do_sample=False)
-    generator = og.Generator(model, params)  # type: ignore[attr-defined]
-    generator.append_tokens(ids)
-    tokens: list[int] = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        tokens.append(int(generator.get_next_tokens()[0]))
-    return tokens
-
-
 def _valid_prefix(text: str) -> str:
     """Text up to the first U+FFFD: where the two tokenizers' decodes of invalid UTF-8 part ways."""
     return text.split("\ufffd", 1)[0]
@@ -135,7 +124,7 @@ def test_onnxruntime_genai_generates_the_same_tokens_and_text(
     for prompt in PROMPTS:
         ids = [int(i) for i in tokenizer.encode(prompt)]
         assert ids == engine.tokenizer.encode(prompt), prompt
-        theirs = _genai_greedy(og, model, ids)
+        theirs = genai_greedy(og, model, ids, NEW_TOKENS)
         ours = engine.generate_tokens([ids], max_new_tokens=NEW_TOKENS, temperature=0)[0]
         assert theirs == ours, prompt  # both stop at eos, and include it
         full_runs += len(ours) == NEW_TOKENS
