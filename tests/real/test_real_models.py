@@ -1,0 +1,196 @@
+"""Real trained checkpoints (tests/real/models.py): each builds at fp32 and int8 with the
+gate's defaults, answers its prompt exactly as transformers does (greedy, token for token,
+through `Engine`, `Engine.stream` and `kvforge generate`), and the streaming detokenizer
+joins to the full decode on its real vocabulary.
+
+SmolLM2-135M-Instruct answers a chat prompt (byte-level BPE, 49k tokens); Gemma 3 270M, a
+base model with no chat template, continues a sentence (sentencepiece-style BPE with byte
+fallback, 262k tokens, sliding and full attention layers)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass(frozen=True)
+class Case:
+    prompt: str
+    chat: bool
+    max_new_tokens: int
+    num_layers: int
+    expected: str  # transformers' greedy answer, as quoted where the model was tried by hand
+    split_character: str  # one character the vocabulary holds only as several byte pieces
+
+
+CASES = {
+    "smollm2": Case("What is the capital of France?", True, 32, 30, "The capital of France is Paris.", "🇯🇵"),
+    "gemma3": Case(
+        "The capital of France is",
+        False,
+        16,
+        18,
+        " the capital of the country of France. It is the largest city in France and",
+        "ꙮ",  # U+A66E: three <0x..> byte-fallback tokens
+    ),
+}
+MODELS = pytest.mark.parametrize("name", list(CASES))
+
+
+@MODELS
+def test_fp32_builds_and_passes_the_gate_with_the_defaults(real_artifact: Callable[..., Path], name: str) -> None:
+    manifest = json.loads((real_artifact(name) / "manifest.json").read_text())
+    parity = manifest["parity"]
+    assert parity["passed"] and parity["tolerance"] == {"relative": 2e-4}
+    assert manifest["flags"]["tolerance"] is None and manifest["spec"]["num_layers"] == CASES[name].num_layers
+    assert parity["decode_steps"] == 8 and parity["first_diverging_step"] is None
+
+
+@MODELS
+def test_int8_builds_and_passes_the_distribution_gate(real_artifact: Callable[..., Path], name: str) -> None:
+    manifest = json.loads((real_artifact(name, "int8") / "manifest.json").read_text())
+    parity = manifest["parity"]
+    assert parity["passed"] and parity["precision"] == "int8"
+    assert parity["top1_decisive"] >= 0.97 and parity["kl_mean"] <= 0.01
+
+
+@dataclass
+class Reference:
+    prompt_ids: list[int]
+    new_ids: list[int]
+    text: str
+
+
+@pytest.fixture(scope="module")
+def transformers_answer(real_checkpoint: Callable[[str], Path]) -> Callable[[str], Reference]:
+    """transformers' own greedy answer to each model's prompt, from the checkpoint directory."""
+    answers: dict[str, Reference] = {}
+
+    def get(name: str) -> Reference:
+        if name not in answers:
+            answers[name] = _transformers_greedy(real_checkpoint(name), CASES[name])
+        return answers[name]
+
+    return get
+
+
+def _transformers_greedy(directory: Path, case: Case) -> Reference:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    if case.chat:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": case.prompt}], tokenize=False, add_generation_prompt=True
+        )
+        prompt = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    else:
+        prompt = tokenizer(case.prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(
+            prompt, max_new_tokens=case.max_new_tokens, do_sample=False, attention_mask=torch.ones_like(prompt)
+        )
+    new = out[0, prompt.shape[1] :].tolist()
+    return Reference(prompt[0].tolist(), new, tokenizer.decode(new, skip_special_tokens=True))
+
+
+@MODELS
+def test_answer_equals_transformers_token_for_token(
+    real_artifact: Callable[..., Path], transformers_answer: Callable[[str], Reference], name: str
+) -> None:
+    from runners.engine import Engine
+
+    case, reference = CASES[name], transformers_answer(name)
+    engine = Engine.load(real_artifact(name))
+    assert engine.encode(case.prompt, chat=case.chat) == reference.prompt_ids
+    [tokens] = engine.generate_tokens([reference.prompt_ids], max_new_tokens=case.max_new_tokens, temperature=0.0)
+    assert tokens == reference.new_ids
+    assert reference.text.startswith(case.expected)
+    streamed = engine.stream(case.prompt, chat=case.chat, max_new_tokens=case.max_new_tokens, temperature=0.0)
+    assert "".join(streamed) == reference.text
+
+
+@MODELS
+def test_generate_on_the_command_line_prints_transformers_answer(
+    real_artifact: Callable[..., Path], transformers_answer: Callable[[str], Reference], name: str
+) -> None:
+    from click.testing import CliRunner
+
+    from toolchain.cli import main
+
+    case = CASES[name]
+    args = ["generate", str(real_artifact(name)), case.prompt, "--temperature", "0"]
+    args += ["--max-new-tokens", str(case.max_new_tokens)] + (["--chat"] if case.chat else [])
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == transformers_answer(name).text + "\n"
+
+
+# --- the streaming detokenizer on the real vocabularies -------------------------------------------------
+
+SAMPLES = [
+    "The capital of France is Paris.",
+    "naïve café déjà vu — “quotes” ½ ∑ ≠ ∞",
+    "日本語のテキストと中文文本 한국어 텍스트 Ελληνικά русский עברית العربية",
+    "emoji: 🙂 😀 🚀 👩‍💻 🇯🇵 🏳️‍🌈",
+    "rare: ꙮ 𓀀 𝔘𝔫𝔦 𐐀",  # byte-fallback pieces in Gemma's vocabulary, byte-level ones in SmolLM2's
+    "def f(x):\n\treturn x ** 2  # tab, newline\r\n",
+]
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer(real_checkpoint: Callable[[str], Path]) -> Callable[[str], Any]:
+    from tokenizers import Tokenizer
+
+    loaded: dict[str, Any] = {}
+
+    def get(name: str) -> Any:
+        if name not in loaded:
+            loaded[name] = Tokenizer.from_file(str(real_checkpoint(name) / "tokenizer.json"))
+        return loaded[name]
+
+    return get
+
+
+def _streamed(tokenizer: Any, ids: list[int]) -> str:
+    from runners.detokenizer import StreamingDetokenizer
+
+    detokenizer = StreamingDetokenizer(tokenizer)
+    return "".join([detokenizer.add(i) for i in ids] + [detokenizer.finish()])
+
+
+@MODELS
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    pieces=st.lists(
+        st.one_of(st.sampled_from(SAMPLES), st.text(alphabet=st.characters(codec="utf-8"), max_size=12)), max_size=5
+    )
+)
+def test_streamed_text_joins_to_the_full_decode(
+    real_tokenizer: Callable[[str], Any], name: str, pieces: list[str]
+) -> None:
+    """Multilingual text, emoji (several tokens to one character: the byte pieces of a character
+    the vocabulary does not hold whole) and arbitrary characters."""
+    tokenizer = real_tokenizer(name)
+    ids = tokenizer.encode("".join(pieces), add_special_tokens=False).ids
+    assert _streamed(tokenizer, ids) == tokenizer.decode(ids)
+
+
+@MODELS
+def test_a_character_split_into_byte_pieces_streams_as_one_character(
+    real_tokenizer: Callable[[str], Any], name: str
+) -> None:
+    tokenizer, character = real_tokenizer(name), CASES[name].split_character
+    ids = tokenizer.encode(character, add_special_tokens=False).ids
+    assert len(ids) > 1 and all(tokenizer.decode([i]) != character for i in ids)
+    assert _streamed(tokenizer, ids) == character
