@@ -378,10 +378,10 @@ class DistributionReport:
 # What to build instead when a quantized build fails its gate (docs/performance.md has the figures).
 _ADVICE = {
     "int4": (
-        "; int4 costs too much accuracy on this model: build with --weights int8 (SmolLM2-135M fails int4 at "
-        "every block size, symmetric or not, even with its embeddings and down_proj weights kept, and passes "
-        "int8); on a larger model, keeping the most sensitive weights at full precision may be enough "
-        "(--keep '*down_proj*' --keep embeddings)"
+        "; int4 costs too much accuracy on this model: build with --weights int8 (SmolLM2-135M and Gemma 3 "
+        "270M fail int4 at every block size, symmetric or not, even with their embeddings, LM head and "
+        "down_proj weights kept, and pass int8); on a larger model, the recipe closest to passing on both may be "
+        "enough: --asymmetric --keep '*down_proj*' --keep embeddings --keep lm_head"
     ),
     "int8": "; build without --weights (fp32), or keep the most sensitive weights at full precision (--keep lm_head)",
 }
