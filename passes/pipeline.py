@@ -34,6 +34,7 @@ from passes.pack_matmul import pack_gate_up, pack_qkv
 from passes.quantize import QuantizeWeights, WeightQuantization
 from passes.quantize_embedding import QuantizeEmbedding
 from passes.rewrite import FusionPass
+from passes.targets import TARGETS, Target
 from passes.tensorrt import tensorrt_form
 from passes.tensorrt_check import RequireTensorRT
 from passes.weight_layout import FoldWeightTransposes
@@ -121,31 +122,16 @@ def fixed_cache() -> list[PassBase]:
     return [PastLengthFromMask(), attention_scatter(), RequireOpset(24, ("TensorScatter",))]
 
 
-def quantize(target: str, weights: WeightQuantization) -> list[PassBase]:
-    """Weight-only quantization in the form the target's runtime reads: onnxruntime's
-    MatMulNBits for its own targets, standard block-wise DequantizeLinear + MatMul otherwise
-    (per channel for TensorRT's int8). Then the token-embedding table, after the LM head so
-    that a tied table shares the head's quantized initializers (`EMBEDDING_FORMS`)."""
-    form = QUANTIZATION_FORMS.get((target, weights.bits), "dequantize_linear")
-    passes: list[PassBase] = [weights.make_pass(form)]
-    if target in EMBEDDING_FORMS:
-        passes.append(QuantizeEmbedding.from_weights(weights, EMBEDDING_FORMS[target]))
+def quantize(target: Target, weights: WeightQuantization) -> list[PassBase]:
+    """Weight-only quantization in the form the target's runtime reads (its record's
+    `quantization_forms`: onnxruntime's MatMulNBits for its own targets, standard block-wise
+    DequantizeLinear + MatMul otherwise, per channel for TensorRT's int8). Then the
+    token-embedding table in the target's `embedding_form`, after the LM head so that a tied
+    table shares the head's quantized initializers."""
+    passes: list[PassBase] = [weights.make_pass(target.quantization_form(weights.bits))]
+    if target.embedding_form is not None:
+        passes.append(QuantizeEmbedding.from_weights(weights, target.embedding_form))
     return passes
-
-
-# (target, bits) -> how the quantized weights are written; any other: block-wise DequantizeLinear
-QUANTIZATION_FORMS = {
-    ("ort-cpu", 4): "matmul_nbits",
-    ("ort-cpu", 8): "matmul_nbits",
-    ("tensorrt", 8): "dequantize_linear_channel",  # TensorRT's int8 weights are per channel
-}
-
-# target -> how the token-embedding table is looked up once quantized (passes/quantize_embedding.py):
-# GatherBlockQuantized on onnxruntime, Gather of 8-bit codes + DequantizeLinear on the portable
-# target. Not on tensorrt: its parser gathers float, int32, int64 and bool tensors only, its
-# quantized types exist only as a DequantizeLinear of a constant, and the target dequantizes a
-# weight only into a MatMul; the table stays in the compute dtype there (docs/pipeline.md).
-EMBEDDING_FORMS = {"ort-cpu": "gather_block_quantized", "onnx": "gather_dequantize_linear"}
 
 
 def tensorrt(capacity: int) -> list[PassBase]:
@@ -167,34 +153,24 @@ def finalize_tensorrt(dtype: str) -> list[PassBase]:
     return [*finalize(), RequireTensorRT(dtype)]
 
 
-# target -> phases, in order. A phase is a name and the passes it runs.
-# A phase's factory may take the build's settings by keyword (`capacity`, `dtype`); `phases`
-# passes those it names.
-PIPELINES: dict[str, list[tuple[str, Callable[..., list[PassBase]]]]] = {
-    "onnx": [
-        ("canonicalize", canonicalize),
-        ("fuse", fuse),
-        ("pack", pack),
-        ("fixed-cache", fixed_cache),
-        ("finalize", finalize),
-    ],
-    "ort-cpu": [
-        ("canonicalize", canonicalize),
-        ("fuse", fuse),
-        ("pack", pack),
-        ("lower-ort", lower_ort),
-        ("finalize", finalize),
-    ],
-    "tensorrt": [
-        ("canonicalize", canonicalize),
-        ("fuse", fuse),
-        ("pack", pack),
-        ("fixed-cache", fixed_cache),
-        ("tensorrt", tensorrt),
-        ("finalize", finalize_tensorrt),
-    ],
+# A phase by the name a target's record gives it (passes/targets.py): the name the pass report
+# shows, and the factory of its passes. A factory may take the build's settings by keyword
+# (`capacity`, `dtype`); `phases` passes those it names.
+PHASES: dict[str, tuple[str, Callable[..., list[PassBase]]]] = {
+    "canonicalize": ("canonicalize", canonicalize),
+    "fuse": ("fuse", fuse),
+    "pack": ("pack", pack),
+    "lower-ort": ("lower-ort", lower_ort),
+    "fixed-cache": ("fixed-cache", fixed_cache),
+    "tensorrt": ("tensorrt", tensorrt),
+    "finalize": ("finalize", finalize),
+    "finalize-tensorrt": ("finalize", finalize_tensorrt),
 }
-TARGETS = tuple(PIPELINES)
+
+# target -> phases, in order, as its record names them
+PIPELINES: dict[str, list[tuple[str, Callable[..., list[PassBase]]]]] = {
+    name: [PHASES[phase] for phase in target.phases] for name, target in TARGETS.items()
+}
 
 
 @dataclass(frozen=True)
@@ -265,12 +241,12 @@ def phases(
 ) -> list[tuple[str, list[PassBase]]]:
     """The target's phases with their passes; quantization, when asked for, runs just before
     `finalize`, after the fusions and packing whose MatMuls it quantizes."""
-    if target not in PIPELINES:
-        raise KeyError(f"no pass pipeline for target {target!r}; known: {', '.join(PIPELINES)}")
+    if target not in TARGETS:
+        raise KeyError(f"no pass pipeline for target {target!r}; known: {', '.join(TARGETS)}")
     settings = {"capacity": capacity, "dtype": dtype}
     result = [(phase, _make(make_passes, settings)) for phase, make_passes in PIPELINES[target]]
     if weights is not None:
-        result.insert(len(result) - 1, ("quantize", quantize(target, weights)))
+        result.insert(len(result) - 1, ("quantize", quantize(TARGETS[target], weights)))
     return result
 
 

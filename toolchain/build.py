@@ -29,6 +29,7 @@ import torch
 from passes import pipeline
 from passes.pipeline import PassReport
 from passes.quantize import WeightQuantization
+from passes.targets import DEFAULT_TARGET, TARGETS, TENSORRT_ENGINE, Target
 from passes.tensorrt_check import UnsupportedByTensorRT
 from passes.widen import WidenFloats
 from runners import runtime as runtimes
@@ -60,7 +61,6 @@ from toolchain.verify import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TARGET = "ort-cpu"
 # --dtype: the graph's compute dtype (weights that stay unquantized, activations, KV cache),
 # by the CLI's name. Logits leave every graph in fp32.
 DTYPES: dict[str, str] = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -82,8 +82,8 @@ class BuildOptions:
     target: str = DEFAULT_TARGET
     dtype: str = "float32"  # one of DTYPES' values
     weights: WeightQuantization | None = None  # None: weights stay in the compute dtype
-    capacity: int | None = None  # tensorrt: the fixed KV-cache length S_max (None: the model's context)
-    engine: trt_engine.EngineOptions = trt_engine.EngineOptions()  # tensorrt, where TensorRT and a GPU are present
+    capacity: int | None = None  # a fixed-capacity target's KV-cache length S_max (None: the model's context)
+    engine: trt_engine.EngineOptions = trt_engine.EngineOptions()  # an engine-emitting target, where one can be built
     # Refuse up front when the runtime footprint (weights + KV cache for memory_batch sequences
     # of memory_seq tokens; None: the model's context) exceeds this many bytes.
     device_memory: int | None = None
@@ -103,7 +103,7 @@ class BuildOptions:
             "decode_steps": self.decode_steps,
             "weights": None if self.weights is None else self.weights.to_dict(),
             "tolerance": self.tolerance,
-        } | ({"capacity": self.capacity} if self.target == "tensorrt" else {})
+        } | ({"capacity": self.capacity} if TARGETS[self.target].fixed_capacity else {})
 
 
 @dataclass
@@ -113,14 +113,15 @@ class BuildResult:
     parity: ParityReport | DistributionReport
     passes: PassReport
     seconds: dict[str, float] = field(default_factory=dict)
-    next_step: str | None = None  # what completes the artifact elsewhere (tensorrt without TensorRT here)
+    next_step: str | None = None  # what completes the artifact elsewhere (an engine that cannot be built here)
 
 
 def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = BuildOptions()) -> BuildResult:
     """Build `checkpoint_dir` (a directory, or a Hub id in the local cache) into `output`."""
     output = Path(os.path.abspath(output))
-    if options.target not in pipeline.TARGETS:
-        raise ArtifactError(f"unknown target {options.target!r}; choose one of {', '.join(pipeline.TARGETS)}")
+    if options.target not in TARGETS:
+        raise ArtifactError(f"unknown target {options.target!r}; choose one of {', '.join(TARGETS)}")
+    target = TARGETS[options.target]
     if options.dtype not in DTYPES.values():
         raise ArtifactError(f"unknown dtype {options.dtype!r}; choose one of {', '.join(DTYPES.values())}")
     _check_tolerance(options.tolerance, options.weights is not None)
@@ -132,8 +133,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     io = DecoderIO.for_spec(spec, kv_dtype=options.dtype)
     if options.device_memory is not None:
         _check_fits(ckpt, spec, options)
-    if options.target == "tensorrt":
-        options = _tensorrt_options(options, spec)
+    options = _target_options(options, spec)
     with _timed(seconds, "load"):
         model = eager_model(ckpt, spec, getattr(torch, options.dtype))
     with _timed(seconds, "reference"):  # the eager side of the gate, now: its weights are freed before verify
@@ -151,7 +151,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
             pass_report = pipeline.run(
                 onnx_model,
                 options.target,
-                expected_fusions(spec),
+                target.expected_fusions(spec.num_layers),
                 options.weights,
                 capacity=options.capacity,
                 dtype=options.dtype,
@@ -159,7 +159,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
             )
         except UnsupportedByTensorRT as e:
             raise ArtifactError(f"{checkpoint_dir}: {e}") from e
-    graph_io = _graph_contract(onnx_model, io, options.capacity)
+    graph_io = _graph_contract(onnx_model, io, target, options.capacity)
     experts = _experts(onnx_model, spec)
     engine_entry: dict[str, Any] | None = None
     next_step = None
@@ -171,14 +171,14 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
                 gc.collect()
                 emit.copy_tokenizer(ckpt, staging)
                 emit.write_generation_config(ckpt, spec, staging)
-                if genai.drives(options.target, graph_io):
+                if genai.drives(target, graph_io):
                     genai.write_genai_config(staging, spec, graph_io, emit.generation_config(ckpt, spec))
             with _timed(seconds, "verify"), _verifiable(staging, graph_io, options.weights is None) as session:
                 report = gate(progress.CountedSession(session))
                 require_parity(report, str(checkpoint_dir))
                 computed_in = session.io.kv_dtype  # the dtype onnxruntime ran the graph in
                 del session
-            if options.target == "tensorrt":
+            if target.emitter == TENSORRT_ENGINE:
                 if (missing := trt_engine.unavailable()) is None:
                     with _timed(seconds, "engine"):
                         engine_entry = trt_engine.build_engine(staging, graph_io, options.engine)
@@ -388,22 +388,21 @@ def _check_fits(ckpt: checkpoints.Checkpoint, spec: DecoderSpec, options: BuildO
         )
 
 
-def expected_fusions(spec: DecoderSpec) -> dict[str, int]:
-    """How often each fusion should fire on this architecture; shortfalls are explained."""
-    return {"attention": spec.num_layers, "attention_ort": spec.num_layers, "attention_scatter": spec.num_layers}
-
-
-def _tensorrt_options(options: BuildOptions, spec: DecoderSpec) -> BuildOptions:
-    """The tensorrt target's settings, resolved and checked before any work."""
+def _target_options(options: BuildOptions, spec: DecoderSpec) -> BuildOptions:
+    """The settings the target's record calls for, resolved and checked before any work: a
+    fixed capacity (default: the model's context), symmetric-only weights."""
+    target = TARGETS[options.target]
+    if target.symmetric_only and options.weights is not None and not options.weights.symmetric:
+        raise ArtifactError(
+            f"--target {target.name} takes symmetric weight quantization only (its runtime requires a zero "
+            "zero-point); drop the asymmetric setting"
+        )
+    if not target.fixed_capacity:
+        return options
     capacity = options.capacity if options.capacity is not None else spec.max_positions
     if not 1 <= capacity <= spec.max_positions:
         raise ArtifactError(
             f"--capacity {capacity} must be between 1 and the model's context of {spec.max_positions} positions"
-        )
-    if options.weights is not None and not options.weights.symmetric:
-        raise ArtifactError(
-            "--target tensorrt takes symmetric weight quantization only (TensorRT requires a zero zero-point); "
-            "drop the asymmetric setting"
         )
     return replace(options, capacity=capacity)
 
@@ -426,14 +425,15 @@ def _experts(model: ir.Model, spec: DecoderSpec) -> dict[str, int] | None:
     return {"routed": spec.num_experts, "per_token": spec.experts_per_token, "weight_bytes": nbytes}
 
 
-def _graph_contract(model: ir.Model, io: DecoderIO, capacity: int | None = None) -> DecoderIO:
+def _graph_contract(model: ir.Model, io: DecoderIO, target: Target, capacity: int | None = None) -> DecoderIO:
     """The contract the passes made of the exported one, applied to the graph's I/O:
     `shared` KV when every present tensor comes from an op that updates the cache in
-    place, `last` logits when the LM head only sees the last position."""
+    place (the target's `in_place_cache_ops`), `last` logits when the LM head only sees the
+    last position."""
     outputs = {v.name: v for v in model.graph.outputs}
     producers = {name: v.producer() for name, v in outputs.items()}
     in_place = all(
-        (node := producers.get(name)) is not None and (node.domain, node.op_type) in _IN_PLACE_CACHE_OPS
+        (node := producers.get(name)) is not None and (node.domain, node.op_type) in target.in_place_cache_ops
         for name in io.present_names
     )
     logits_shape = outputs["logits"].shape
@@ -446,10 +446,6 @@ def _graph_contract(model: ir.Model, io: DecoderIO, capacity: int | None = None)
     )
     apply_contract(model.graph, final)
     return final
-
-
-# Ops that write present into the past buffer when both are bound to the same memory.
-_IN_PLACE_CACHE_OPS = (("com.microsoft", "GroupQueryAttention"), ("", "TensorScatter"))
 
 
 def _return_freed_memory() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import click
 
+from passes.targets import DEFAULT_TARGET, TARGETS
 from runners.errors import KvforgeError
 
 # A checkpoint directory, or a Hub id (ORG/NAME) resolved in the local Hugging Face cache: a string,
@@ -114,17 +115,17 @@ def main(verbose: bool) -> None:
 @click.option("--force", is_flag=True, help="Replace an existing artifact at --output.")
 @click.option(
     "--target",
-    type=click.Choice(["ort-cpu", "onnx", "tensorrt"]),
-    default="ort-cpu",
+    type=click.Choice(list(TARGETS)),
+    default=DEFAULT_TARGET,
     show_default=True,
-    help="ort-cpu: onnxruntime's fused ops and an in-place KV cache; onnx: standard ONNX ops only (portable); "
-    "tensorrt: the portable graph as TensorRT's parser takes it, plus the engine where TensorRT and a GPU are present.",
+    help="; ".join(f"{t.name}: {t.summary}" for t in TARGETS.values()) + ".",
 )
 @click.option(
     "--capacity",
     type=click.IntRange(1),
     default=None,
-    help="tensorrt: the KV cache's fixed length S_max (prompt + new tokens). Default: the model's context.",
+    help=", ".join(t.name for t in TARGETS.values() if t.fixed_capacity)
+    + ": the KV cache's fixed length S_max (prompt + new tokens). Default: the model's context.",
 )
 @click.option(
     "--dtype",

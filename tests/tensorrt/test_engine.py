@@ -147,16 +147,16 @@ def test_build_engine_refuses_other_targets(tmp_path: Path, monkeypatch: pytest.
 
 def test_tensorrt_build_settings_are_resolved_and_checked_before_any_work() -> None:
     from passes.quantize import WeightQuantization
-    from toolchain.build import BuildOptions, _tensorrt_options
+    from toolchain.build import BuildOptions, _target_options
 
     class Spec:
         max_positions = 256
 
-    resolved = _tensorrt_options(BuildOptions(target="tensorrt"), Spec())  # type: ignore[arg-type]
+    resolved = _target_options(BuildOptions(target="tensorrt"), Spec())  # type: ignore[arg-type]
     assert resolved.capacity == 256 and resolved.flags()["capacity"] == 256
     assert "capacity" not in BuildOptions(target="onnx").flags()  # other targets' manifests are unchanged
     with pytest.raises(ArtifactError, match="--capacity 300 must be between 1 and the model's context of 256"):
-        _tensorrt_options(BuildOptions(target="tensorrt", capacity=300), Spec())  # type: ignore[arg-type]
+        _target_options(BuildOptions(target="tensorrt", capacity=300), Spec())  # type: ignore[arg-type]
     asymmetric = WeightQuantization(4, 32, symmetric=False)
     with pytest.raises(ArtifactError, match="symmetric weight quantization only"):
-        _tensorrt_options(BuildOptions(target="tensorrt", weights=asymmetric), Spec())  # type: ignore[arg-type]
+        _target_options(BuildOptions(target="tensorrt", weights=asymmetric), Spec())  # type: ignore[arg-type]

@@ -21,15 +21,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from passes.targets import TARGETS, Target
 from runners.contract import DecoderIO
 from runners.engine import generation_settings
 from toolchain.emit import GENERATION_CONFIG, MODEL_FILE, write_json
 from toolchain.spec import DecoderSpec
 
 GENAI_CONFIG = "genai_config.json"
-# Targets whose graph onnxruntime-genai drives on onnxruntime: ort-cpu (contrib ops) and the
-# portable onnx graph. Not tensorrt: its graph has a fixed capacity and its engine is kvforge's.
-TARGETS = ("ort-cpu", "onnx")
 # Cache dtypes onnxruntime's CPU provider computes (bfloat16 is a TensorRT artifact's).
 _KV_DTYPES = ("float32", "float16")
 # onnxruntime-genai model types it runs as a plain decoder from these I/O names (its
@@ -41,10 +39,11 @@ GENERIC_TYPE = "decoder"
 _HF_TOP_K = 50  # transformers' GenerationConfig default
 
 
-def drives(target: str, io: DecoderIO) -> bool:
-    """Whether onnxruntime-genai can run an artifact of this target and contract (its config
-    has one head size for keys and values: not multi-head latent attention's cache)."""
-    return target in TARGETS and io.kv_dtype in _KV_DTYPES and io.capacity is None and io.value_head_dim is None
+def drives(target: Target | str, io: DecoderIO) -> bool:
+    """Whether onnxruntime-genai can run an artifact of this target (its record's `genai`) and
+    contract (its config has one head size for keys and values: not multi-head latent attention's cache)."""
+    record = TARGETS[target] if isinstance(target, str) else target
+    return record.genai and io.kv_dtype in _KV_DTYPES and io.capacity is None and io.value_head_dim is None
 
 
 def model_type(spec: DecoderSpec) -> str:

@@ -1,0 +1,108 @@
+"""What each target means, as one frozen record per target.
+
+`toolchain.build`, the CLI and `passes.pipeline` read these records and name no target:
+a new target is a new record here (and the phase factories it names in `passes.pipeline`).
+This module imports nothing heavy, so the CLI can offer the targets without loading the
+graph passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+# How a target's artifact is written (toolchain.build): the ONNX graph alone, or the graph and,
+# where TensorRT and a GPU are present, the TensorRT engine built from it (toolchain.emit.tensorrt).
+ONNX = "onnx"
+TENSORRT_ENGINE = "tensorrt-engine"
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    summary: str  # one line for the CLI's help
+    # Phase names, in order: keys of passes.pipeline.PHASES. Quantization, when asked for, runs
+    # just before the last phase.
+    phases: tuple[str, ...]
+    # Weight bits -> how quantized weights are written (passes.quantize); absent: "dequantize_linear"
+    quantization_forms: Mapping[int, str]
+    # How the token-embedding table is looked up once quantized (passes.quantize_embedding);
+    # None: the table stays in the compute dtype
+    embedding_form: str | None
+    # (domain, op) of the ops that write present into the past buffer when both are bound to
+    # the same memory: a graph whose every present comes from one has an in-place ("shared") cache
+    in_place_cache_ops: tuple[tuple[str, str], ...]
+    # Fusions that fire once per layer on every architecture; a shortfall is explained (--explain)
+    per_layer_fusions: tuple[str, ...]
+    fixed_capacity: bool  # the KV cache has a fixed length (--capacity), recorded in the flags
+    symmetric_only: bool  # quantized weights must have a zero zero-point
+    emitter: str  # ONNX or TENSORRT_ENGINE
+    genai: bool  # onnxruntime-genai can drive the graph (toolchain.emit.genai)
+
+    def expected_fusions(self, num_layers: int) -> dict[str, int]:
+        return {fusion: num_layers for fusion in self.per_layer_fusions}
+
+    def quantization_form(self, bits: int) -> str:
+        return self.quantization_forms.get(bits, "dequantize_linear")
+
+
+_FROZEN_NONE: Mapping[int, str] = MappingProxyType({})
+
+TARGETS: Mapping[str, Target] = MappingProxyType(
+    {
+        target.name: target
+        for target in (
+            Target(
+                name="ort-cpu",
+                summary="onnxruntime's fused ops and an in-place KV cache",
+                phases=("canonicalize", "fuse", "pack", "lower-ort", "finalize"),
+                quantization_forms=MappingProxyType({4: "matmul_nbits", 8: "matmul_nbits"}),
+                embedding_form="gather_block_quantized",
+                in_place_cache_ops=(("com.microsoft", "GroupQueryAttention"),),
+                per_layer_fusions=("attention", "attention_ort"),
+                fixed_capacity=False,
+                symmetric_only=False,
+                emitter=ONNX,
+                genai=True,
+            ),
+            Target(
+                name="onnx",
+                summary="standard ONNX ops only (portable)",
+                phases=("canonicalize", "fuse", "pack", "fixed-cache", "finalize"),
+                quantization_forms=_FROZEN_NONE,
+                # Gather of 8-bit codes + DequantizeLinear
+                embedding_form="gather_dequantize_linear",
+                in_place_cache_ops=(("", "TensorScatter"),),
+                per_layer_fusions=("attention", "attention_scatter"),
+                fixed_capacity=False,
+                symmetric_only=False,
+                emitter=ONNX,
+                genai=True,
+            ),
+            Target(
+                name="tensorrt",
+                summary="the portable graph as TensorRT's parser takes it, plus the engine where TensorRT and a GPU "
+                "are present",
+                phases=("canonicalize", "fuse", "pack", "fixed-cache", "tensorrt", "finalize-tensorrt"),
+                # TensorRT's int8 weights are per channel; int4 block-wise DequantizeLinear
+                quantization_forms=MappingProxyType({8: "dequantize_linear_channel"}),
+                # Not quantized: TensorRT's parser gathers float, int32, int64 and bool tensors only,
+                # its quantized types exist only as a DequantizeLinear of a constant, and the target
+                # dequantizes a weight only into a MatMul (docs/pipeline.md)
+                embedding_form=None,
+                in_place_cache_ops=(("", "TensorScatter"),),
+                per_layer_fusions=("attention", "attention_scatter"),
+                fixed_capacity=True,
+                symmetric_only=True,  # TensorRT requires a zero zero-point
+                emitter=TENSORRT_ENGINE,
+                genai=False,  # a fixed capacity, and its engine is kvforge's
+            ),
+        )
+    }
+)
+DEFAULT_TARGET = "ort-cpu"
+
+
+def choices() -> str:
+    return ", ".join(TARGETS)
