@@ -167,11 +167,6 @@ PHASES: dict[str, tuple[str, Callable[..., list[PassBase]]]] = {
     "finalize-tensorrt": ("finalize", finalize_tensorrt),
 }
 
-# target -> phases, in order, as its record names them
-PIPELINES: dict[str, list[tuple[str, Callable[..., list[PassBase]]]]] = {
-    name: [PHASES[phase] for phase in target.phases] for name, target in TARGETS.items()
-}
-
 
 @dataclass(frozen=True)
 class PassRecord:
@@ -244,9 +239,10 @@ def phases(
     if target not in TARGETS:
         raise KeyError(f"no pass pipeline for target {target!r}; known: {', '.join(TARGETS)}")
     settings = {"capacity": capacity, "dtype": dtype}
-    result = [(phase, _make(make_passes, settings)) for phase, make_passes in PIPELINES[target]]
+    record = TARGETS[target]
+    result = [(phase, _make(make_passes, settings)) for phase, make_passes in (PHASES[p] for p in record.phases)]
     if weights is not None:
-        result.insert(len(result) - 1, ("quantize", quantize(TARGETS[target], weights)))
+        result.insert(len(result) - 1, ("quantize", quantize(record, weights)))
     return result
 
 

@@ -8,7 +8,8 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.pipeline import FOLD_LIMIT_ELEMENTS, PIPELINES, histogram, pass_name, run
+from passes.pipeline import FOLD_LIMIT_ELEMENTS, PHASES, histogram, pass_name, run
+from passes.targets import TARGETS
 
 
 def small_graph() -> ir.Model:
@@ -93,7 +94,7 @@ def test_report_is_reproducible_without_timings_and_lists_every_pass() -> None:
     reports = [run(small_graph(), "onnx").to_dict(timings=False) for _ in range(2)]
     assert reports[0] == reports[1]
     names = [r["name"] for r in reports[0]["passes"]]
-    assert names == [pass_name(p) for _, make in PIPELINES["onnx"] for p in make()]
+    assert names == [pass_name(p) for phase in TARGETS["onnx"].phases for p in PHASES[phase][1]()]
     assert reports[0]["passes"][0]["config"]["input_size_limit"] == FOLD_LIMIT_ELEMENTS
 
 

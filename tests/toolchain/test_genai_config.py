@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from passes.targets import TARGETS
 from runners.contract import DecoderIO
 from runners.errors import ArtifactError
 from runners.manifest import read_manifest, verify_files
@@ -81,9 +82,9 @@ def test_architectures_without_a_plain_type_of_their_own_run_as_the_generic_deco
 
 def test_only_targets_onnxruntime_genai_can_drive_get_the_file() -> None:
     io = DecoderIO.for_spec(_spec())
-    assert genai.drives("ort-cpu", io) and genai.drives("onnx", replace(io, kv_dtype="float16"))
-    assert not genai.drives("tensorrt", replace(io, kv_mode="shared", capacity=64))
-    assert not genai.drives("ort-cpu", replace(io, kv_dtype="bfloat16"))
+    assert genai.drives(TARGETS["ort-cpu"], io) and genai.drives(TARGETS["onnx"], replace(io, kv_dtype="float16"))
+    assert not genai.drives(TARGETS["tensorrt"], replace(io, kv_mode="shared", capacity=64))
+    assert not genai.drives(TARGETS["ort-cpu"], replace(io, kv_dtype="bfloat16"))
 
 
 # --- onnxruntime-genai's own runtime on built artifacts ---------------------------------

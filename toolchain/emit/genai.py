@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from passes.targets import TARGETS, Target
+from passes.targets import Target
 from runners.contract import DecoderIO
 from runners.engine import generation_settings
 from toolchain.emit import GENERATION_CONFIG, MODEL_FILE, write_json
@@ -39,11 +39,10 @@ GENERIC_TYPE = "decoder"
 _HF_TOP_K = 50  # transformers' GenerationConfig default
 
 
-def drives(target: Target | str, io: DecoderIO) -> bool:
+def drives(target: Target, io: DecoderIO) -> bool:
     """Whether onnxruntime-genai can run an artifact of this target (its record's `genai`) and
     contract (its config has one head size for keys and values: not multi-head latent attention's cache)."""
-    record = TARGETS[target] if isinstance(target, str) else target
-    return record.genai and io.kv_dtype in _KV_DTYPES and io.capacity is None and io.value_head_dim is None
+    return target.genai and io.kv_dtype in _KV_DTYPES and io.capacity is None and io.value_head_dim is None
 
 
 def model_type(spec: DecoderSpec) -> str:
