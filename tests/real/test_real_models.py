@@ -1,6 +1,7 @@
 """Real trained checkpoints (tests/real/models.py): each builds at fp32 and int8 with the
 gate's defaults, answers its prompt exactly as transformers does (greedy, token for token,
-through `Engine`, `Engine.stream` and `kvforge generate`), and the streaming detokenizer
+through `Engine`, `Engine.stream`, `kvforge generate` and `kvforge serve` with the
+official `openai` client), and the streaming detokenizer
 joins to the full decode on its real vocabulary.
 
 SmolLM2-135M-Instruct answers a chat prompt (byte-level BPE, 49k tokens); Gemma 3 270M, a
@@ -134,6 +135,42 @@ def test_generate_on_the_command_line_prints_transformers_answer(
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert result.stdout == transformers_answer(name).text + "\n"
+
+
+@MODELS
+def test_serve_answers_the_openai_client_as_transformers_does(
+    real_artifact: Callable[..., Path],
+    transformers_answer: Callable[[str], Reference],
+    tmp_path: Path,
+    name: str,
+) -> None:
+    """`kvforge serve` over the real artifact, asked through the official `openai` client:
+    the greedy reply, whole and streamed, is transformers' text, and the usage counts its prompt."""
+    import openai
+
+    from tests.serve.conftest import start_server
+
+    case, reference = CASES[name], transformers_answer(name)
+    artifact = real_artifact(name)
+    server = start_server(artifact, tmp_path / "serve.log", "--max-num-seqs", "2")
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120.0)
+        served, request = artifact.name, {"max_tokens": case.max_new_tokens, "temperature": 0}
+        if case.chat:
+            messages: Any = [{"role": "user", "content": case.prompt}]
+            whole = client.chat.completions.create(model=served, messages=messages, **request)
+            text = whole.choices[0].message.content
+            chunks = client.chat.completions.create(model=served, messages=messages, stream=True, **request)
+            streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            whole = client.completions.create(model=served, prompt=case.prompt, **request)  # type: ignore[assignment]
+            text = whole.choices[0].text  # type: ignore[union-attr]
+            pieces = client.completions.create(model=served, prompt=case.prompt, stream=True, **request)
+            streamed = "".join(c.choices[0].text for c in pieces if c.choices)
+    finally:
+        server.terminate()
+    assert text == streamed == reference.text
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(reference.prompt_ids)
 
 
 # --- the streaming detokenizer on the real vocabularies -------------------------------------------------
