@@ -121,7 +121,7 @@ def test_figures_are_medians_over_rounds_and_ratios_are_taken_within_a_round() -
         rounds = tuple(Round(10.0 * i, speed, bw) for i, (speed, bw) in enumerate(zip(speeds, bandwidths)))
         return BenchResult(prompt, batch, 4, 1000, rounds)
 
-    bandwidths = [4000.0, 2000.0, 3000.0]  # round 2 is disturbed: half the copy bandwidth...
+    bandwidths = [4000.0, 2000.0, 3000.0]  # round 2 is disturbed: half the read bandwidth...
     short = result(128, 1, [40.0, 20.0, 30.0], bandwidths)  # ...and half the decode speed
     long = result(1024, 1, [20.0, 19.0, 36.0], bandwidths)
     batched = result(128, 8, [200.0, 100.0, 150.0], bandwidths)
