@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -22,22 +24,25 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from runners.engine import Engine  # noqa: E402
+from runners.session import Session  # noqa: E402
 from toolchain.verify import teacher_forced_logits  # noqa: E402
 
 
-def perplexity(artifact: Path, texts: list[str], window: int, batch: int) -> tuple[float, int]:
-    """(perplexity per predicted token, tokens predicted)."""
-    engine = Engine.load(artifact)
+def windows(encode: Callable[[str], list[int]], eos: int, texts: list[str], window: int) -> np.ndarray:
+    """The texts as one stream of ids, each followed by `eos`, cut into non-overlapping windows."""
     stream: list[int] = []
     for text in texts:
-        stream += engine.tokenizer.encode(text, add_special_tokens=False) + list(engine.eos_ids[:1])
-    ids = np.asarray(stream, dtype=np.int64)
-    count = len(ids) // window
-    windows = ids[: count * window].reshape(count, window)
+        stream += encode(text) + [eos]
+    count = len(stream) // window
+    return np.asarray(stream[: count * window], dtype=np.int64).reshape(count, window)
+
+
+def session_perplexity(session: Session, rows: np.ndarray, batch: int) -> tuple[float, int]:
+    """(perplexity per predicted token, tokens predicted) of `session` over the windows `rows`."""
     nll, predicted = 0.0, 0
-    for start in range(0, count, batch):
-        chunk = windows[start : start + batch]
-        logits = teacher_forced_logits(engine.session, chunk, prefill=1).astype(np.float64)
+    for start in range(0, len(rows), batch):
+        chunk = rows[start : start + batch]
+        logits = teacher_forced_logits(session, chunk, prefill=1).astype(np.float64)
         logits = logits[:, :-1]  # the last position predicts past the window
         top = logits.max(axis=-1, keepdims=True)
         log_z = top[..., 0] + np.log(np.exp(logits - top).sum(axis=-1))
@@ -45,6 +50,13 @@ def perplexity(artifact: Path, texts: list[str], window: int, batch: int) -> tup
         nll += float((log_z - picked).sum())
         predicted += picked.size
     return math.exp(nll / predicted), predicted
+
+
+def perplexity(artifact: Path, texts: list[str], window: int, batch: int) -> tuple[float, int]:
+    """(perplexity per predicted token, tokens predicted) of the artifact over the texts."""
+    engine = Engine.load(artifact)
+    encode = partial(engine.tokenizer.encode, add_special_tokens=False)
+    return session_perplexity(engine.session, windows(encode, engine.eos_ids[0], texts, window), batch)
 
 
 def main() -> None:

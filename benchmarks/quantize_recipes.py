@@ -2,10 +2,15 @@
 
     python benchmarks/quantize_recipes.py CHECKPOINT RECIPE [RECIPE ...]
 
+    python benchmarks/quantize_recipes.py CHECKPOINT RECIPE ... --text FILE [--text FILE ...]
+
 A recipe is the build's flags, e.g. "int4", "int4 --asymmetric --block-size 128",
-"int4 --keep embeddings --keep lm_head". The checkpoint is lowered once; each recipe runs
-the target's passes on a copy of that graph and the same check a build runs
-(`check_distribution` on the gate texts). Prints one markdown row per recipe.
+"int4 --keep embeddings --keep lm_head", or "fp32" (no quantization). The checkpoint is
+lowered once; each recipe runs the target's passes on a copy of that graph and the same
+check a build runs (`check_distribution` on the gate texts). With --text, each recipe's
+perplexity over those files is measured too, on the windows `benchmarks/perplexity.py`
+scores (window 256), whether or not the recipe passes the gate (a build would not publish
+one that fails). Prints one markdown row per recipe.
 """
 
 from __future__ import annotations
@@ -15,26 +20,31 @@ import math
 import shlex
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import onnx_ir as ir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.perplexity import session_perplexity, windows  # noqa: E402
 from passes import pipeline  # noqa: E402
 from passes.quantize import WeightQuantization  # noqa: E402
+from passes.targets import TARGETS  # noqa: E402
 from runners.contract import DecoderIO  # noqa: E402
 from runners.session import OrtSession  # noqa: E402
 from runners.tokenizer import TokenizerBundle  # noqa: E402
 from toolchain import checkpoint as checkpoints  # noqa: E402
 from toolchain import emit  # noqa: E402
-from toolchain.build import _eager_session, _graph_contract, expected_fusions, read_spec  # noqa: E402
+from toolchain.build import _eager_session, _graph_contract, read_spec  # noqa: E402
 from toolchain.export import eager_model, export_decoder  # noqa: E402
 from toolchain.lower import to_onnx  # noqa: E402
 from toolchain.verify import check_distribution, gate_tokens, reference_log_probs  # noqa: E402
 
 
-def recipe(text: str) -> WeightQuantization:
+def recipe(text: str) -> WeightQuantization | None:
+    if text == "fp32":
+        return None
     parser = argparse.ArgumentParser(prog=text)
     parser.add_argument("weights", choices=["int8", "int4"])
     parser.add_argument("--block-size", type=int, default=32)
@@ -49,38 +59,44 @@ def main() -> None:
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("recipes", nargs="+")
     parser.add_argument("--target", default="ort-cpu")
+    parser.add_argument("--text", type=Path, action="append", default=[], help="a file to measure perplexity on")
     args = parser.parse_args()
     ckpt = checkpoints.load(args.checkpoint)
     spec = read_spec(ckpt)
     io = DecoderIO.for_spec(spec)
     model = eager_model(ckpt, spec)
-    tokens = gate_tokens(TokenizerBundle.load(ckpt.path).encode)
+    tokenizer = TokenizerBundle.load(ckpt.path)
+    tokens = gate_tokens(tokenizer.encode)
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in args.text]
+    rows = windows(partial(tokenizer.encode, add_special_tokens=False), spec.eos_token_ids[0], texts, 256)
     expected = reference_log_probs(_eager_session(model, spec, io), tokens)
     with tempfile.TemporaryDirectory() as scratch:
         lowered = Path(scratch) / "lowered.onnx"
         ir.save(to_onnx(export_decoder(model, spec, io), io), lowered, external_data="lowered.onnx.data")
         del model
         header = "recipe | top-1 (decisive) | top-1 (all) | mean KL | max KL | perplexity eager → compiled "
-        header += "| weights | gate"
+        header += "| weights | gate" + (f" | perplexity, {rows.size - len(rows)} tokens of --text" if texts else "")
         print(f"| {header} |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---" * (8 + bool(texts)) + "|")
         for text in args.recipes:
             graph = ir.load(lowered)
-            pipeline.run(graph, args.target, expected_fusions(spec), recipe(text))
+            pipeline.run(graph, args.target, TARGETS[args.target].expected_fusions(spec.num_layers), recipe(text))
             out = Path(scratch) / "variant"
             out.mkdir(exist_ok=True)
             emit.write_onnx(graph, out)
-            graph_io = _graph_contract(graph, io)
+            graph_io = _graph_contract(graph, io, TARGETS[args.target])
             del graph
             size = sum(f.stat().st_size for f in out.glob("model.onnx*")) / 1e6
-            report = check_distribution(expected, OrtSession(out / "model.onnx", graph_io), tokens, text.split()[0])
-            r = report
+            session = OrtSession(out / "model.onnx", graph_io)
+            r = check_distribution(expected, session, tokens, text.split()[0])
+            held_out = f" {session_perplexity(session, rows, 16)[0]:.2f} |" if texts else ""
             print(
                 f"| `{text}` | {r.top1_decisive:.3f} | {r.top1:.3f} | {r.kl_mean:.4f} | {r.kl_max:.2f} "
                 f"| {math.exp(r.nll_eager):.2f} → {math.exp(r.nll_compiled):.2f} | {size:.0f} MB "
-                f"| {'pass' if report.passed else 'FAIL'} |",
+                f"| {'pass' if r.passed else 'FAIL'} |{held_out}",
                 flush=True,
             )
+            del session
             for f in out.iterdir():
                 f.unlink()
 
