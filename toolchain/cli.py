@@ -172,6 +172,14 @@ def main(verbose: bool) -> None:
     type=click.IntRange(1, 256),
     help="Greedy decode steps the verification gate compares.",
 )
+@click.option(
+    "--logits",
+    type=click.Choice(["last", "all"]),
+    default="last",
+    show_default=True,
+    help="Positions the graph returns logits for: the last one (generation), or all (needed by "
+    "`kvforge generate --speculative`).",
+)
 @_tolerance_option("the compute dtype's")
 @_guarded
 def build(
@@ -195,6 +203,7 @@ def build(
     decode_steps: int,
     capacity: int | None,
     tolerance: float | None,
+    logits: str,
 ) -> None:
     """Export CHECKPOINT, lower it to ONNX, verify it against the eager model, publish it to -o.
 
@@ -223,6 +232,7 @@ def build(
         memory_seq=seq,
         revision=revision,
         tolerance=tolerance,
+        logits=logits,
     )
     verbose = bool(click.get_current_context().find_root().params.get("verbose"))
     reporter = progress.Lines(sys.stderr) if verbose and not quiet else progress.for_stream(sys.stderr, quiet)
