@@ -239,8 +239,10 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match() -> None
     assert lookup.propose([5, 6, 7, 8, 1, 6, 7, 9, 6, 7], 2) == [9, 6]  # the latest of two matches
     assert lookup.propose([1, 2, 3, 9, 2, 3, 4, 1, 2, 3], 1) == [9]  # 3 tokens match before 2 do
     assert lookup.propose([1, 2, 3, 4], 4) == []  # nothing repeats
-    assert lookup.propose([4, 4], 4) == []  # a single token is not enough
-    assert lookup.propose([1, 2, 1, 2], 8) == [1, 2]  # as many as there are
+    assert lookup.propose([4, 5, 4], 4) == [5, 4]  # one token matches; as many as there are
+    # the latest match has 3 tokens after it of the 4 asked: an earlier one with 4 after it wins
+    assert lookup.propose([1, 2, 3, 4, 5, 1, 2, 6, 1, 2], 4) == [3, 4, 5, 1]
+    assert lookup.propose([1, 2, 3, 1, 2, 7, 1, 2], 4) == [3, 1, 2, 7]  # none has 4 after it: the earliest
 
 
 def test_row_draws_are_the_batch_generators_draws() -> None:
