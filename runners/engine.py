@@ -36,6 +36,7 @@ from runners.speculative import (
     SpeculationStats,
     check_same_vocabulary,
     parse_speculative,
+    require_all_logits,
     speculative_steps,
 )
 from runners.tokenizer import TokenizerBundle
@@ -366,13 +367,7 @@ class Engine:
         kind, k = parse_speculative(speculative, draft_tokens)
         if kind is None:
             return None
-        if self.session.io.logits_positions != "all":
-            where = f"{self.directory}: " if self.directory is not None else ""
-            raise GenerationError(
-                f"{where}speculative decoding needs logits for every position of a verify step, but this artifact "
-                "returns the last position's only (io.logits_positions 'last' in its manifest.json); rebuild it "
-                "with `kvforge build CHECKPOINT -o OUT --logits all`"
-            )
+        require_all_logits(self.session.io, self.directory)
         if kind == PROMPT_LOOKUP:
             return _Speculation(k)
         path = kind.removeprefix("draft:")

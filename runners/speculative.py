@@ -46,6 +46,7 @@ from typing import Protocol
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from runners.contract import DecoderIO
 from runners.decoding import Decoder, TokenLogprob
 from runners.errors import GenerationError
 from runners.generate import Step, empty_cache, forward, last_logits
@@ -60,6 +61,17 @@ MAX_DRAFT_TOKENS = 64
 # made 3.52 tokens per verify step on the edit-like prompts (2.36 with two tokens at least and
 # the latest match whatever its continuation) and 1.72 on the open ones (1.51).
 NGRAM_MAX, NGRAM_MIN = 3, 1
+
+
+def require_all_logits(io: DecoderIO, artifact: Path | str | None = None) -> None:
+    """Refuse speculation on a graph that returns the last position's logits only."""
+    if io.logits_positions != "all":
+        where = f"{artifact}: " if artifact is not None else ""
+        raise GenerationError(
+            f"{where}speculative decoding needs logits for every position of a verify step, but this artifact "
+            "returns the last position's only (io.logits_positions 'last' in its manifest.json); rebuild it with "
+            "`kvforge build CHECKPOINT -o OUT --logits all`"
+        )
 
 
 def parse_speculative(value: str | None, draft_tokens: int | None) -> tuple[str | None, int]:
@@ -232,12 +244,7 @@ def speculative_steps(
     """`generate_steps` with speculation: one `Step` per generated token, each with one row
     active (rows run one after another). A row ends at eos, at `max_new_tokens`, when its
     decoder has finished, or when the caller sets `done[row]` after a step."""
-    if session.io.logits_positions != "all":
-        raise GenerationError(
-            "speculative decoding needs the target's logits for every position it feeds, but this artifact was "
-            "built with last-position logits only (io.logits_positions 'last' in its manifest.json); rebuild it "
-            "with `kvforge build CHECKPOINT -o OUT --logits all`"
-        )
+    require_all_logits(session.io)
     batch = len(prompts)
     done = np.zeros(batch, dtype=bool) if done is None else done
     stats = SpeculationStats() if stats is None else stats

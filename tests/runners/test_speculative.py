@@ -32,8 +32,8 @@ CASES = {"ort-cpu": ("llama", "ort-cpu"), "onnx": ("llama", "onnx"), "concat": (
 
 @pytest.fixture(scope="module")
 def all_logits(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """Tiny artifacts built with --logits all, by case, once per module."""
-    from toolchain.build import BuildOptions, build
+    """Tiny artifacts built with `kvforge build --logits all`, by case, once per module."""
+    from toolchain.cli import main
 
     built: dict[str, Path] = {}
 
@@ -41,7 +41,10 @@ def all_logits(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.Te
         if case not in built:
             model_type, target = CASES[case]
             out = tmp_path_factory.mktemp(f"spec-{case}") / "out"
-            built[case] = build(tiny_checkpoint(model_type), out, BuildOptions(target=target, logits="all")).output
+            args = ["build", str(tiny_checkpoint(model_type)), "-o", str(out), "--target", target, "--logits", "all"]
+            result = CliRunner().invoke(main, [*args, "-q"])
+            assert result.exit_code == 0, result.output
+            built[case] = out
         return built[case]
 
     return get
