@@ -39,6 +39,10 @@ from passes.tensorrt import tensorrt_form
 from passes.tensorrt_check import RequireTensorRT
 from passes.weight_layout import FoldWeightTransposes
 
+# The positions a graph returns logits for (runners.contract's LOGITS_POSITIONS, the
+# manifest's io.logits_positions): the last one only, or every one.
+LOGITS_POSITIONS = ("last", "all")
+
 # Constant folding only touches tensors up to this many elements: shape arithmetic and
 # small tables fold, weight matrices keep their checkpoint names.
 FOLD_LIMIT_ELEMENTS = 1024
@@ -90,9 +94,12 @@ def canonicalize() -> list[PassBase]:
     ]
 
 
-def fuse() -> list[PassBase]:
-    """Patterns of many small ops become the standard ONNX ops that name them."""
-    return [norm_fusion(), gelu_fusion(), rotary_fusion(), attention_fusion(), LastPositionLogits()]
+def fuse(logits: str = "last") -> list[PassBase]:
+    """Patterns of many small ops become the standard ONNX ops that name them; with `logits`
+    "last" (the default) the LM head runs on the last position only, with "all" on every one
+    (what a speculative verify step reads)."""
+    fusions: list[PassBase] = [norm_fusion(), gelu_fusion(), rotary_fusion(), attention_fusion()]
+    return fusions + [LastPositionLogits()] if logits == "last" else fusions
 
 
 def pack() -> list[PassBase]:
@@ -232,13 +239,20 @@ def histogram(model: ir.Model) -> dict[str, int]:
 
 
 def phases(
-    target: str, weights: WeightQuantization | None = None, capacity: int | None = None, dtype: str = "float32"
+    target: str,
+    weights: WeightQuantization | None = None,
+    capacity: int | None = None,
+    dtype: str = "float32",
+    logits: str = "last",
 ) -> list[tuple[str, list[PassBase]]]:
     """The target's phases with their passes; quantization, when asked for, runs just before
-    `finalize`, after the fusions and packing whose MatMuls it quantizes."""
+    `finalize`, after the fusions and packing whose MatMuls it quantizes. `logits` is "last"
+    (the LM head on the last position only) or "all" (every position)."""
     if target not in TARGETS:
         raise KeyError(f"no pass pipeline for target {target!r}; known: {', '.join(TARGETS)}")
-    settings = {"capacity": capacity, "dtype": dtype}
+    if logits not in LOGITS_POSITIONS:
+        raise ValueError(f"logits must be one of {', '.join(LOGITS_POSITIONS)}, got {logits!r}")
+    settings = {"capacity": capacity, "dtype": dtype, "logits": logits}
     record = TARGETS[target]
     result = [(phase, _make(make_passes, settings)) for phase, make_passes in (PHASES[p] for p in record.phases)]
     if weights is not None:
@@ -254,18 +268,20 @@ def run(
     capacity: int | None = None,
     dtype: str = "float32",
     on_pass: Callable[[int, int, str], None] | None = None,
+    logits: str = "last",
 ) -> PassReport:
     """Run the target's pipeline on `model` in place and report what each pass did.
 
     `expected` maps fusion pass names to how often they should fire for this model; a
     fusion that falls short is explained (closest match, failed constraint) in `missed`.
     `weights` adds the weight-only quantization phase. `capacity` is the fixed KV-cache
-    length of a target that needs one (`tensorrt`); `dtype` the graph's compute dtype.
+    length of a target that needs one (`tensorrt`); `dtype` the graph's compute dtype; `logits`
+    "last" or "all" (the positions the graph returns logits for).
     `on_pass(done, total, name)` is called after each pass (progress).
     """
     expected = dict(expected or {})
     report = PassReport(target, histogram_before=histogram(model))
-    pipeline = phases(target, weights, capacity, dtype)
+    pipeline = phases(target, weights, capacity, dtype, logits)
     total = sum(len(passes) for _, passes in pipeline)
     for phase, passes in pipeline:
         for p in passes:

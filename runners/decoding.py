@@ -27,6 +27,7 @@ from runners.sampling import (
     FloatArray,
     IdArray,
     SamplingParams,
+    Uniforms,
     apply_min_p,
     apply_repetition_penalty,
     apply_temperature,
@@ -105,7 +106,7 @@ class RepetitionPenalty:
         return False
 
 
-Sampler = Callable[[FloatArray, np.random.Generator], IdArray]
+Sampler = Callable[[FloatArray, Uniforms], IdArray]
 
 
 def make_sampler(params: SamplingParams) -> Sampler:
@@ -120,7 +121,7 @@ def make_sampler(params: SamplingParams) -> Sampler:
     if params.min_p > 0.0:
         steps.append(lambda s: apply_min_p(s, params.min_p))
 
-    def sample(scores: FloatArray, rng: np.random.Generator) -> IdArray:
+    def sample(scores: FloatArray, rng: Uniforms) -> IdArray:
         for step in steps:
             scores = step(scores)
         return draw(scores, rng)
@@ -142,12 +143,15 @@ class Decoder:
         *,
         processors: Sequence[LogitsProcessor] = (),
         logprobs: int | None = None,
+        rng: Uniforms | None = None,
     ) -> None:
+        """`rng`: where the sampler's uniforms come from (default: a generator seeded with
+        `params.seed`); anything with numpy's `random(n)`."""
         params.validate()
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise GenerationError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (or None), got {logprobs!r}")
         self.params = params
-        self.rng = make_rng(params.seed)
+        self.rng: Uniforms = make_rng(params.seed) if rng is None else rng
         self.sampler = make_sampler(params)
         penalty = [RepetitionPenalty(prompt, params.repetition_penalty)] if params.repetition_penalty != 1.0 else []
         self.processors: list[LogitsProcessor] = [*penalty, *processors]

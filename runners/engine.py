@@ -26,6 +26,19 @@ from runners.manifest import read_io, read_json_object, read_manifest, read_max_
 from runners.runtime import Choice, Environment, choose, open_session
 from runners.sampling import SamplingParams, make_rng
 from runners.session import Session
+from runners.speculative import (
+    PROMPT_LOOKUP,
+    BatchDraws,
+    Drafter,
+    DraftModel,
+    PromptLookup,
+    RowDraws,
+    SpeculationStats,
+    check_same_vocabulary,
+    parse_speculative,
+    require_all_logits,
+    speculative_steps,
+)
 from runners.tokenizer import TokenizerBundle
 
 if TYPE_CHECKING:  # runners.grammar imports llguidance, loaded only when a grammar or logprobs are asked for
@@ -42,6 +55,8 @@ class GenerationStats:
     first_token_s: float = 0.0  # from the call to the first generated token
     total_s: float = 0.0
     finish_reason: str = "length"  # "stop" (eos or stop string) or "length"
+    # With speculative decoding: verify steps, drafted and accepted tokens (None without)
+    speculation: SpeculationStats | None = None
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -106,6 +121,8 @@ class Engine:
         self.defaults = defaults
         self.max_new_tokens = max_new_tokens
         self._grammars: GrammarCompiler | None = None
+        self.directory: Path | None = None  # where `load` found the artifact
+        self._drafts: dict[str, DraftModel] = {}
 
     @classmethod
     def load(
@@ -150,7 +167,7 @@ class Engine:
             if providers is not None
             else choose(runtime, manifest, environment or Environment.detect(), str(directory))
         )
-        return cls(
+        engine = cls(
             open_session(directory, manifest, io, choice, huge_pages=huge_pages, providers=providers),
             TokenizerBundle.load(directory),
             max_positions=max_positions,
@@ -159,6 +176,8 @@ class Engine:
             defaults=settings.defaults,
             max_new_tokens=settings.max_new_tokens,
         )
+        engine.directory = directory
+        return engine
 
     def sampling(self, **overrides: Any) -> SamplingParams:
         """Generation defaults of the artifact with the given fields replaced (None = keep)."""
@@ -250,6 +269,8 @@ class Engine:
         json_schema: Mapping[str, Any] | str | None = None,
         regex: str | None = None,
         grammar: str | None = None,
+        speculative: str | None = None,
+        draft_tokens: int | None = None,
         **sampling: Any,
     ) -> TextStream:
         """Stream the generated text (not the prompt) as it is produced.
@@ -259,8 +280,14 @@ class Engine:
         alternatives. `json_schema`, `regex` or `grammar` (Lark) constrain the text to that
         language, and the text ends when it is complete.
 
+        `speculative` ("prompt-lookup" or "draft:PATH") generates with exact speculative
+        decoding (`runners.speculative`), up to `draft_tokens` drafted tokens per target step
+        (default 8): the same tokens as without, fewer target steps; the stream's
+        `stats.speculation` says how many drafts were accepted.
+
         Everything about the request is checked here, before the first chunk is asked for.
         """
+        speculation = self.speculation(speculative, draft_tokens)
         params = self.sampling(**sampling)
         budget = self.budget(max_new_tokens)
         ids = self.encode(prompt, chat)
@@ -269,15 +296,23 @@ class Engine:
         compiled = self.compile_grammar(json_schema=json_schema, regex=regex, grammar=grammar)
         decoder = self.decoder(params, ids, compiled, logprobs)
         stream = TextStream(iter(()), GenerationStats(prompt_tokens=len(ids)))
-        stream._chunks = self._stream_chunks(ids, budget, detok, decoder, stream)
+        if speculation is not None:
+            stream.stats.speculation = SpeculationStats()
+        stream._chunks = self._stream_chunks(ids, budget, detok, decoder, stream, speculation)
         return stream
 
     def _stream_chunks(
-        self, ids: list[int], budget: int, detok: StreamingDetokenizer, decoder: Decoder, stream: TextStream
+        self,
+        ids: list[int],
+        budget: int,
+        detok: StreamingDetokenizer,
+        decoder: Decoder,
+        stream: TextStream,
+        speculation: _Speculation | None,
     ) -> Iterator[str]:
         stats = stream.stats
         start = time.perf_counter()
-        for step in self._steps([ids], budget, decoder.params, [decoder]):
+        for step in self._steps([ids], budget, decoder.params, [decoder], None, speculation, stats.speculation):
             token = int(step.tokens[0])
             stats.new_tokens += 1
             if stats.new_tokens == 1:
@@ -308,7 +343,11 @@ class Engine:
         params: SamplingParams,
         decoders: Sequence[Decoder] | None = None,
         done: np.ndarray | None = None,
+        speculation: _Speculation | None = None,
+        stats: SpeculationStats | None = None,
     ) -> Iterator[Step]:
+        if speculation is not None:
+            return self._speculative_steps(prompts, budget, params, decoders, done, speculation, stats)
         return generate_steps(
             self.session,
             prompts,
@@ -320,6 +359,60 @@ class Engine:
             pad_id=self.pad_id,
             done=done,
             decoders=decoders,
+        )
+
+    def speculation(self, speculative: str | None, draft_tokens: int | None) -> _Speculation | None:
+        """What `speculative` and `draft_tokens` ask for, checked against this artifact (None: plain decoding);
+        a draft artifact is loaded (once) and its tokenizer compared with this one's."""
+        kind, k = parse_speculative(speculative, draft_tokens)
+        if kind is None:
+            return None
+        require_all_logits(self.session.io, self.directory)
+        if kind == PROMPT_LOOKUP:
+            return _Speculation(k)
+        path = kind.removeprefix("draft:")
+        if path not in self._drafts:
+            draft = Engine.load(path, huge_pages=False)
+            check_same_vocabulary(
+                self.tokenizer.tokenizer.get_vocab(with_added_tokens=True),
+                draft.tokenizer.tokenizer.get_vocab(with_added_tokens=True),
+                path,
+            )
+            if draft.session.io.vocab_size != self.session.io.vocab_size:
+                raise GenerationError(
+                    f"draft model {path}: its logits have {draft.session.io.vocab_size} entries and the target's "
+                    f"{self.session.io.vocab_size}; use a draft artifact with the target's vocabulary"
+                )
+            self._drafts[path] = DraftModel(draft.session, draft.max_positions, path)
+        return _Speculation(k, self._drafts[path])
+
+    def _speculative_steps(
+        self,
+        prompts: list[list[int]],
+        budget: int,
+        params: SamplingParams,
+        decoders: Sequence[Decoder] | None,
+        done: np.ndarray | None,
+        speculation: _Speculation,
+        stats: SpeculationStats | None,
+    ) -> Iterator[Step]:
+        if decoders is None:  # one decoder per row, drawing what plain batch sampling would draw for that row
+            draws = BatchDraws(make_rng(params.seed), len(prompts))
+            decoders = [Decoder(params, p, rng=RowDraws(draws, row)) for row, p in enumerate(prompts)]
+        drafters: list[Drafter] = [
+            PromptLookup() if speculation.draft is None else speculation.draft.row(len(p) + budget) for p in prompts
+        ]
+        return speculative_steps(
+            self.session,
+            prompts,
+            max_new_tokens=budget,
+            decoders=decoders,
+            drafters=drafters,
+            draft_tokens=speculation.draft_tokens,
+            eos_ids=self.eos_ids,
+            pad_id=self.pad_id,
+            done=done,
+            stats=stats,
         )
 
     def generate_tokens(
@@ -358,6 +451,8 @@ class Engine:
         json_schema: Mapping[str, Any] | str | None = None,
         regex: str | None = None,
         grammar: str | None = None,
+        speculative: str | None = None,
+        draft_tokens: int | None = None,
         **sampling: Any,
     ) -> str | list[str] | Completion | list[Completion]:
         """Generate for one prompt, or for several as one left-padded batch.
@@ -365,12 +460,14 @@ class Engine:
         Returns the text (a list of texts for a list of prompts); with `logprobs` = k, a
         `Completion` per prompt instead, with the text's tokens, their log-probabilities
         under the model and the k most likely alternatives of each. `json_schema`, `regex`
-        and `grammar` constrain every row as in `stream`.
+        and `grammar` constrain every row as in `stream`, and `speculative` and `draft_tokens`
+        ask for speculative decoding as there (rows then run one after another).
         """
         single = isinstance(prompts, str)
         if not single and (isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence)):
             raise GenerationError(f"prompts must be a string or a list of strings, got {type(prompts).__name__}")
         batch = [prompts] if isinstance(prompts, str) else list(prompts)
+        speculation = self.speculation(speculative, draft_tokens)
         params = self.sampling(**sampling)
         budget = self.budget(max_new_tokens)
         encoded = [self._encode_row(row, p, chat, single) for row, p in enumerate(batch)]
@@ -384,7 +481,7 @@ class Engine:
         entries: list[list[TokenLogprob]] = [[] for _ in batch]
         reasons = ["length"] * len(batch)
         done = np.zeros(len(batch), dtype=bool)
-        for step in self._steps(encoded, budget, params, decoders, done):
+        for step in self._steps(encoded, budget, params, decoders, done, speculation):
             for row in np.flatnonzero(step.active):
                 token = int(step.tokens[row])
                 eos = token in self.eos_ids
@@ -411,6 +508,14 @@ class Engine:
 
 
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+
+
+@dataclass(frozen=True)
+class _Speculation:
+    """A request's speculative decoding: drafts per verify step, and the draft model (None: prompt lookup)."""
+
+    draft_tokens: int
+    draft: DraftModel | None = None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -25,6 +26,13 @@ from runners.errors import GenerationError
 
 FloatArray = npt.NDArray[np.float64]
 IdArray = npt.NDArray[np.int64]
+
+
+class Uniforms(Protocol):
+    """What a draw takes its uniforms from: numpy's Generator, or anything whose `random(n)`
+    gives `n` floats in [0, 1) (a row's share of a batch's draws, `runners.speculative`)."""
+
+    def random(self, n: int) -> npt.NDArray[np.float64]: ...
 
 
 @dataclass(frozen=True)
@@ -235,7 +243,7 @@ def softmax(logits: FloatArray) -> FloatArray:
     return probs
 
 
-def draw(logits: FloatArray, rng: np.random.Generator) -> IdArray:
+def draw(logits: FloatArray, rng: Uniforms) -> IdArray:
     """Sample one token per row by inverting the CDF with one uniform per row.
 
     One uniform per row (rather than Gumbel noise per vocabulary entry) keeps a step

@@ -92,18 +92,27 @@ class BuildOptions:
     revision: str | None = None  # of a Hub id (a branch, tag or commit), resolved in the local cache
     # The parity gate's relative tolerance in place of the table's (TOLERANCES) for the dtype
     tolerance: float | None = None
+    # The positions the graph returns logits for: "last" (generation samples the last one only)
+    # or "all" (a speculative verify step reads every position it feeds)
+    logits: str = "last"
 
     def flags(self) -> dict[str, Any]:
         """What determines the artifact's bytes (not `force`, which only says where they may go)."""
-        return {
-            "target": self.target,
-            "dtype": self.dtype,
-            "opset": OPSET,
-            "allow_pickle": self.allow_pickle,
-            "decode_steps": self.decode_steps,
-            "weights": None if self.weights is None else self.weights.to_dict(),
-            "tolerance": self.tolerance,
-        } | ({"capacity": self.capacity} if TARGETS[self.target].fixed_capacity else {})
+        return (
+            {
+                "target": self.target,
+                "dtype": self.dtype,
+                "opset": OPSET,
+                "allow_pickle": self.allow_pickle,
+                "decode_steps": self.decode_steps,
+                "weights": None if self.weights is None else self.weights.to_dict(),
+                "tolerance": self.tolerance,
+            }
+            | ({"capacity": self.capacity} if TARGETS[self.target].fixed_capacity else {})
+            | (
+                {"logits": self.logits} if self.logits != "last" else {}  # absent by default: older manifests unchanged
+            )
+        )
 
 
 @dataclass
@@ -125,6 +134,8 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     if options.dtype not in DTYPES.values():
         raise ArtifactError(f"unknown dtype {options.dtype!r}; choose one of {', '.join(DTYPES.values())}")
     _check_tolerance(options.tolerance, options.weights is not None)
+    if options.logits not in pipeline.LOGITS_POSITIONS:
+        raise ArtifactError(f"logits must be one of {', '.join(pipeline.LOGITS_POSITIONS)}, got {options.logits!r}")
     check_output(output, options.force)
     _return_freed_memory()
     seconds: dict[str, float] = {}
@@ -155,6 +166,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
                 options.weights,
                 capacity=options.capacity,
                 dtype=options.dtype,
+                logits=options.logits,
                 on_pass=lambda done, total, _: progress.count(done, total, "passes"),
             )
         except UnsupportedByTensorRT as e:

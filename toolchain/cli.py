@@ -172,6 +172,14 @@ def main(verbose: bool) -> None:
     type=click.IntRange(1, 256),
     help="Greedy decode steps the verification gate compares.",
 )
+@click.option(
+    "--logits",
+    type=click.Choice(["last", "all"]),
+    default="last",
+    show_default=True,
+    help="Positions the graph returns logits for: the last one (generation), or all (needed by "
+    "`kvforge generate --speculative`).",
+)
 @_tolerance_option("the compute dtype's")
 @_guarded
 def build(
@@ -195,6 +203,7 @@ def build(
     decode_steps: int,
     capacity: int | None,
     tolerance: float | None,
+    logits: str,
 ) -> None:
     """Export CHECKPOINT, lower it to ONNX, verify it against the eager model, publish it to -o.
 
@@ -223,6 +232,7 @@ def build(
         memory_seq=seq,
         revision=revision,
         tolerance=tolerance,
+        logits=logits,
     )
     verbose = bool(click.get_current_context().find_root().params.get("verbose"))
     reporter = progress.Lines(sys.stderr) if verbose and not quiet else progress.for_stream(sys.stderr, quiet)
@@ -304,6 +314,20 @@ def build_engine(artifact: Path, **engine: Any) -> None:
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="Reply in the language of this Lark grammar file.",
 )
+@click.option(
+    "--speculative",
+    metavar="prompt-lookup|draft:PATH",
+    default=None,
+    help="Exact speculative decoding: drafts from n-grams of the prompt and output (prompt-lookup) or from a "
+    "smaller artifact with the same tokenizer (draft:PATH), checked in one target step; the same text as without. "
+    "Needs an artifact built with --logits all.",
+)
+@click.option(
+    "--draft-tokens",
+    type=click.IntRange(1, 64),
+    default=None,
+    help="Tokens drafted per target step, with --speculative. Default: 8.",
+)
 @_guarded
 def generate(
     artifact: Path,
@@ -315,6 +339,8 @@ def generate(
     json_schema: Path | None,
     regex: str | None,
     grammar: Path | None,
+    speculative: str | None,
+    draft_tokens: int | None,
     **sampling: Any,
 ) -> None:
     """Generate from ARTIFACT. One prompt streams to stdout; several run as one batch."""
@@ -324,6 +350,8 @@ def generate(
     sampling["json_schema"] = json_schema.read_text() if json_schema else None
     sampling["grammar"] = grammar.read_text() if grammar else None
     sampling["regex"] = regex
+    sampling["speculative"] = speculative
+    sampling["draft_tokens"] = draft_tokens
     if len(prompts) > 1:
         texts = engine.generate(list(prompts), max_new_tokens=max_new_tokens, stop=stop, chat=chat, **sampling)
         for text in texts if isinstance(texts, list) else [texts]:
@@ -337,7 +365,14 @@ def generate(
     s = stream.stats
     click.echo(
         f"[{s.prompt_tokens} prompt tokens, {s.new_tokens} new tokens, first token {s.first_token_s * 1000:.0f} ms, "
-        f"{s.decode_tokens_per_s:.1f} tokens/s, finish: {s.finish_reason}]",
+        f"{s.decode_tokens_per_s:.1f} tokens/s, finish: {s.finish_reason}"
+        + (
+            ""
+            if s.speculation is None
+            else f", {s.speculation.verify_steps} verify steps, {s.speculation.tokens_per_step:.2f} tokens/step, "
+            f"acceptance {s.speculation.acceptance_rate:.0%}"
+        )
+        + "]",
         err=True,
     )
 

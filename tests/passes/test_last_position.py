@@ -207,3 +207,17 @@ def test_tiny_decoder_logits_are_the_last_position(arch: str, scratch: Path) -> 
     for got, want in zip(got_presents, presents, strict=True):
         np.testing.assert_array_equal(got, want)
     assert not LastPositionLogits()(model).modified
+
+
+@pytest.mark.parametrize("target", ["ort-cpu", "onnx", "tensorrt"])
+def test_logits_all_leaves_the_pass_out_of_every_target(target: str) -> None:
+    from passes.pipeline import phases
+
+    def names(logits: str) -> list[str]:
+        made = phases(target, capacity=64, logits=logits)
+        return [type(p).__name__ for _, passes in made for p in passes]
+
+    assert "LastPositionLogits" in names("last")
+    assert names("all") == [n for n in names("last") if n != "LastPositionLogits"]
+    with pytest.raises(ValueError, match="logits must be one of"):
+        phases(target, capacity=64, logits="first")

@@ -1,0 +1,333 @@
+"""Exact speculative decoding: guess a few tokens, check them all in one target step.
+
+A verify step feeds the target model the pending token (chosen, not yet in the cache) and
+up to K drafted tokens, and gets logits for every position it fed (an artifact built with
+`kvforge build --logits all`). Each position's token is then chosen exactly as plain
+decoding chooses it, by the request's own `Decoder` (repetition penalty, grammar mask,
+sampler) on that position's logits, and the drafts are accepted while they equal the
+chosen token. The first position where they differ still yields its chosen token (the
+target's own), so every verify step produces 1 to K+1 tokens, and the drafts after it are
+dropped by shortening the cache: the in-place `shared` buffer keeps its bytes and the next
+attention mask is simply shorter (the model writes at `mask length - seq`), a `concat`
+cache is sliced.
+
+Exactness. The drafter only decides which positions are computed in one call, never which
+token is chosen: each token is drawn from the same distribution with the same random draw
+as in plain decoding (one uniform per generated token, in the same order), so greedy and
+seeded sampling give the tokens plain decoding gives, as far as the logits of a multi-token
+step equal those of one-token steps (float rounding of a different kernel shape; 1e-6
+relative on the CPU targets). This acceptance rule accepts a draft only when the sampled
+token equals it: under sampling it accepts less often than rejection sampling
+(Leviathan et al.) would, and it keeps plain decoding's exact tokens per seed, which
+rejection sampling does not.
+
+Drafters:
+
+- `prompt-lookup`: the last n tokens of the prompt plus the generated text (n from 3 down
+  to 1, the longest that occurs earlier) are looked up earlier in it, and the K tokens that
+  followed the latest occurrence with K tokens after it (else the earliest, which has the
+  most) are proposed (prompt lookup decoding; llama.cpp's and vLLM's n-gram speculation).
+  No extra model; proposes nothing when nothing repeats.
+- `draft:PATH`: a smaller kvforge artifact with the same tokenizer proposes K tokens
+  greedily, one step each, over its own cache (rolled back like the target's).
+
+Rows of a batch are generated one after another, each as a batch of one:
+onnxruntime's `GroupQueryAttention` takes several new tokens over a non-empty cache only at
+batch 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from runners.contract import DecoderIO
+from runners.decoding import Decoder, TokenLogprob
+from runners.errors import GenerationError
+from runners.generate import Step, empty_cache, forward, last_logits
+from runners.session import Session
+
+PROMPT_LOOKUP = "prompt-lookup"
+DRAFT_PREFIX = "draft:"
+DEFAULT_DRAFT_TOKENS = 8
+MAX_DRAFT_TOKENS = 64
+# n-gram sizes prompt lookup matches, longest first. On examples/model (benchmarks/speculative.py,
+# K 8), matching down to one token and preferring the latest match with a full continuation
+# made 3.52 tokens per verify step on the edit-like prompts (2.36 with two tokens at least and
+# the latest match whatever its continuation) and 1.72 on the open ones (1.51).
+NGRAM_MAX, NGRAM_MIN = 3, 1
+
+
+def require_all_logits(io: DecoderIO, artifact: Path | str | None = None) -> None:
+    """Refuse speculation on a graph that returns the last position's logits only."""
+    if io.logits_positions != "all":
+        where = f"{artifact}: " if artifact is not None else ""
+        raise GenerationError(
+            f"{where}speculative decoding needs logits for every position of a verify step, but this artifact "
+            "returns the last position's only (io.logits_positions 'last' in its manifest.json); rebuild it with "
+            "`kvforge build CHECKPOINT -o OUT --logits all`"
+        )
+
+
+def parse_speculative(value: str | None, draft_tokens: int | None) -> tuple[str | None, int]:
+    """Check `speculative` ("prompt-lookup", "draft:PATH" or None) and the draft count."""
+    k = DEFAULT_DRAFT_TOKENS if draft_tokens is None else draft_tokens
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
+        raise GenerationError(f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {draft_tokens!r}")
+    if value is None:
+        if draft_tokens is not None:
+            raise GenerationError("draft_tokens is set but speculative is not; pass speculative='prompt-lookup' too")
+        return None, k
+    if not isinstance(value, str) or not (
+        value == PROMPT_LOOKUP or (value.startswith(DRAFT_PREFIX) and len(value) > len(DRAFT_PREFIX))
+    ):
+        raise GenerationError(
+            f"speculative must be 'prompt-lookup' or 'draft:PATH' (a kvforge artifact), got {value!r}"
+        )
+    return value, k
+
+
+@dataclass
+class SpeculationStats:
+    """What speculation did over one request: verify steps, tokens drafted, drafts accepted."""
+
+    verify_steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verified_tokens: int = 0  # tokens the verify steps produced (every token after each row's first)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """The fraction of drafted tokens the target's own choice agreed with."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens per verify step (1.0: no better than plain decoding)."""
+        return self.verified_tokens / self.verify_steps if self.verify_steps else 0.0
+
+
+class Drafter(Protocol):
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        """At most `k` guesses of the tokens after `history` (prompt and generated ids)."""
+        ...
+
+
+class PromptLookup:
+    """Propose what followed an earlier occurrence of the history's last n-gram: the latest
+    one with `k` tokens after it, else the earliest (the longest continuation)."""
+
+    def __init__(self, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN) -> None:
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        ids = np.asarray(history, dtype=np.int64)
+        for n in range(min(self.ngram_max, len(ids) - 1), self.ngram_min - 1, -1):
+            # windows that end before the last token: each has at least one token after it
+            hits = np.flatnonzero((sliding_window_view(ids[:-1], n) == ids[-n:]).all(axis=1))
+            if hits.size:
+                full = hits[hits + n + k <= len(ids)]
+                start = int(full[-1] if full.size else hits[0]) + n
+                return [int(t) for t in ids[start : start + k]]
+        return []
+
+
+class RowCache:
+    """One sequence's KV cache (a batch of one) with its valid length, which can shrink."""
+
+    def __init__(self, session: Session, capacity: int) -> None:
+        self.session = session
+        self.length = 0
+        self.kv = empty_cache(session.io, 1, capacity)
+
+    def run(self, ids: Sequence[int]) -> np.ndarray:
+        """Feed `ids` after the valid positions; the logits [1, positions, vocab]."""
+        feed = np.asarray([ids], dtype=np.int64)
+        mask = np.ones((1, self.length + len(ids)), dtype=np.int64)
+        logits, self.kv = forward(self.session, feed, mask, self.kv)
+        self.length += len(ids)
+        return logits
+
+    def truncate(self, length: int) -> None:
+        """Forget every position from `length` on (a shared buffer keeps the bytes; the next
+        mask does not reach them, and the next step overwrites them)."""
+        if length < self.length and not self.session.io.shared_kv:
+            self.kv = {name: np.ascontiguousarray(a[:, :, :length]) for name, a in self.kv.items()}
+        self.length = min(self.length, length)
+
+
+class DraftModel:
+    """A smaller artifact's session proposing greedily; one `DraftRow` per sequence."""
+
+    def __init__(self, session: Session, max_positions: int, source: str) -> None:
+        self.session, self.max_positions, self.source = session, max_positions, source
+
+    def row(self, capacity: int) -> DraftRow:
+        if capacity > self.max_positions:
+            raise GenerationError(
+                f"prompt plus max_new_tokens need {capacity} positions, but the draft model {self.source} holds "
+                f"{self.max_positions}; shorten the request or use a draft model with a longer context"
+            )
+        return DraftRow(RowCache(self.session, capacity))
+
+
+@dataclass
+class DraftRow:
+    cache: RowCache
+    ids: list[int] = field(default_factory=list)  # the tokens whose KV the cache holds
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        common = 0
+        limit = min(len(self.ids), len(history) - 1)  # at least one token is fed
+        while common < limit and self.ids[common] == history[common]:
+            common += 1
+        self.cache.truncate(common)
+        logits = self.cache.run(history[common:])
+        drafts = [int(np.argmax(logits[0, -1]))]
+        while len(drafts) < k:
+            drafts.append(int(np.argmax(self.cache.run(drafts[-1:])[0, -1])))
+        self.ids = [*history, *drafts[:-1]]
+        return drafts
+
+
+class BatchDraws:
+    """The uniforms plain batch sampling draws from one generator: `batch` per step, row r of
+    step t taking number t * batch + r. Row r's `RowDraws` hands them out in order, so a row
+    generated alone samples with the draws it would get in the batch."""
+
+    def __init__(self, rng: np.random.Generator, batch: int) -> None:
+        self.rng, self.batch = rng, batch
+        self.drawn = np.empty(0)
+
+    def get(self, row: int, index: int) -> float:
+        position = index * self.batch + row
+        if position >= self.drawn.size:
+            more = max(position + 1 - self.drawn.size, 64 * self.batch)
+            self.drawn = np.concatenate([self.drawn, self.rng.random(more)])
+        return float(self.drawn[position])
+
+
+@dataclass
+class RowDraws:
+    """A stand-in for a row's generator: `random(1)` gives the row's next uniform."""
+
+    draws: BatchDraws
+    row: int
+    count: int = 0
+
+    def random(self, n: int) -> np.ndarray:
+        values = [self.draws.get(self.row, self.count + i) for i in range(n)]
+        self.count += n
+        return np.asarray(values)
+
+
+def speculative_steps(
+    session: Session,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    decoders: Sequence[Decoder],
+    drafters: Sequence[Drafter],
+    draft_tokens: int,
+    eos_ids: Sequence[int] = (),
+    pad_id: int = 0,
+    done: np.ndarray | None = None,
+    stats: SpeculationStats | None = None,
+) -> Iterator[Step]:
+    """`generate_steps` with speculation: one `Step` per generated token, each with one row
+    active (rows run one after another). A row ends at eos, at `max_new_tokens`, when its
+    decoder has finished, or when the caller sets `done[row]` after a step."""
+    require_all_logits(session.io)
+    batch = len(prompts)
+    done = np.zeros(batch, dtype=bool) if done is None else done
+    stats = SpeculationStats() if stats is None else stats
+    eos = frozenset(int(t) for t in eos_ids)
+    vocab = session.io.vocab_size
+    for row, prompt in enumerate(prompts):
+        if done[row]:
+            continue
+        active = np.zeros(batch, dtype=bool)
+        active[row] = True
+        for token, logits, entry in _row_tokens(
+            session, prompt, max_new_tokens, decoders[row], drafters[row], draft_tokens, eos, stats, vocab
+        ):
+            tokens = np.full(batch, pad_id, dtype=np.int64)
+            tokens[row] = token
+            if batch > 1:
+                full = np.zeros((batch, vocab), dtype=logits.dtype)
+                full[row] = logits
+                logits = full
+            else:
+                logits = logits[None, :]
+            entries: list[TokenLogprob | None] = [None] * batch
+            entries[row] = entry
+            yield Step(tokens, logits, active, tuple(entries))
+            if done[row]:
+                break
+        done[row] = True
+
+
+def _row_tokens(
+    session: Session,
+    prompt: Sequence[int],
+    budget: int,
+    decoder: Decoder,
+    drafter: Drafter,
+    draft_tokens: int,
+    eos: frozenset[int],
+    stats: SpeculationStats,
+    vocab: int,
+) -> Iterator[tuple[int, np.ndarray, TokenLogprob | None]]:
+    """One sequence's tokens with the logits each came from; the caller stops when it must."""
+    cache = RowCache(session, len(prompt) + budget)
+    one = np.ones(1, dtype=bool)
+    row_logits = last_logits(cache.run(prompt), one, vocab, 0)[0]
+    token, entry = _choose(decoder, row_logits)
+    yield token, row_logits, entry
+    history = [*prompt, token]
+    generated, step = 1, 0
+    while generated < budget and token not in eos and not decoder.finished:
+        # no more drafts than tokens still allowed after the pending one: the cache never
+        # grows past prompt + budget
+        drafts = drafter.propose(history, min(draft_tokens, budget - generated - 1))
+        step += 1
+        logits = cache.run([token, *drafts])
+        stats.verify_steps += 1
+        stats.drafted_tokens += len(drafts)
+        for j in range(len(drafts) + 1):
+            row_logits = last_logits(logits[:, j : j + 1], one, vocab, step)[0]
+            token, entry = _choose(decoder, row_logits)
+            generated += 1
+            stats.verified_tokens += 1
+            history.append(token)
+            accepted = j < len(drafts) and token == drafts[j]
+            stats.accepted_tokens += accepted
+            yield token, row_logits, entry
+            if not accepted or generated >= budget or token in eos or decoder.finished:
+                break
+        cache.truncate(len(history) - 1)  # the newest token is pending: fed at the next step
+
+
+def _choose(decoder: Decoder, logits: np.ndarray) -> tuple[int, TokenLogprob | None]:
+    if decoder.plain_greedy:
+        token, entry = int(np.argmax(logits)), None
+    else:
+        token, entry = decoder.choose(logits)
+    decoder.accept(token)
+    return token, entry
+
+
+def check_same_vocabulary(target_vocab: dict[str, int], draft_vocab: dict[str, int], draft: Path | str) -> None:
+    if target_vocab != draft_vocab:
+        raise GenerationError(
+            f"draft model {draft}: its tokenizer differs from the target's (vocabularies of {len(draft_vocab)} and "
+            f"{len(target_vocab)} tokens, or the same size with different ids); use a draft artifact built from a "
+            "checkpoint with the same tokenizer"
+        )
