@@ -33,15 +33,11 @@ _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 IO_LIMITS = {"num_layers": 10_000, "num_kv_heads": 1 << 16, "head_dim": 1 << 16, "vocab_size": 1 << 31}
 # What a layer keeps between steps. `attention`: a key/value pair that grows by one position
 # per token (`past_key_values.{i}.key|value`). `conv`: a short convolution's last inputs,
-# `[batch, channels, kernel]` (`past_conv.{i}`). `linear_attention`: a convolution state and a
-# recurrent state of fixed size (`past_conv.{i}`, `past_recurrent.{i}`). Fixed-size states
-# have no sequence axis: each step reads the state and returns the next one.
-LAYER_KINDS = ("attention", "conv", "linear_attention")
-STATE_KINDS: dict[str, tuple[str, ...]] = {
-    "attention": (),
-    "conv": ("conv",),
-    "linear_attention": ("conv", "recurrent"),
-}
+# `[batch, channels, kernel]` (`past_conv.{i}`), of fixed size: no sequence axis, each step
+# reads the state and returns the next one. A linear-attention layer's recurrent state would
+# be a further kind (`past_recurrent.{i}`), not compiled yet.
+LAYER_KINDS = ("attention", "conv")
+STATE_KINDS: dict[str, tuple[str, ...]] = {"attention": (), "conv": ("conv",)}
 # A state's dimensions after batch: a few, each far beyond any real layer's.
 MAX_STATE_RANK, MAX_STATE_DIM = 4, 1 << 20
 
