@@ -523,7 +523,8 @@ def _generic_layout(reader: _Reader, model_type: str) -> tuple[_Reader, _Layout]
     if kinds:
         raise UnsupportedModelError(
             f"{CONFIG_FILE}: model_type {model_type!r}: field 'layer_types' has {sorted(set(kinds))} layers, which "
-            "keep a recurrent or convolution state instead of a key/value cache; kvforge does not compile those yet"
+            "keep a recurrent state instead of a key/value cache; kvforge does not compile those yet (of the layers "
+            "with a fixed-size state, it compiles short convolutions: lfm2)"
         )
     if getattr(config, "num_attention_heads", None) is None:
         raise UnsupportedModelError(

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from runners.bench import kv_bytes_per_step
 from runners.contract import DecoderIO, LayerState
 from runners.engine import Engine
 from runners.errors import ArtifactError
@@ -71,6 +72,7 @@ def test_state_bytes_by_arithmetic(engine: Engine) -> None:
     cache = empty_cache(io, batch=3, capacity=10)
     assert cache["past_conv.0"].shape == (3, HIDDEN, KERNEL)
     assert cache["past_key_values.1.key"].shape == (3, 2, 10, 16)
+    assert kv_bytes_per_step(io, context=10, batch=3) == sum(a.nbytes for a in cache.values())  # what bench counts
 
 
 def test_greedy_generation_matches_transformers(engine: Engine, tiny_checkpoint: Callable[..., Path]) -> None:
