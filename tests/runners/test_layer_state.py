@@ -5,8 +5,6 @@ the runner (left padding, chunked prefill) and the server's scheduler."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,7 +19,6 @@ from runners.generate import empty_cache, forward
 from runners.serve.scheduler import Finished
 from tests.tiny import GENERIC_CONFIGS, hf_greedy
 
-ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["def fibonacci(n):", "class Point:\n    def"]
 NEW_TOKENS = 24
 HIDDEN = GENERIC_CONFIGS["lfm2"]["hidden_size"]
@@ -40,6 +37,7 @@ def engine(artifact: Path) -> Engine:
     return e
 
 
+@pytest.mark.slow  # builds the tiny lfm2 artifact
 def test_manifest_records_each_layer_and_its_state(artifact: Path) -> None:
     manifest = json.loads((artifact / "manifest.json").read_text())
     io = manifest["io"]
@@ -65,6 +63,7 @@ def test_manifest_records_each_layer_and_its_state(artifact: Path) -> None:
     assert "genai_config.json" not in manifest["files"]
 
 
+@pytest.mark.slow  # builds the tiny lfm2 artifact
 def test_state_bytes_by_arithmetic(engine: Engine) -> None:
     io = engine.session.io
     assert io.state_bytes_per_sequence() == 2 * HIDDEN * KERNEL * 4  # two conv layers, fp32
@@ -75,6 +74,7 @@ def test_state_bytes_by_arithmetic(engine: Engine) -> None:
     assert kv_bytes_per_step(io, context=10, batch=3) == sum(a.nbytes for a in cache.values())  # what bench counts
 
 
+@pytest.mark.slow  # builds the tiny lfm2 artifact
 def test_greedy_generation_matches_transformers(engine: Engine, tiny_checkpoint: Callable[..., Path]) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -85,6 +85,7 @@ def test_greedy_generation_matches_transformers(engine: Engine, tiny_checkpoint:
         assert ours == hf_greedy(model, ids, NEW_TOKENS), prompt
 
 
+@pytest.mark.slow  # builds the tiny lfm2 artifact
 def test_left_padded_batch_equals_one_by_one(engine: Engine) -> None:
     prompts = [engine.encode(p) for p in ["for i in range(10):", "import os", "héllo wörld, naïve café"]]
     assert len({len(p) for p in prompts}) == 3  # really padded
@@ -93,6 +94,7 @@ def test_left_padded_batch_equals_one_by_one(engine: Engine) -> None:
     assert batched == alone
 
 
+@pytest.mark.slow  # builds the tiny lfm2 artifact
 def test_states_do_not_grow_and_chunked_prefill_equals_one_shot(engine: Engine) -> None:
     io = engine.session.io
     ids = np.asarray([engine.encode(PROMPTS[0] + " return n")], dtype=np.int64)
@@ -108,6 +110,7 @@ def test_states_do_not_grow_and_chunked_prefill_equals_one_shot(engine: Engine) 
     np.testing.assert_allclose(logits[:, -1], one_logits[:, -1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # builds the tiny lfm2 artifact
 def test_server_rows_equal_each_request_alone(engine: Engine) -> None:
     """Six requests over two rows, prefilled in chunks of 3, arriving while others decode: rows
     are reused and moved, so a state not zeroed per request, or not moved with its row, changes tokens."""
@@ -131,17 +134,15 @@ def test_server_rows_equal_each_request_alone(engine: Engine) -> None:
 
 
 def test_inspect_reports_state_bytes(tiny_checkpoint: Callable[..., Path]) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "toolchain.cli", "inspect", str(tiny_checkpoint("lfm2")), "--seq", "100"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-        check=True,
-    ).stdout
+    from click.testing import CliRunner
+
+    from toolchain.cli import main
+
+    result = CliRunner().invoke(main, ["inspect", str(tiny_checkpoint("lfm2")), "--seq", "100"])
+    assert result.exit_code == 0, result.output
     per_token, state = 1 * 2 * (16 + 16) * 4, 2 * HIDDEN * KERNEL * 4
-    assert f"{per_token:,}" in out and f"{per_token * 100 + state:,}" in out
-    assert "fixed state per sequence" in out and f"{state:,}" in out
+    assert f"{per_token:,}" in result.output and f"{per_token * 100 + state:,}" in result.output
+    assert "fixed state per sequence" in result.output and f"{state:,}" in result.output
 
 
 def test_layers_round_trip_and_malformed_layers_are_refused() -> None:
