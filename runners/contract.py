@@ -151,7 +151,7 @@ class DecoderIO:
     def _states(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
         """(past name, present name, dims after batch) of every fixed-size state, in layer order."""
         return tuple(
-            (f"past_{name}.{i}", f"present_{name}.{i}", dims)
+            (self.state_past_name(i, name), self.state_present_name(i, name), dims)
             for i, layer in enumerate(self.layers or ())
             for name, dims in zip(STATE_KINDS[layer.kind], layer.states)
         )
@@ -206,6 +206,13 @@ class DecoderIO:
         """Bytes of keys plus values that one position of one row holds, over all layers."""
         heads = len(self.attention_layers) * self.num_kv_heads
         return heads * (self.head_dim + self.value_dim) * _ITEMSIZE[self.kv_dtype]
+
+    def state_past_name(self, layer: int, state: str) -> str:
+        """A fixed-size state's input name: `past_conv.{layer}`, as lfm2's ONNX exports name it."""
+        return f"past_{state}.{layer}"
+
+    def state_present_name(self, layer: int, state: str) -> str:
+        return f"present_{state}.{layer}"
 
     def past_name(self, layer: int, kind: str) -> str:
         return f"past_key_values.{layer}.{kind}"

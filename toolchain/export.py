@@ -132,8 +132,8 @@ def _has_state_layers(config: Any) -> bool:
     return any(kind in _STATE_LAYER_TYPES for kind in getattr(config, "layer_types", None) or ())
 
 
-# transformers' layer_types whose cache object keeps fixed-size states, by the contract's kind.
-_STATE_LAYER_TYPES = {"conv": "conv"}
+# transformers' layer_types whose cache objects keep a fixed-size state the contract carries.
+_STATE_LAYER_TYPES = ("conv",)
 
 
 def _layer_states(layers: list[Any], spec: DecoderSpec) -> tuple[LayerState, ...]:
@@ -252,7 +252,7 @@ class DecoderWrapper(torch.nn.Module):
         for i, layer in enumerate(io.layers):
             if layer.kind == "conv":
                 state = LinearAttentionLayer()
-                conv = tensors[f"past_conv.{i}"]
+                conv = tensors[io.state_past_name(i, "conv")]
                 state.dtype, state.device = conv.dtype, conv.device  # type: ignore[assignment]
                 # a copy: the cache object updates its state in place
                 state.conv_states[0] = conv.clone()

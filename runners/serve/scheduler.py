@@ -20,7 +20,7 @@ so each row attends to what it would alone, and position ids count real tokens o
   ``W`` reaches the capacity, the batch is shifted left by that amount (compaction). A row
   never holds more than the model's context, so the capacity stays bounded.
 
-A model whose layers keep fixed-size states (convolution, recurrent) has one more buffer per
+A model whose layers keep fixed-size states (lfm2's convolution layers) has one more buffer per
 state, ``[slots, ...]`` with no column axis: a request's prefill starts from a zeroed state of
 its own, which joins the batch in the row its KV goes to and moves with it; padding columns
 never reach a state.
