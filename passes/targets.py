@@ -39,6 +39,8 @@ class Target:
     symmetric_only: bool  # quantized weights must have a zero zero-point
     emitter: str  # ONNX or TENSORRT_ENGINE
     genai: bool  # onnxruntime-genai can drive the graph (toolchain.emit.genai)
+    # Its runner carries fixed-size layer states (convolution layers), tested end to end
+    layer_states: bool = False
 
     def expected_fusions(self, num_layers: int) -> dict[str, int]:
         return {fusion: num_layers for fusion in self.per_layer_fusions}
@@ -65,6 +67,7 @@ TARGETS: Mapping[str, Target] = MappingProxyType(
                 symmetric_only=False,
                 emitter=ONNX,
                 genai=True,
+                layer_states=True,
             ),
             Target(
                 name="onnx",

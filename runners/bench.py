@@ -195,8 +195,9 @@ def _input_table_bytes(spec: dict[str, Any], lookup: dict[str, Any] | None, item
 
 
 def kv_bytes_per_step(io: DecoderIO, context: int, batch: int) -> int:
-    """K and V of every layer for `context` positions of every row, read once per step."""
-    return io.kv_bytes_per_position() * context * batch
+    """K and V of every attention layer for `context` positions of every row, and each row's
+    fixed-size layer states (none for an attention-only model), read once per step."""
+    return (io.kv_bytes_per_position() * context + io.state_bytes_per_sequence()) * batch
 
 
 def peak_memory_bytes() -> int:

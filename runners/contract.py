@@ -8,6 +8,7 @@ runner's feeds and the manifest's `io` section all derive from `DecoderIO`.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -27,8 +28,18 @@ LOGITS_POSITIONS = ("all", "last")
 # What graphs exchange with the runner. bfloat16 KV caches are a TensorRT (GPU) artifact's:
 # numpy has no bfloat16, and onnxruntime's CPU provider cannot compute one (OrtSession says so).
 TENSOR_DTYPES = ("float32", "float16", "bfloat16")
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Far beyond any real model; a manifest past them is corrupt or hostile.
 IO_LIMITS = {"num_layers": 10_000, "num_kv_heads": 1 << 16, "head_dim": 1 << 16, "vocab_size": 1 << 31}
+# What a layer keeps between steps. `attention`: a key/value pair that grows by one position
+# per token (`past_key_values.{i}.key|value`). `conv`: a short convolution's last inputs,
+# `[batch, channels, kernel]` (`past_conv.{i}`), of fixed size: no sequence axis, each step
+# reads the state and returns the next one. A linear-attention layer's recurrent state would
+# be a further kind (`past_recurrent.{i}`), not compiled yet.
+LAYER_KINDS = ("attention", "conv")
+STATE_KINDS: dict[str, tuple[str, ...]] = {"attention": (), "conv": ("conv",)}
+# A state's dimensions after batch: a few, each far beyond any real layer's.
+MAX_STATE_RANK, MAX_STATE_DIM = 4, 1 << 20
 
 
 class _SpecLike(Protocol):
@@ -53,6 +64,48 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class LayerState:
+    """One layer's kind and the shapes (after batch) of the fixed-size states it keeps, in
+    the order of STATE_KINDS[kind]; an attention layer keeps its key/value pair instead."""
+
+    kind: str
+    states: tuple[tuple[int, ...], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        names = STATE_KINDS[self.kind]
+        return {"kind": self.kind} | ({"states": {n: list(d) for n, d in zip(names, self.states)}} if names else {})
+
+    @classmethod
+    def from_dict(cls, index: int, data: object) -> LayerState:
+        where = f"manifest.json: io.layers[{index}]"
+        if not isinstance(data, Mapping) or data.get("kind") not in LAYER_KINDS:
+            kind = data.get("kind") if isinstance(data, Mapping) else data
+            raise ArtifactError(
+                f"{where}: kind {str(kind)[:40]!r} is not one this runner knows ({', '.join(LAYER_KINDS)}); "
+                "upgrade kvforge or rebuild the artifact"
+            )
+        kind = str(data["kind"])
+        names = STATE_KINDS[kind]
+        states = data.get("states", {})
+        if not isinstance(states, Mapping) or sorted(states) != sorted(names):
+            raise ArtifactError(f"{where}: a {kind} layer keeps the states {list(names)}; rebuild the artifact")
+        shapes = []
+        for name in names:
+            dims = states[name]
+            if (
+                not isinstance(dims, list)
+                or not 1 <= len(dims) <= MAX_STATE_RANK
+                or not all(isinstance(d, int) and not isinstance(d, bool) and 1 <= d <= MAX_STATE_DIM for d in dims)
+            ):
+                raise ArtifactError(
+                    f"{where}: states.{name} must be 1 to {MAX_STATE_RANK} integers in [1, {MAX_STATE_DIM}], "
+                    f"got {str(dims)[:80]}; rebuild the artifact"
+                )
+            shapes.append(tuple(dims))
+        return cls(kind, tuple(shapes))
+
+
+@dataclass(frozen=True)
 class DecoderIO:
     num_layers: int
     num_kv_heads: int
@@ -69,6 +122,10 @@ class DecoderIO:
     # latent attention caches a latent and a rotary part); None: the same. In the manifest
     # only when set.
     value_head_dim: int | None = None
+    # Each layer's kind and fixed-size states, for a model whose layers are not all attention
+    # (a convolution or linear-attention hybrid); None: every layer keeps a key/value pair.
+    # In the manifest only when set.
+    layers: tuple[LayerState, ...] | None = None
 
     @classmethod
     def for_spec(cls, spec: _SpecLike, kv_dtype: str = "float32") -> DecoderIO:
@@ -80,6 +137,60 @@ class DecoderIO:
             spec.vocab_size,
             kv_dtype,
             value_head_dim=None if value == spec.head_dim else value,
+            layers=getattr(spec, "layers", None),
+        )
+
+    @functools.cached_property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that keep a key/value pair."""
+        if self.layers is None:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, layer in enumerate(self.layers) if layer.kind == "attention")
+
+    @functools.cached_property
+    def _states(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+        """(past name, present name, dims after batch) of every fixed-size state, in layer order."""
+        return tuple(
+            (self.state_past_name(i, name), self.state_present_name(i, name), dims)
+            for i, layer in enumerate(self.layers or ())
+            for name, dims in zip(STATE_KINDS[layer.kind], layer.states)
+        )
+
+    @functools.cached_property
+    def state_names(self) -> tuple[str, ...]:
+        """The fixed-size states' past names (none for an attention-only model)."""
+        return tuple(past for past, _, _ in self._states)
+
+    @functools.cached_property
+    def state_present_names(self) -> tuple[str, ...]:
+        return tuple(present for _, present, _ in self._states)
+
+    def state_shape(self, name: str, batch: int) -> tuple[int, ...]:
+        """The shape of fixed-size state `name` (a past or present name) for `batch` rows."""
+        dims = next(d for past, present, d in self._states if name in (past, present))
+        return (batch, *dims)
+
+    def state_bytes_per_sequence(self) -> int:
+        """Bytes of fixed-size state one row holds, whatever its length."""
+        return sum(math.prod(dims) for _, _, dims in self._states) * _ITEMSIZE[self.kv_dtype]
+
+    @functools.cached_property
+    def cache_names(self) -> tuple[str, ...]:
+        """Every past input (key/value pairs and states), in the graph's input order."""
+        return self._layer_names(past=True)
+
+    @functools.cached_property
+    def cache_present_names(self) -> tuple[str, ...]:
+        return self._layer_names(past=False)
+
+    def _layer_names(self, past: bool) -> tuple[str, ...]:
+        states: dict[int, list[str]] = {i: [] for i in range(self.num_layers)}
+        for p, q, _ in self._states:
+            states[int(p.rsplit(".", 1)[1])].append(p if past else q)
+        kv = set(self.attention_layers)
+        name = self.past_name if past else self.present_name
+        return tuple(
+            n for i in range(self.num_layers) for n in ([name(i, "key"), name(i, "value")] if i in kv else states[i])
         )
 
     def kv_shape(self, name: str, batch: int, length: int) -> tuple[int, int, int, int]:
@@ -93,8 +204,15 @@ class DecoderIO:
 
     def kv_bytes_per_position(self) -> int:
         """Bytes of keys plus values that one position of one row holds, over all layers."""
-        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[self.kv_dtype]
-        return self.num_layers * self.num_kv_heads * (self.head_dim + self.value_dim) * itemsize
+        heads = len(self.attention_layers) * self.num_kv_heads
+        return heads * (self.head_dim + self.value_dim) * _ITEMSIZE[self.kv_dtype]
+
+    def state_past_name(self, layer: int, state: str) -> str:
+        """A fixed-size state's input name: `past_conv.{layer}`, as lfm2's ONNX exports name it."""
+        return f"past_{state}.{layer}"
+
+    def state_present_name(self, layer: int, state: str) -> str:
+        return f"present_{state}.{layer}"
 
     def past_name(self, layer: int, kind: str) -> str:
         return f"past_key_values.{layer}.{kind}"
@@ -103,13 +221,14 @@ class DecoderIO:
         return f"present.{layer}.{kind}"
 
     # Cached: the runner reads them at every decode step.
+    # The key/value pairs only; `cache_names` adds the fixed-size states.
     @functools.cached_property
     def past_names(self) -> tuple[str, ...]:
-        return tuple(self.past_name(i, k) for i in range(self.num_layers) for k in ("key", "value"))
+        return tuple(self.past_name(i, k) for i in self.attention_layers for k in ("key", "value"))
 
     @functools.cached_property
     def present_names(self) -> tuple[str, ...]:
-        return tuple(self.present_name(i, k) for i in range(self.num_layers) for k in ("key", "value"))
+        return tuple(self.present_name(i, k) for i in self.attention_layers for k in ("key", "value"))
 
     @property
     def shared_kv(self) -> bool:
@@ -124,13 +243,18 @@ class DecoderIO:
         dims = ("batch", self.num_kv_heads, self._capacity_dim if self.shared_kv else length, last)
         return TensorSpec(name, self.kv_dtype, dims)
 
+    def _cache_spec(self, name: str, length: str) -> TensorSpec:
+        if name.startswith(("past_key_values.", "present.")):
+            return self._kv_spec(name, length)
+        return TensorSpec(name, self.kv_dtype, ("batch", *self.state_shape(name, 1)[1:]))
+
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:
         return (
             TensorSpec("input_ids", "int64", ("batch", "seq")),
             TensorSpec("attention_mask", "int64", ("batch", "total")),
             TensorSpec("position_ids", "int64", ("batch", "seq")),
-            *(self._kv_spec(n, "past") for n in self.past_names),
+            *(self._cache_spec(n, "past") for n in self.cache_names),
         )
 
     @property
@@ -138,13 +262,15 @@ class DecoderIO:
         positions = "seq" if self.logits_positions == "all" else 1
         return (
             TensorSpec("logits", self.logits_dtype, ("batch", positions, self.vocab_size)),
-            *(self._kv_spec(n, "total") for n in self.present_names),
+            *(self._cache_spec(n, "total") for n in self.cache_present_names),
         )
 
     def to_dict(self) -> dict[str, Any]:
-        fixed = {} if self.capacity is None else {"capacity": self.capacity}
+        fixed: dict[str, Any] = {} if self.capacity is None else {"capacity": self.capacity}
         if self.value_head_dim is not None:
             fixed["value_head_dim"] = self.value_head_dim
+        if self.layers is not None:
+            fixed["layers"] = [layer.to_dict() for layer in self.layers]
         return fixed | {
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
@@ -180,6 +306,7 @@ class DecoderIO:
                 str(data["logits_positions"]),
                 _capacity(data.get("capacity")),
                 _value_head_dim(data.get("value_head_dim")),
+                _layers(data.get("layers"), data["num_layers"]),
             )
         except KeyError as e:
             raise ArtifactError(f"manifest.json: field io.{e.args[0]} is missing; rebuild the artifact") from e
@@ -209,6 +336,17 @@ class DecoderIO:
                 "manifest.json: io section does not match the contract it declares; rebuild the artifact"
             )
         return io
+
+
+def _layers(value: object, num_layers: int) -> tuple[LayerState, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != num_layers:
+        raise ArtifactError(
+            f"manifest.json: io.layers must list each of the {num_layers} layers, got {str(value)[:80]}; "
+            "rebuild the artifact"
+        )
+    return tuple(LayerState.from_dict(i, layer) for i, layer in enumerate(value))
 
 
 def _value_head_dim(value: object) -> int | None:

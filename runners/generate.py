@@ -63,7 +63,13 @@ def empty_cache(io: DecoderIO, batch: int, capacity: int) -> dict[str, np.ndarra
             )
         capacity = io.capacity
     length = capacity if io.shared_kv else 0
-    return {name: np.zeros(io.kv_shape(name, batch, length), dtype=io.kv_dtype) for name in io.past_names}
+    cache = {name: np.zeros(io.kv_shape(name, batch, length), dtype=io.kv_dtype) for name in io.past_names}
+    return cache | empty_states(io, batch)
+
+
+def empty_states(io: DecoderIO, batch: int) -> dict[str, np.ndarray]:
+    """The fixed-size states (convolution, recurrent) of `batch` fresh sequences: zeros."""
+    return {name: np.zeros(io.state_shape(name, batch), dtype=io.kv_dtype) for name in io.state_names}
 
 
 def forward(
@@ -74,7 +80,7 @@ def forward(
     feeds = {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids(mask, input_ids.shape[1])}
     feeds.update(cache)
     outputs = session.run(feeds)
-    next_cache = {past: outputs[present] for past, present in zip(io.past_names, io.present_names)}
+    next_cache = {past: outputs[present] for past, present in zip(io.cache_names, io.cache_present_names)}
     return outputs["logits"], next_cache
 
 

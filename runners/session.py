@@ -129,6 +129,7 @@ class OrtSession:
             )
         self._output_names = expected[1]
         self._step_inputs = [name for name in expected[0] if name not in set(io.past_names)]
+        self._states = tuple(zip(io.state_names, io.state_present_names))
         # The most recently used cache bindings, each kept while its buffers live (see _run_in_place).
         self._bindings: collections.OrderedDict[tuple[int, ...], _CacheBinding] = collections.OrderedDict()
 
@@ -168,10 +169,14 @@ class OrtSession:
         positions = ids.shape[1] if self.io.logits_positions == "all" else 1
         logits = np.empty((ids.shape[0], positions, self.io.vocab_size), dtype=self.io.logits_dtype)
         binding.bind_output("logits", "cpu", 0, logits.dtype, list(logits.shape), logits.ctypes.data)
+        # Fixed-size states are small and not written in place: each step returns new arrays.
+        states = {present: np.empty_like(feeds[past]) for past, present in self._states}
+        for name, state in states.items():
+            binding.bind_output(name, "cpu", 0, state.dtype, list(state.shape), state.ctypes.data)
         self._session.run_with_iobinding(binding)
         outputs = {present: feeds[past] for past, present in zip(self.io.past_names, self.io.present_names)}
         outputs["logits"] = logits  # a new array per step: the caller may keep it
-        return outputs
+        return outputs | states
 
     def _bind_cache(self, feeds: dict[str, np.ndarray]) -> ort.IOBinding:
         binding = self._session.io_binding()

@@ -31,7 +31,7 @@ class TorchSession:
     @torch.no_grad()
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         tensors = {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in feeds.items()}
-        past = [tensors[name].to(self.dtype) for name in self.io.past_names]
+        past = [tensors[name].to(self.dtype) for name in self.io.cache_names]
         outputs = self.module(tensors["input_ids"], tensors["attention_mask"], tensors["position_ids"], past)
         return {
             spec.name: out.detach().to(getattr(torch, spec.dtype)).numpy()

@@ -115,9 +115,16 @@ GENERIC_CONFIGS: dict[str, dict[str, Any]] = {
         qk_nope_head_dim=16,
         v_head_dim=16,
     ),
+    "lfm2": dict(  # short-convolution layers around an attention layer: a fixed-size state per conv layer
+        LLAMA_LIKE, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]
+    ),
 }
 GENERIC = tuple(GENERIC_CONFIGS)
 FAMILIES = SUPPORTED + GENERIC
+
+# Weights widened further, by family: lfm2's random convolution inputs are small, so its
+# convolution state would barely matter, and a test could not tell a wrong state from a right one.
+_WIDER: dict[str, tuple[str, float]] = {"lfm2": (".conv.in_proj.", 3.0)}
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -162,10 +169,11 @@ def make_checkpoint(
     config = AutoConfig.for_model(model_type, **{**_COMMON, **arch, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[dtype])
+    wider, factor = _WIDER.get(model_type, (None, 1.0))
     with torch.no_grad():  # random init gives near-uniform logits; widen them so greedy is decisive
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() >= 2:
-                p.mul_(2.0)
+                p.mul_(2.0 * factor if wider is not None and wider in name else 2.0)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
 

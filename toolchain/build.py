@@ -142,6 +142,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     ckpt = checkpoints.load(checkpoint_dir, allow_pickle=options.allow_pickle, revision=options.revision)
     spec = read_spec(ckpt)
     io = DecoderIO.for_spec(spec, kv_dtype=options.dtype)
+    _check_layer_states(io, target, spec)
     if options.device_memory is not None:
         _check_fits(ckpt, spec, options)
     options = _target_options(options, spec)
@@ -162,7 +163,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
             pass_report = pipeline.run(
                 onnx_model,
                 options.target,
-                target.expected_fusions(spec.num_layers),
+                target.expected_fusions(spec.attention_layers),
                 options.weights,
                 capacity=options.capacity,
                 dtype=options.dtype,
@@ -223,6 +224,16 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
         ) from e
     log.info("published %s (%s)", output, report.summary())
     return BuildResult(output, written, report, pass_report, seconds, next_step)
+
+
+def _check_layer_states(io: DecoderIO, target: Target, spec: DecoderSpec) -> None:
+    if io.layers is not None and not target.layer_states:
+        kinds = sorted({layer.kind for layer in io.layers} - {"attention"})
+        able = [name for name, t in TARGETS.items() if t.layer_states]
+        raise ArtifactError(
+            f"{spec.model_type}: its {', '.join(kinds)} layers keep a fixed-size state, which kvforge compiles for "
+            f"--target {', '.join(able)} only so far; build with --target {able[0]}"
+        )
 
 
 def _write_failure(error: OSError, output: Path) -> str:
@@ -339,7 +350,7 @@ def _eager_session(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO) -> 
     (float32 across numpy for bfloat16, which numpy cannot hold)."""
     dtype = next(model.parameters()).dtype
     transport = replace(io, kv_dtype="float32") if dtype == torch.bfloat16 else io
-    return TorchSession(DecoderWrapper(model, spec.num_layers), transport, dtype)
+    return TorchSession(DecoderWrapper(model, spec.num_layers, io), transport, dtype)
 
 
 def _record_gate(

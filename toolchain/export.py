@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.export import Dim, ExportedProgram
 
-from runners.contract import DecoderIO
+from runners.contract import DecoderIO, LayerState
 from runners.errors import CheckpointError, ExportError
 from toolchain.checkpoint import Checkpoint
 from toolchain.spec import DecoderSpec
@@ -88,6 +88,7 @@ def cache_layout(fields: dict[str, Any], spec: DecoderSpec) -> DecoderSpec:
     from transformers import DynamicCache
 
     config, model_class = _model_class(fields, spec)
+    stateful = _has_state_layers(config)
     try:
         with _quiet_transformers(), torch.device("meta"):
             # eager attention: the SDPA path asks whether the mask is all ones (`.item()`),
@@ -95,7 +96,9 @@ def cache_layout(fields: dict[str, Any], spec: DecoderSpec) -> DecoderSpec:
             model = model_class._from_config(
                 config, attn_implementation="eager", experts_implementation=EXPERTS_IMPLEMENTATION
             )
-        cache = DynamicCache()
+        # a config makes the cache give each layer kind its own cache object (a convolution's
+        # state); attention-only models keep a plain cache, every layer its full history
+        cache = DynamicCache(config=config) if stateful else DynamicCache()
         one = torch.ones(1, 1, dtype=torch.long, device="meta")  # a mask too: no padding check reads the ids
         with torch.no_grad():
             model.eval()(input_ids=one, attention_mask=one, past_key_values=cache)
@@ -105,6 +108,7 @@ def cache_layout(fields: dict[str, Any], spec: DecoderSpec) -> DecoderSpec:
             f"{_first_line(e)}); this architecture/transformers version combination cannot be compiled"
         ) from e
     layers: list[Any] = list(cache.layers)
+    states = _layer_states(layers, spec) if stateful else None
     shapes = {
         (tuple(layer.keys.shape), tuple(layer.values.shape))
         for layer in layers
@@ -121,7 +125,38 @@ def cache_layout(fields: dict[str, Any], spec: DecoderSpec) -> DecoderSpec:
             f"{spec.model_type}: the modeling code caches keys {list(key)} and values {list(value)}; kvforge's "
             "contract needs [batch, heads, positions, size] for both, with the same heads"
         )
-    return spec.with_cache(num_kv_heads=key[1], head_dim=key[3], value_head_dim=value[3])
+    return spec.with_cache(num_kv_heads=key[1], head_dim=key[3], value_head_dim=value[3], layers=states)
+
+
+def _has_state_layers(config: Any) -> bool:
+    return any(kind in _STATE_LAYER_TYPES for kind in getattr(config, "layer_types", None) or ())
+
+
+# transformers' layer_types whose cache objects keep a fixed-size state the contract carries.
+_STATE_LAYER_TYPES = ("conv",)
+
+
+def _layer_states(layers: list[Any], spec: DecoderSpec) -> tuple[LayerState, ...]:
+    """Each cached layer's kind and state shapes (after batch), from the cache objects the
+    modeling code filled: attention layers hold keys and values, convolution layers a state."""
+    from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+
+    result = []
+    for index, layer in enumerate(layers):
+        if isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, DynamicLayer):
+            conv = layer.conv_states.get(0) if layer.is_conv_states_initialized.get(0) else None
+            recurrent = layer.recurrent_states.get(0) if layer.is_recurrent_states_initialized.get(0) else None
+            if conv is not None and recurrent is None and layer.number_of_states == 1:
+                result.append(LayerState("conv", (tuple(conv.shape[1:]),)))
+                continue
+        elif type(layer) is DynamicLayer:
+            result.append(LayerState("attention"))
+            continue
+        raise ExportError(
+            f"{spec.model_type}: layer {index} keeps a {type(layer).__name__} cache; kvforge's contract carries "
+            "attention layers' keys and values and convolution layers' states only"
+        )
+    return tuple(result)
 
 
 def _attention_implementation(config: Any, model_class: Any) -> str:
@@ -155,12 +190,18 @@ def _quiet_transformers() -> Iterator[None]:
 
 
 class DecoderWrapper(torch.nn.Module):
-    """HF causal LM with flat KV-cache tensors in and out, in contract order."""
+    """HF causal LM with flat KV-cache tensors in and out, in contract order.
 
-    def __init__(self, model: torch.nn.Module, num_layers: int) -> None:
+    `past` is `io.cache_names` in order. For a model whose layers keep fixed-size states,
+    each state enters transformers' own cache object for its layer, so the modeling code
+    reads and updates it as it does in `generate`, and leaves as the layer's present.
+    """
+
+    def __init__(self, model: torch.nn.Module, num_layers: int, io: DecoderIO | None = None) -> None:
         super().__init__()
         self.model = model
         self.num_layers = num_layers
+        self.io = io if io is not None and io.layers is not None else None
 
     def forward(
         self,
@@ -171,6 +212,8 @@ class DecoderWrapper(torch.nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         from transformers import DynamicCache
 
+        if self.io is not None:
+            return self._forward_with_states(input_ids, attention_mask, position_ids, past)
         # No config: every layer keeps its full history. Sliding-window layers still get
         # their windowed mask from the model, so results match, and the contract stays uniform.
         cache = DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(self.num_layers)])
@@ -186,25 +229,77 @@ class DecoderWrapper(torch.nn.Module):
         # the cast of one [batch, seq, vocab] tensor costs nothing next to the LM head.
         return (out.logits.float(), *present)
 
+    def _forward_with_states(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        past: Sequence[torch.Tensor],
+    ) -> tuple[torch.Tensor, ...]:
+        from transformers import DynamicCache
+        from transformers.cache_utils import LinearAttentionLayer
+
+        io = self.io
+        assert io is not None and io.layers is not None
+        tensors = dict(zip(io.cache_names, past))
+        attention = set(io.attention_layers)
+        cache = DynamicCache(
+            ddp_cache_data=[
+                (tensors[io.past_name(i, "key")], tensors[io.past_name(i, "value")]) if i in attention else (None, None)
+                for i in range(self.num_layers)
+            ]
+        )
+        for i, layer in enumerate(io.layers):
+            if layer.kind == "conv":
+                state = LinearAttentionLayer()
+                conv = tensors[io.state_past_name(i, "conv")]
+                state.dtype, state.device = conv.dtype, conv.device  # type: ignore[assignment]
+                # a copy: the cache object updates its state in place
+                state.conv_states[0] = conv.clone()
+                state.conv_kernel_size[0] = conv.shape[-1]
+                state.is_conv_states_initialized[0] = True
+                # a zero state is what a fresh sequence has: one graph for prefill and decode
+                state.has_previous_state[0] = True
+                cache.layers[i] = state
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+        )
+        present: list[torch.Tensor] = []
+        for i, layer in enumerate(io.layers):
+            held = cache.layers[i]
+            if layer.kind == "attention":
+                present += [held.keys, held.values]  # type: ignore[union-attr, list-item]
+            else:
+                present.append(held.conv_states[0])  # type: ignore[union-attr, arg-type]
+        return (out.logits.float(), *present)
+
 
 def example_inputs(io: DecoderIO, dtype: torch.dtype = torch.float32) -> tuple[Any, ...]:
     b, s, p = _EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_PAST
     input_ids = torch.randint(0, io.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(b, p + s, dtype=torch.int64)
     positions = torch.arange(p, p + s, dtype=torch.int64).expand(b, s).contiguous()
-    past = [torch.zeros(io.kv_shape(name, b, p), dtype=dtype) for name in io.past_names]
+    past = [torch.zeros(_cache_shape(io, name, b, p), dtype=dtype) for name in io.cache_names]
     return input_ids, mask, positions, past
+
+
+def _cache_shape(io: DecoderIO, name: str, batch: int, length: int) -> tuple[int, ...]:
+    return io.kv_shape(name, batch, length) if name in io.past_names else io.state_shape(name, batch)
 
 
 def export_decoder(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO) -> ExportedProgram:
     """torch.export the wrapped decoder with dynamic batch, sequence, past and total length."""
-    wrapper = DecoderWrapper(model, spec.num_layers).eval()
+    wrapper = DecoderWrapper(model, spec.num_layers, io).eval()
     dyn = Dim.DYNAMIC
     dynamic_shapes = {
         "input_ids": {0: dyn, 1: dyn},
         "attention_mask": {0: dyn, 1: dyn},
         "position_ids": {0: dyn, 1: dyn},
-        "past": [{0: dyn, 2: dyn} for _ in io.past_names],
+        "past": [{0: dyn, 2: dyn} if name in io.past_names else {0: dyn} for name in io.cache_names],
     }
     dtype = next(model.parameters()).dtype
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from runners.errors import CheckpointError, GenerationError, KvforgeError
 from toolchain.checkpoint import Checkpoint
@@ -71,11 +71,14 @@ class Footprint:
     weight_bytes: int  # the parameters as stored in the checkpoint (tied weights once)
     weight_bytes_at: dict[str, int]  # "fp32", "fp16", "int8", "int4"
     kv_bytes_per_token: dict[str, int]  # "fp32", "fp16"
-    kv_bytes_total: dict[str, int]  # per_token × batch × seq
+    kv_bytes_total: dict[str, int]  # per_token × batch × seq (+ fixed state × batch)
     batch: int
     seq: int
     expert_parameters: int = 0  # the routed experts' share of `parameters` (MoE)
     experts_fraction: float = 1.0  # experts per token / routed experts: the share of them a token uses
+    # "fp32", "fp16" -> bytes of fixed-size layer states (convolution, recurrent) per sequence,
+    # whatever its length; empty for an attention-only model
+    state_bytes_per_sequence: dict[str, int] = field(default_factory=dict)
 
     @property
     def active_parameters(self) -> int:
@@ -107,16 +110,18 @@ def footprint(
     for dtype, shape in params.values():
         by_dtype[dtype] = by_dtype.get(dtype, 0) + math.prod(shape)
     per_token = {name: spec.kv_bytes_per_token(size) for name, size in KV_PRECISIONS.items()}
+    state = {name: spec.state_bytes_per_sequence(size) for name, size in KV_PRECISIONS.items()} if spec.layers else {}
     return Footprint(
         parameters_by_dtype=dict(sorted(by_dtype.items())),
         weight_bytes=sum(_stored_bytes(name, meta, checkpoint) for name, meta in params.items()),
         weight_bytes_at={p: _bytes_at(p, params, spec, compute_bytes) for p in WEIGHT_PRECISIONS},
         kv_bytes_per_token=per_token,
-        kv_bytes_total={name: b * batch * seq for name, b in per_token.items()},
+        kv_bytes_total={name: (b * seq + state.get(name, 0)) * batch for name, b in per_token.items()},
         batch=batch,
         seq=seq,
         expert_parameters=sum(math.prod(shape) for name, (_, shape) in params.items() if _is_expert(name, shape, spec)),
         experts_fraction=spec.experts_per_token / spec.num_experts if spec.num_experts else 1.0,
+        state_bytes_per_sequence=state,
     )
 
 
@@ -230,6 +235,10 @@ def format_footprint(fp: Footprint, spec: DecoderSpec) -> str:
     lines += ["", _row(f"KV cache, batch {fp.batch} × seq {fp.seq:,}", "per token", "total", "GiB")]
     for name, total in fp.kv_bytes_total.items():
         lines.append(_row(f"  {name}", f"{fp.kv_bytes_per_token[name]:,}", f"{total:,}", _gib(total)))
+    if fp.state_bytes_per_sequence:  # in the totals above, once per sequence
+        kinds = sorted({layer.kind for layer in spec.layers or ()} - {"attention"})
+        lines.append(f"  of which fixed state per sequence ({', '.join(kinds)} layers, any length):")
+        lines += [_row(f"    {name}", f"{b:,}") for name, b in fp.state_bytes_per_sequence.items()]
     lines += ["", _row("weights + KV cache", "bytes", "GiB")]
     for weights, kv in (("fp32", "fp32"), ("fp16", "fp16"), ("int8", "fp16"), ("int4", "fp16")):
         lines.append(_size_row(f"{weights} weights, {kv} KV", fp.total_bytes(weights, kv)))

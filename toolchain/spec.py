@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from runners.contract import LayerState
 from runners.errors import ArtifactError, CheckpointError, KvforgeError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
@@ -241,6 +242,10 @@ class DecoderSpec:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
+    # Each layer's kind and fixed-size states where not every layer is attention (read off the
+    # modeling code by `toolchain.export.cache_layout`, as the cache's other sizes); None: all
+    # layers keep a key/value pair. In `to_dict` only when set.
+    layers: tuple[LayerState, ...] | None = None
 
     @classmethod
     def from_config(
@@ -278,6 +283,10 @@ class DecoderSpec:
         """A JSON-able dict with keys in field order."""
         data = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)}
         data["eos_token_ids"] = list(self.eos_token_ids)
+        if self.layers is None:
+            del data["layers"]
+        else:
+            data["layers"] = [layer.to_dict() for layer in self.layers]
         return data
 
     @classmethod
@@ -286,14 +295,20 @@ class DecoderSpec:
         if not isinstance(data, Mapping):
             raise ArtifactError(f"spec: expected an object, got {type(data).__name__}; rebuild the artifact")
         names = [f.name for f in dataclasses.fields(cls)]
-        missing = [n for n in names if n not in data]
+        optional = ("layers",)
+        missing = [n for n in names if n not in data and n not in optional]
         unknown = sorted(set(data) - set(names))
         if missing or unknown:
             raise ArtifactError(
                 f"spec: missing fields {missing}, unknown fields {unknown}; it was written by an "
                 "incompatible kvforge version, rebuild the artifact"
             )
-        values = {n: copy.deepcopy(data[n]) for n in names}
+        values = {n: copy.deepcopy(data[n]) for n in names if n in data}
+        layers = values.pop("layers", None)
+        if layers is not None:
+            if not isinstance(layers, list) or len(layers) != values["num_layers"]:
+                raise _spec_error("layers", f"must list each of the {values['num_layers']} layers")
+            values["layers"] = tuple(LayerState.from_dict(i, layer) for i, layer in enumerate(layers))
         if isinstance(values["eos_token_ids"], list):
             values["eos_token_ids"] = tuple(values["eos_token_ids"])
         _check_field_types(values)
@@ -301,18 +316,36 @@ class DecoderSpec:
         _check_spec(spec)
         return spec
 
-    def with_cache(self, num_kv_heads: int, head_dim: int, value_head_dim: int) -> DecoderSpec:
+    def with_cache(
+        self, num_kv_heads: int, head_dim: int, value_head_dim: int, layers: tuple[LayerState, ...] | None = None
+    ) -> DecoderSpec:
         """This spec with the KV cache's layout as the modeling code keeps it."""
-        return dataclasses.replace(self, num_kv_heads=num_kv_heads, head_dim=head_dim, value_head_dim=value_head_dim)
+        return dataclasses.replace(
+            self, num_kv_heads=num_kv_heads, head_dim=head_dim, value_head_dim=value_head_dim, layers=layers
+        )
+
+    @property
+    def attention_layers(self) -> int:
+        """How many layers keep a key/value pair."""
+        return self.num_layers if self.layers is None else sum(layer.kind == "attention" for layer in self.layers)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Bytes of keys plus values that one token adds to the cache, over all layers.
+        """Bytes of keys plus values that one token adds to the cache, over the attention layers.
 
         The sliding window does not reduce it: the contract keeps a full-length cache.
         """
-        if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes <= 0:
-            raise KvforgeError(f"kv_bytes_per_token: dtype_bytes must be a positive int, got {dtype_bytes!r}")
-        return self.num_layers * self.num_kv_heads * (self.head_dim + self.value_head_dim) * dtype_bytes
+        _check_dtype_bytes(dtype_bytes)
+        return self.attention_layers * self.num_kv_heads * (self.head_dim + self.value_head_dim) * dtype_bytes
+
+    def state_bytes_per_sequence(self, dtype_bytes: int) -> int:
+        """Bytes of the fixed-size states (convolution, recurrent) one sequence holds, whatever its length."""
+        _check_dtype_bytes(dtype_bytes)
+        return sum(math.prod(dims) for layer in self.layers or () for dims in layer.states) * dtype_bytes
+
+
+def _check_dtype_bytes(dtype_bytes: int) -> None:
+    if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes <= 0:
+        raise KvforgeError(f"kv_bytes_per_token: dtype_bytes must be a positive int, got {dtype_bytes!r}")
 
 
 # --- reading config.json ----------------------------------------------------------------
@@ -436,6 +469,7 @@ GENERIC_TESTED: tuple[str, ...] = (
     "granitemoe",
     "gpt_oss",
     "deepseek_v3",
+    "lfm2",
 )
 
 # Standardized config attributes a spec reads; the config class resolves each (its
@@ -461,8 +495,9 @@ _STANDARD_FIELDS = (
     "eos_token_id",
     "pad_token_id",
 )
-# Kinds of layer whose state is not a growing key/value pair (transformers' layer_types).
-_STATEFUL_LAYER_KINDS = ("linear_attention", "conv", "mamba", "hybrid", "hybrid_sliding")
+# Kinds of layer whose state is not a growing key/value pair (transformers' layer_types) that
+# kvforge does not compile yet; `conv` layers (lfm2) keep a state the contract carries.
+_STATEFUL_LAYER_KINDS = ("linear_attention", "mamba", "hybrid", "hybrid_sliding")
 _CONTEXT_FIELDS = ("n_positions", "n_ctx", "seq_length", "max_sequence_length")
 _NORM_EPS_FIELDS = (("rms_norm_eps", "rmsnorm"), ("layer_norm_eps", "layernorm"), ("layer_norm_epsilon", "layernorm"))
 
@@ -488,7 +523,8 @@ def _generic_layout(reader: _Reader, model_type: str) -> tuple[_Reader, _Layout]
     if kinds:
         raise UnsupportedModelError(
             f"{CONFIG_FILE}: model_type {model_type!r}: field 'layer_types' has {sorted(set(kinds))} layers, which "
-            "keep a recurrent or convolution state instead of a key/value cache; kvforge does not compile those yet"
+            "keep a recurrent state instead of a key/value cache; kvforge does not compile those yet (of the layers "
+            "with a fixed-size state, it compiles short convolutions: lfm2)"
         )
     if getattr(config, "num_attention_heads", None) is None:
         raise UnsupportedModelError(

@@ -295,6 +295,9 @@ def _prefill_errors(reference: ReferenceRun, candidate: Session, tol: Tolerance)
         # [batch, heads, total, dim] -> [real positions, heads, dim]; a shared buffer's valid part
         ref_kv, cand_kv = (c[past][:, :, :total].transpose(0, 2, 1, 3)[real] for c in (ref_cache, cand_cache))
         yield compare(present, ref_kv, cand_kv, tol, rows=False)
+    for past, present in zip(io.state_names, io.state_present_names):
+        # a fixed-size state ([batch, ...], no positions): every row whole
+        yield compare(present, ref_cache[past], cand_cache[past], tol, rows=False)
 
 
 # --- The distribution gate (quantized builds) ---------------------------------------------------------------

@@ -19,6 +19,11 @@ so each row attends to what it would alone, and position ids count real tokens o
   padding every row shares (``W`` minus the longest row) reaches the longest row, or
   ``W`` reaches the capacity, the batch is shifted left by that amount (compaction). A row
   never holds more than the model's context, so the capacity stays bounded.
+
+A model whose layers keep fixed-size states (lfm2's convolution layers) has one more buffer per
+state, ``[slots, ...]`` with no column axis: a request's prefill starts from a zeroed state of
+its own, which joins the batch in the row its KV goes to and moves with it; padding columns
+never reach a state.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from runners.decoding import Decoder, TokenLogprob, end_of_row
 from runners.detokenizer import StreamingDetokenizer
 from runners.engine import Engine
 from runners.errors import KvforgeError
-from runners.generate import choose_tokens, forward, invalid_rows
+from runners.generate import choose_tokens, empty_states, forward, invalid_rows
 from runners.sampling import SamplingParams
 from runners.serve.metrics import Metrics
 from runners.serve.protocol import ParsedRequest
@@ -188,9 +193,10 @@ class BatchScheduler:
         self._prefill: _Prefill | None = None
         self._width = 0
         self._kv: dict[str, np.ndarray] = {}
+        self._states: dict[str, np.ndarray] = {}  # [slots, ...] per fixed-size state
         self._mask = np.zeros((0, 0), dtype=np.int64)
         self._views: tuple[int, dict[str, np.ndarray]] | None = None
-        self._prefill_kv: dict[str, np.ndarray] = {}
+        self._prefill_kv: dict[str, np.ndarray] = {}  # the request being prefilled: its KV and states
         # A graph with a fixed cache length takes buffers of exactly that length; otherwise
         # leave room past the context for the padding that builds up between compactions.
         self._fixed_capacity: int | None = getattr(self.io, "capacity", None)
@@ -399,6 +405,9 @@ class BatchScheduler:
         request = state.request
         end = min(state.done + self.prefill_chunk, len(request.ids))
         cache = self._prefill_cache()
+        if state.done == 0:  # a fresh sequence: no state of the previous request may leak into it
+            for name in self.io.state_names:
+                cache[name].fill(0)
         ids = np.asarray(request.ids[state.done : end], dtype=np.int64)[None, :]
         mask = np.ones((1, end), dtype=np.int64)
         try:
@@ -422,7 +431,7 @@ class BatchScheduler:
             length = self._fixed_capacity or self.max_positions
             self._prefill_kv = {
                 name: np.zeros(self.io.kv_shape(name, 1, length), dtype=self.io.kv_dtype) for name in self.io.past_names
-            }
+            } | empty_states(self.io, 1)
         return self._prefill_kv
 
     def _join(self, request: Request, cache: dict[str, np.ndarray], token: int) -> None:
@@ -440,6 +449,8 @@ class BatchScheduler:
             self._mask[:n, :shift] = 0
         for name, buffer in self._kv.items():
             buffer[n, :, width - length : width] = cache[name][0, :, :length]
+        for name, state in self._states.items():
+            state[n] = cache[name][0]
         self._mask[n] = 0
         self._mask[n, width - length : width] = 1
         self._width = width
@@ -452,22 +463,27 @@ class BatchScheduler:
         self, ids: np.ndarray, mask: np.ndarray, cache: dict[str, np.ndarray], rows: int, width: int
     ) -> np.ndarray:
         """Run the model on `rows` rows whose cache fills `width` columns; the new positions'
-        keys and values land in columns [width, width + seq) of `cache`."""
+        keys and values land in columns [width, width + seq) of `cache`, the rows' next
+        fixed-size states in its state buffers."""
+        states = {name: np.ascontiguousarray(cache[name][:rows]) for name in self.io.state_names}
         if self.io.shared_kv:
-            logits, _ = forward(self.session, ids, mask, cache)
-            return logits
-        past = {name: np.ascontiguousarray(buffer[:rows, :, :width]) for name, buffer in cache.items()}
-        logits, present = forward(self.session, ids, mask, past)
-        end = width + ids.shape[1]
-        for name, buffer in cache.items():
-            buffer[:rows, :, width:end] = present[name][:, :, width:end]
+            logits, present = forward(self.session, ids, mask, {n: cache[n] for n in self.io.past_names} | states)
+        else:
+            past = {name: np.ascontiguousarray(cache[name][:rows, :, :width]) for name in self.io.past_names}
+            logits, present = forward(self.session, ids, mask, past | states)
+            end = width + ids.shape[1]
+            for name in self.io.past_names:
+                cache[name][:rows, :, width:end] = present[name][:, :, width:end]
+        for name in self.io.state_names:
+            cache[name][:rows] = present[name]
         return logits
 
     def _batch_cache(self, rows: int) -> dict[str, np.ndarray]:
         """Views of the first `rows` rows, kept while the row count stays: the session keeps
         its binding while it is given the same arrays."""
         if self._views is None or self._views[0] != rows:
-            self._views = (rows, {name: buffer[:rows] for name, buffer in self._kv.items()})
+            buffers = self._kv | self._states
+            self._views = (rows, {name: buffer[:rows] for name, buffer in buffers.items()})
         return self._views[1]
 
     def _make_room(self) -> None:
@@ -506,9 +522,12 @@ class BatchScheduler:
         }
         for name, buffer in self._kv.items():
             kv[name][:n, :, :width] = buffer[:n, :, :width]
+        states = empty_states(self.io, new_slots)
+        for name, state in self._states.items():
+            states[name][:n] = state[:n]
         mask = np.zeros((new_slots, new_capacity), dtype=np.int64)
         mask[:n, :width] = self._mask[:n, :width]
-        self._kv, self._mask, self._views = kv, mask, None
+        self._kv, self._states, self._mask, self._views = kv, states, mask, None
 
     def _remove_row(self, index: int) -> None:
         last = len(self._rows) - 1
@@ -516,6 +535,8 @@ class BatchScheduler:
         if index != last:
             for buffer in self._kv.values():
                 buffer[index, :, :width] = buffer[last, :, :width]
+            for state in self._states.values():
+                state[index] = state[last]
             self._mask[index, :width] = self._mask[last, :width]
             self._rows[index] = self._rows[last]
         self._rows.pop()

@@ -35,13 +35,18 @@ def test_cache_layout_is_what_the_model_caches(model_type: str, tiny_checkpoint:
     directory = tiny_checkpoint(model_type)
     spec = _spec(directory)
     model = AutoModelForCausalLM.from_pretrained(directory).eval()
-    cache = DynamicCache()
+    # layers with a fixed-size state need the cache objects the config gives them
+    cache = DynamicCache(config=model.config) if spec.layers is not None else DynamicCache()
     with torch.no_grad():
         model(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=cache)
     assert len(cache.layers) == spec.num_layers
-    for layer in cache.layers:
-        assert tuple(layer.keys.shape) == (1, spec.num_kv_heads, 3, spec.head_dim)
-        assert tuple(layer.values.shape) == (1, spec.num_kv_heads, 3, spec.value_head_dim)
+    kinds = [layer.kind for layer in spec.layers] if spec.layers is not None else ["attention"] * spec.num_layers
+    for layer, kind, state in zip(cache.layers, kinds, spec.layers or [None] * spec.num_layers):
+        if kind == "attention":
+            assert tuple(layer.keys.shape) == (1, spec.num_kv_heads, 3, spec.head_dim)
+            assert tuple(layer.values.shape) == (1, spec.num_kv_heads, 3, spec.value_head_dim)
+        else:
+            assert state is not None and (1, *state.states[0]) == tuple(layer.conv_states[0].shape)
 
 
 def test_cache_layouts_that_differ_from_the_config(tiny_checkpoint: Callable[..., Path]) -> None:

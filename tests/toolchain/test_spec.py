@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from typing import Any
@@ -10,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from runners.contract import LayerState
 from runners.errors import ArtifactError, CheckpointError, KvforgeError, UnsupportedModelError
 from toolchain.spec import SUPPORTED_MODEL_TYPES, DecoderSpec, verified_families
 
@@ -351,7 +353,7 @@ def test_model_type_transformers_lacks_lists_verified_families(model_type: Any) 
     [
         ("bert", "no causal-LM class"),  # an encoder
         ("t5", "no causal-LM class"),  # an encoder-decoder
-        ("mamba", "recurrent or convolution state"),  # a causal LM, but its layers keep no K/V
+        ("mamba", "keep a recurrent state"),  # a causal LM, but its layers keep no K/V
     ],
 )
 def test_transformers_models_that_are_no_kv_decoders_are_refused(model_type: str, why: str) -> None:
@@ -522,10 +524,24 @@ def test_bad_generation_config_names_its_file() -> None:
 def test_dict_round_trip_through_json(model_type: str) -> None:
     spec = DecoderSpec.from_config(config_dict(model_type))
     data = spec.to_dict()
-    assert list(data) == [f for f in DecoderSpec.__dataclass_fields__]
+    # `layers` only for a model with fixed-size layer states: other manifests are unchanged
+    assert list(data) == [f for f in DecoderSpec.__dataclass_fields__ if f != "layers"]
     text = json.dumps(data)
     assert DecoderSpec.from_dict(json.loads(text)) == spec
     assert json.dumps(DecoderSpec.from_dict(json.loads(text)).to_dict()) == text
+
+
+def test_layers_round_trip_through_json() -> None:
+    plain = DecoderSpec.from_config(config_dict("llama"))
+    layers = (LayerState("conv", ((64, 3),)),) + (LayerState("attention"),) * (plain.num_layers - 1)
+    spec = dataclasses.replace(plain, layers=layers)
+    data = json.loads(json.dumps(spec.to_dict()))
+    assert data["layers"][:2] == [{"kind": "conv", "states": {"conv": [64, 3]}}, {"kind": "attention"}]
+    assert DecoderSpec.from_dict(data) == spec
+    assert spec.attention_layers == plain.num_layers - 1 and spec.state_bytes_per_sequence(2) == 64 * 3 * 2
+    assert spec.kv_bytes_per_token(2) * plain.num_layers == plain.kv_bytes_per_token(2) * (plain.num_layers - 1)
+    with pytest.raises(ArtifactError, match="layers"):
+        DecoderSpec.from_dict(data | {"layers": [data["layers"][0]]})
 
 
 def test_to_dict_is_a_copy() -> None:

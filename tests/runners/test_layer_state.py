@@ -1,0 +1,172 @@
+"""Models whose layers keep a fixed-size state (lfm2's short convolutions) next to attention:
+the contract's per-layer states, built on ort-cpu, compared with eager transformers, through
+the runner (left padding, chunked prefill) and the server's scheduler."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runners.bench import kv_bytes_per_step
+from runners.contract import DecoderIO, LayerState
+from runners.engine import Engine
+from runners.errors import ArtifactError
+from runners.generate import empty_cache, forward
+from runners.serve.scheduler import Finished
+from tests.tiny import GENERIC_CONFIGS, hf_greedy
+
+PROMPTS = ["def fibonacci(n):", "class Point:\n    def"]
+NEW_TOKENS = 24
+HIDDEN = GENERIC_CONFIGS["lfm2"]["hidden_size"]
+KERNEL = 3  # lfm2's conv_L_cache default
+
+
+@pytest.fixture(scope="module")
+def artifact(built_artifact: Callable[..., Path]) -> Path:
+    return built_artifact("lfm2")
+
+
+@pytest.fixture(scope="module")
+def engine(artifact: Path) -> Engine:
+    e = Engine.load(artifact)
+    e.eos_ids = ()  # compare the full length; transformers generates without eos too
+    return e
+
+
+@pytest.mark.slow  # builds the tiny lfm2 artifact
+def test_manifest_records_each_layer_and_its_state(artifact: Path) -> None:
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    io = manifest["io"]
+    conv = {"kind": "conv", "states": {"conv": [HIDDEN, KERNEL]}}
+    assert io["layers"] == [conv, {"kind": "attention"}, conv]
+    assert [t["name"] for t in io["inputs"][3:]] == [
+        "past_conv.0",
+        "past_key_values.1.key",
+        "past_key_values.1.value",
+        "past_conv.2",
+    ]
+    assert [t["name"] for t in io["outputs"][1:]] == [
+        "present_conv.0",
+        "present.1.key",
+        "present.1.value",
+        "present_conv.2",
+    ]
+    assert io["inputs"][3]["dims"] == ["batch", HIDDEN, KERNEL]  # no sequence axis
+    assert io["kv_mode"] == "shared"  # the attention layer's cache is still written in place
+    assert manifest["parity"]["passed"] is True
+    errors = {e["name"] for e in manifest["parity"]["prefill"]}
+    assert {"present_conv.0", "present_conv.2", "present.1.key"} <= errors  # the gate compares every state
+    assert "genai_config.json" not in manifest["files"]
+
+
+@pytest.mark.slow  # builds the tiny lfm2 artifact
+def test_state_bytes_by_arithmetic(engine: Engine) -> None:
+    io = engine.session.io
+    assert io.state_bytes_per_sequence() == 2 * HIDDEN * KERNEL * 4  # two conv layers, fp32
+    assert io.kv_bytes_per_position() == 1 * 2 * (16 + 16) * 4  # one attention layer, 2 KV heads × 16
+    cache = empty_cache(io, batch=3, capacity=10)
+    assert cache["past_conv.0"].shape == (3, HIDDEN, KERNEL)
+    assert cache["past_key_values.1.key"].shape == (3, 2, 10, 16)
+    assert kv_bytes_per_step(io, context=10, batch=3) == sum(a.nbytes for a in cache.values())  # what bench counts
+
+
+@pytest.mark.slow  # builds the tiny lfm2 artifact
+def test_greedy_generation_matches_transformers(engine: Engine, tiny_checkpoint: Callable[..., Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("lfm2")).eval()
+    for prompt in PROMPTS:
+        ids = engine.encode(prompt)
+        ours = engine.generate_tokens([ids], max_new_tokens=NEW_TOKENS, temperature=0.0)[0]
+        assert ours == hf_greedy(model, ids, NEW_TOKENS), prompt
+
+
+@pytest.mark.slow  # builds the tiny lfm2 artifact
+def test_left_padded_batch_equals_one_by_one(engine: Engine) -> None:
+    prompts = [engine.encode(p) for p in ["for i in range(10):", "import os", "héllo wörld, naïve café"]]
+    assert len({len(p) for p in prompts}) == 3  # really padded
+    batched = engine.generate_tokens(prompts, max_new_tokens=16, temperature=0.0)
+    alone = [engine.generate_tokens([p], max_new_tokens=16, temperature=0.0)[0] for p in prompts]
+    assert batched == alone
+
+
+@pytest.mark.slow  # builds the tiny lfm2 artifact
+def test_states_do_not_grow_and_chunked_prefill_equals_one_shot(engine: Engine) -> None:
+    io = engine.session.io
+    ids = np.asarray([engine.encode(PROMPTS[0] + " return n")], dtype=np.int64)
+    n = ids.shape[1]
+    one_logits, one = forward(engine.session, ids, np.ones((1, n), np.int64), empty_cache(io, 1, n))
+    cache = empty_cache(io, 1, n)
+    for start in range(0, n, 4):  # 4 tokens at a time over the growing cache
+        end = min(start + 4, n)
+        logits, cache = forward(engine.session, ids[:, start:end], np.ones((1, end), np.int64), cache)
+    for name in io.state_names:
+        assert cache[name].shape == (1, HIDDEN, KERNEL)
+        np.testing.assert_allclose(cache[name], one[name], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(logits[:, -1], one_logits[:, -1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow  # builds the tiny lfm2 artifact
+def test_server_rows_equal_each_request_alone(engine: Engine) -> None:
+    """Six requests over two rows, prefilled in chunks of 3, arriving while others decode: rows
+    are reused and moved, so a state not zeroed per request, or not moved with its row, changes tokens."""
+    from tests.serve.test_scheduler import collect, request, scheduler_for, solo, wait_generating
+
+    prompts = ["for i in range(10):", "import os", "héllo wörld", "class Point:", "def fibonacci(n):", "x = 1"]
+    budgets = [8, 30, 6, 25, 5, 20]
+    scheduler = scheduler_for(engine, max_num_seqs=2, prefill_chunk=3)
+    try:
+        first = request(engine, prompts[0], budgets[0])
+        scheduler.submit(first)
+        wait_generating(first)
+        rest = [request(engine, p, n) for p, n in zip(prompts[1:], budgets[1:])]
+        scheduler.submit(*rest)
+        for index, req in enumerate([first, *rest]):
+            text, end = collect(req)
+            assert isinstance(end, Finished), end
+            assert (text, end.completion_tokens) == solo(engine, prompts[index], budgets[index]), prompts[index]
+    finally:
+        scheduler.stop()
+
+
+def test_inspect_reports_state_bytes(tiny_checkpoint: Callable[..., Path]) -> None:
+    from click.testing import CliRunner
+
+    from toolchain.cli import main
+
+    result = CliRunner().invoke(main, ["inspect", str(tiny_checkpoint("lfm2")), "--seq", "100"])
+    assert result.exit_code == 0, result.output
+    per_token, state = 1 * 2 * (16 + 16) * 4, 2 * HIDDEN * KERNEL * 4
+    assert f"{per_token:,}" in result.output and f"{per_token * 100 + state:,}" in result.output
+    assert "fixed state per sequence" in result.output and f"{state:,}" in result.output
+
+
+def test_layers_round_trip_and_malformed_layers_are_refused() -> None:
+    io = DecoderIO(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=384,
+        layers=(LayerState("conv", ((64, 3),)), LayerState("attention")),
+    )
+    assert DecoderIO.from_dict(io.to_dict()) == io
+    assert io.past_names == ("past_key_values.1.key", "past_key_values.1.value")
+    bad = io.to_dict() | {"layers": [{"kind": "mamba"}, {"kind": "attention"}]}
+    with pytest.raises(ArtifactError, match=r"io.layers\[0\]: kind 'mamba'"):
+        DecoderIO.from_dict(bad)
+    bad = io.to_dict() | {"layers": [{"kind": "conv", "states": {"conv": [64, 0]}}, {"kind": "attention"}]}
+    with pytest.raises(ArtifactError, match=r"states.conv must be"):
+        DecoderIO.from_dict(bad)
+    with pytest.raises(ArtifactError, match="each of the 2 layers"):
+        DecoderIO.from_dict(io.to_dict() | {"layers": [{"kind": "attention"}]})
+
+
+def test_targets_without_state_support_are_refused(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    from toolchain.build import BuildOptions, build
+
+    with pytest.raises(ArtifactError, match="conv layers keep a fixed-size state.*--target ort-cpu"):
+        build(tiny_checkpoint("lfm2"), tmp_path / "out", BuildOptions(target="tensorrt"))
