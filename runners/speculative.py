@@ -64,9 +64,16 @@ NGRAM_MAX, NGRAM_MIN = 3, 1
 
 
 def require_all_logits(io: DecoderIO, artifact: Path | str | None = None) -> None:
-    """Refuse speculation on a graph that returns the last position's logits only."""
+    """Refuse speculation on a graph that returns the last position's logits only, or that
+    carries fixed-size layer states (a rejected draft cannot be taken back out of a state)."""
+    where = f"{artifact}: " if artifact is not None else ""
+    if io.state_names:
+        raise GenerationError(
+            f"{where}speculative decoding rolls a rejected draft back by shortening the KV cache, which the "
+            f"fixed-size states of this model's {sorted({layer.kind for layer in io.layers or ()} - {'attention'})} "
+            "layers (io.layers in its manifest.json) cannot do; generate without speculative"
+        )
     if io.logits_positions != "all":
-        where = f"{artifact}: " if artifact is not None else ""
         raise GenerationError(
             f"{where}speculative decoding needs logits for every position of a verify step, but this artifact "
             "returns the last position's only (io.logits_positions 'last' in its manifest.json); rebuild it with "

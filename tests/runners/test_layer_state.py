@@ -133,6 +133,16 @@ def test_server_rows_equal_each_request_alone(engine: Engine) -> None:
         scheduler.stop()
 
 
+@pytest.mark.slow  # builds the tiny lfm2 artifact
+def test_speculative_decoding_is_refused_naming_the_states(engine: Engine) -> None:
+    """A rejected draft cannot be taken back out of a convolution state (speculation rolls back
+    by shortening the KV cache), so speculation is refused rather than silently wrong."""
+    from runners.errors import GenerationError
+
+    with pytest.raises(GenerationError, match=r"\['conv'\] layers \(io.layers"):
+        engine.generate(PROMPTS[0], max_new_tokens=4, speculative="prompt-lookup")
+
+
 def test_inspect_reports_state_bytes(tiny_checkpoint: Callable[..., Path]) -> None:
     from click.testing import CliRunner
 
