@@ -39,6 +39,9 @@ class Target:
     symmetric_only: bool  # quantized weights must have a zero zero-point
     emitter: str  # ONNX or TENSORRT_ENGINE
     genai: bool  # onnxruntime-genai can drive the graph (toolchain.emit.genai)
+    # Sliding-window layers keep only their window's last positions (`DecoderIO.layer_windows`);
+    # False: every layer keeps its whole history, and the mask alone applies the window
+    bounded_windows: bool = False
 
     def expected_fusions(self, num_layers: int) -> dict[str, int]:
         return {fusion: num_layers for fusion in self.per_layer_fusions}
@@ -65,6 +68,7 @@ TARGETS: Mapping[str, Target] = MappingProxyType(
                 symmetric_only=False,
                 emitter=ONNX,
                 genai=True,
+                bounded_windows=True,
             ),
             Target(
                 name="onnx",

@@ -43,7 +43,7 @@ from toolchain import checkpoint as checkpoints
 from toolchain import emit, manifest, progress
 from toolchain.emit import genai
 from toolchain.emit import tensorrt as trt_engine
-from toolchain.export import DecoderWrapper, cache_layout, eager_model, export_decoder
+from toolchain.export import DecoderWrapper, cache_layout, eager_model, export_decoder, layer_windows
 from toolchain.footprint import footprint, format_bytes
 from toolchain.lower import OPSET, apply_contract, to_onnx
 from toolchain.publish import check_output, publish, staged
@@ -131,6 +131,8 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     ckpt = checkpoints.load(checkpoint_dir, allow_pickle=options.allow_pickle, revision=options.revision)
     spec = read_spec(ckpt)
     io = DecoderIO.for_spec(spec, kv_dtype=options.dtype)
+    if target.bounded_windows:
+        io = replace(io, layer_windows=layer_windows(ckpt.config, spec))
     if options.device_memory is not None:
         _check_fits(ckpt, spec, options)
     options = _target_options(options, spec)
@@ -327,7 +329,7 @@ def _eager_session(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO) -> 
     (float32 across numpy for bfloat16, which numpy cannot hold)."""
     dtype = next(model.parameters()).dtype
     transport = replace(io, kv_dtype="float32") if dtype == torch.bfloat16 else io
-    return TorchSession(DecoderWrapper(model, spec.num_layers), transport, dtype)
+    return TorchSession(DecoderWrapper(model, spec.num_layers, io.layer_windows), transport, dtype)
 
 
 def _record_gate(
@@ -373,7 +375,10 @@ def _check_fits(ckpt: checkpoints.Checkpoint, spec: DecoderSpec, options: BuildO
     assert options.device_memory is not None
     seq = options.memory_seq or spec.max_positions
     half = options.dtype != "float32"  # fp16 and bf16 take the same bytes
-    fp = footprint(ckpt, spec, batch=options.memory_batch, seq=seq, compute_bytes=2 if half else 4)
+    windows = layer_windows(ckpt.config, spec) if TARGETS[options.target].bounded_windows else None
+    fp = footprint(
+        ckpt, spec, batch=options.memory_batch, seq=seq, compute_bytes=2 if half else 4, layer_windows=windows
+    )
     compute = "fp16" if half else "fp32"
     weights = fp.weight_bytes_at[compute if options.weights is None else options.weights.name]
     kv = fp.kv_bytes_total[compute]

@@ -124,6 +124,23 @@ def cache_layout(fields: dict[str, Any], spec: DecoderSpec) -> DecoderSpec:
     return spec.with_cache(num_kv_heads=key[1], head_dim=key[3], value_head_dim=value[3])
 
 
+def layer_windows(fields: dict[str, Any], spec: DecoderSpec) -> tuple[int | None, ...] | None:
+    """Per layer, the sliding window transformers' own cache bounds it by (its layer types, as
+    `DynamicCache(config=...)` reads them), or None for a layer that keeps its whole history;
+    None when no layer is bounded. Chunked attention is not a sliding window and stays whole."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    config, _ = _model_class(fields, spec)
+    kinds, settings = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    windows = tuple(
+        int(kwargs["sliding_window"]) if kind == "sliding_attention" and kwargs.get("sliding_window") else None
+        for kind, kwargs in zip(kinds, settings)
+    )
+    if len(windows) != spec.num_layers or all(window is None for window in windows):
+        return None
+    return windows
+
+
 def _attention_implementation(config: Any, model_class: Any) -> str:
     """SDPA traces to one ONNX Attention op (opset 23), the form every fusion starts from.
     transformers' SDPA path ignores attention-logit softcapping, so softcapped models
@@ -154,13 +171,45 @@ def _quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-class DecoderWrapper(torch.nn.Module):
-    """HF causal LM with flat KV-cache tensors in and out, in contract order."""
+def _bounded_layer(history: Any) -> Any:
+    """A cache layer bounded by a sliding window, as the contract keeps it (`DecoderIO.layer_windows`):
+    its past holds the last min(history, window - 1) of the `history` positions seen, and its
+    present is that past plus the new positions (the runner keeps the present's last window - 1).
 
-    def __init__(self, model: torch.nn.Module, num_layers: int) -> None:
+    The masks transformers builds from it are its own masks over the whole history, cut to the
+    columns this layer holds (`get_mask_sizes`: their number and the first one's position);
+    query positions stay absolute. Every size is read from a tensor's shape, so torch.export
+    keeps them symbolic.
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    class BoundedLayer(DynamicLayer):
+        is_sliding = True
+
+        def get_seq_length(self) -> Any:
+            return history
+
+        def get_mask_sizes(self, query_length: Any) -> tuple[Any, Any]:
+            assert self.keys is not None  # the past was put in when the cache was made
+            held = self.keys.shape[-2]
+            return held + query_length, history - held
+
+    return BoundedLayer()
+
+
+class DecoderWrapper(torch.nn.Module):
+    """HF causal LM with flat KV-cache tensors in and out, in contract order.
+
+    `layer_windows` (`DecoderIO.layer_windows`) bounds the layers it gives a window: their past
+    holds only the window's last positions (`_bounded_layer`)."""
+
+    def __init__(
+        self, model: torch.nn.Module, num_layers: int, layer_windows: Sequence[int | None] | None = None
+    ) -> None:
         super().__init__()
         self.model = model
         self.num_layers = num_layers
+        self.layer_windows = tuple(layer_windows) if layer_windows is not None else (None,) * num_layers
 
     def forward(
         self,
@@ -171,9 +220,14 @@ class DecoderWrapper(torch.nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         from transformers import DynamicCache
 
-        # No config: every layer keeps its full history. Sliding-window layers still get
-        # their windowed mask from the model, so results match, and the contract stays uniform.
+        # No config: every layer keeps what its past holds. A sliding-window layer the contract
+        # does not bound keeps its full history and gets its windowed mask from the model.
         cache = DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(self.num_layers)])
+        history = attention_mask.shape[1] - input_ids.shape[1]
+        for i, window in enumerate(self.layer_windows):
+            if window is not None:
+                cache.layers[i] = layer = _bounded_layer(history)
+                layer.update(past[2 * i], past[2 * i + 1])
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -192,13 +246,16 @@ def example_inputs(io: DecoderIO, dtype: torch.dtype = torch.float32) -> tuple[A
     input_ids = torch.randint(0, io.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(b, p + s, dtype=torch.int64)
     positions = torch.arange(p, p + s, dtype=torch.int64).expand(b, s).contiguous()
-    past = [torch.zeros(io.kv_shape(name, b, p), dtype=dtype) for name in io.past_names]
+    # a bounded layer's past one shorter than the history: its own size, related to no other
+    past = [
+        torch.zeros(io.kv_shape(name, b, p - 1 if io.window_of(name) else p), dtype=dtype) for name in io.past_names
+    ]
     return input_ids, mask, positions, past
 
 
 def export_decoder(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO) -> ExportedProgram:
     """torch.export the wrapped decoder with dynamic batch, sequence, past and total length."""
-    wrapper = DecoderWrapper(model, spec.num_layers).eval()
+    wrapper = DecoderWrapper(model, spec.num_layers, io.layer_windows).eval()
     dyn = Dim.DYNAMIC
     dynamic_shapes = {
         "input_ids": {0: dyn, 1: dyn},

@@ -308,7 +308,9 @@ class DecoderSpec:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of keys plus values that one token adds to the cache, over all layers.
 
-        The sliding window does not reduce it: the contract keeps a full-length cache.
+        Counted as if every layer kept every token; on a target that bounds sliding-window
+        layers by their window (`DecoderIO.layer_windows`), `DecoderIO.kv_bytes_by_kind` counts
+        what they hold.
         """
         if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes <= 0:
             raise KvforgeError(f"kv_bytes_per_token: dtype_bytes must be a positive int, got {dtype_bytes!r}")
