@@ -151,7 +151,9 @@ class OrtSession:
         objects with the same shapes; each step rebinds only the small inputs and the logits.
         The last few sets keep their bindings, so generations stepped in turn (a server's
         batch and the prompt it is prefilling, `kvforge bench`) do not rebind every cache
-        tensor at every step.
+        tensor at every step. A layer bounded by a sliding window (`DecoderIO.layer_windows`)
+        has no buffer to share: its past is bound as an input and its present (past plus the
+        new positions) to a new array at every step.
         """
         buffers = [feeds[past] for past, _ in self._in_place]
         if buffers:
