@@ -127,16 +127,22 @@ def cache_layout(fields: dict[str, Any], spec: DecoderSpec) -> DecoderSpec:
 def layer_windows(fields: dict[str, Any], spec: DecoderSpec) -> tuple[int | None, ...] | None:
     """Per layer, the sliding window transformers' own cache bounds it by (its layer types, as
     `DynamicCache(config=...)` reads them), or None for a layer that keeps its whole history;
-    None when no layer is bounded. Chunked attention is not a sliding window and stays whole."""
+    None when no layer is bounded. Chunked attention is not a sliding window and stays whole; a
+    window no shorter than the model's context bounds nothing and is left out, and layers of
+    different windows (which would share one mask) are all left whole."""
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     config, _ = _model_class(fields, spec)
     kinds, settings = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
     windows = tuple(
-        int(kwargs["sliding_window"]) if kind == "sliding_attention" and kwargs.get("sliding_window") else None
+        int(kwargs["sliding_window"])
+        if kind == "sliding_attention" and 1 < int(kwargs.get("sliding_window") or 0) < spec.max_positions
+        else None
         for kind, kwargs in zip(kinds, settings)
     )
-    if len(windows) != spec.num_layers or all(window is None for window in windows):
+    sizes = {window for window in windows if window is not None}
+    # transformers builds one sliding mask for every sliding layer, from the first one's cache
+    if len(windows) != spec.num_layers or len(sizes) != 1:
         return None
     return windows
 

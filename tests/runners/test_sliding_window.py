@@ -67,6 +67,28 @@ def test_kv_bytes_by_kind_is_the_arithmetic_of_what_each_layer_holds() -> None:
     assert kv_bytes_per_step(IO, 100, 3) == sum(IO.kv_bytes_by_kind(100, 3).values())
 
 
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "expected"),
+    [
+        ("mistral", {"sliding_window": 8}, (8, 8)),
+        ("mistral", {"sliding_window": 256}, None),  # the whole context: nothing to bound
+        ("qwen2", {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 1}, (None, 8)),
+        ("qwen2", {"sliding_window": 8}, None),  # use_sliding_window false
+        ("gemma2", {}, (8, None)),
+        ("llama", {}, None),
+    ],
+)
+def test_layer_windows_are_transformers_layer_types(
+    model_type: str, overrides: dict[str, object], expected: tuple[int | None, ...] | None
+) -> None:
+    from tests.tiny import _COMMON, ARCH_CONFIGS
+    from toolchain.export import layer_windows
+    from toolchain.spec import DecoderSpec
+
+    fields = dict(_COMMON, model_type=model_type, **(ARCH_CONFIGS[model_type] | overrides))
+    assert layer_windows(fields, DecoderSpec.from_config(fields)) == expected
+
+
 # --- compiled models ----------------------------------------------------------------------
 
 

@@ -126,6 +126,7 @@ def test_onnxruntime_genai_generates_the_same_tokens_and_text(
     artifact = request.getfixturevalue(fixtures[case]) if case in fixtures else built_artifact(case)
     manifest = read_manifest(artifact)
     assert genai.GENAI_CONFIG in manifest["files"]  # listed and hashed like every file
+    assert "layer_windows" not in manifest["io"]  # every layer keeps its whole history
     config = json.loads((artifact / genai.GENAI_CONFIG).read_text())
     assert config["search"]["past_present_share_buffer"] == (manifest["io"]["kv_mode"] == "shared")
 
