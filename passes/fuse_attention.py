@@ -277,13 +277,20 @@ class PastLengthFromMask(InPlacePass):
     Equal under the `concat` contract; under the `shared` one the past tensor is the whole
     preallocated buffer, so its length says nothing about how many positions are filled.
     Rewrites `Shape(past_key_values.*, start=2, end=3)`, the only form the canonical
-    graph reads it in.
+    graph reads it in. Only pasts whose positions dimension is `past_dim` are read so: a
+    layer bounded by a sliding window (dimension `window_past` in the contract) keeps a past
+    tensor of its own, whose length is what it holds, and its reads stay.
     """
 
     def __init__(
-        self, mask_input: str = "attention_mask", ids_input: str = "input_ids", past_prefix: str = "past_key_values."
+        self,
+        mask_input: str = "attention_mask",
+        ids_input: str = "input_ids",
+        past_prefix: str = "past_key_values.",
+        past_dim: str = "past",
     ) -> None:
         super().__init__()
+        self._past_dim = past_dim  # not in the pass report: it names no setting of a build
         self.mask_input = mask_input
         self.ids_input = ids_input
         self.past_prefix = past_prefix
@@ -302,6 +309,7 @@ class PastLengthFromMask(InPlacePass):
             and node.inputs[0] is not None
             and node.inputs[0].is_graph_input()
             and (node.inputs[0].name or "").startswith(self.past_prefix)
+            and _positions_dim(node.inputs[0]) in (self._past_dim, None)
             and _attribute(node, "start", 0) == 2
             and _attribute(node, "end", None) == 3
         ]
@@ -314,6 +322,14 @@ class PastLengthFromMask(InPlacePass):
             node.outputs[0].replace_all_uses_with(past.outputs[0], replace_graph_outputs=True)
             graph.remove(node, safe=True)
         return PassResult(model, modified=bool(reads))
+
+
+def _positions_dim(past: ir.Value) -> str | None:
+    """The name of a [batch, heads, positions, dim] value's positions dimension, if it has one."""
+    shape = past.shape
+    if shape is None or len(shape) != 4 or isinstance(shape[2], int):
+        return None
+    return str(shape[2])
 
 
 class GroupQueryAttentionOutput(pattern.RewriteRuleClassBase):

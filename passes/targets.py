@@ -41,6 +41,9 @@ class Target:
     genai: bool  # onnxruntime-genai can drive the graph (toolchain.emit.genai)
     # Its runner carries fixed-size layer states (convolution layers), tested end to end
     layer_states: bool = False
+    # Sliding-window layers keep only their window's last positions (`DecoderIO.layer_windows`);
+    # False: every layer keeps its whole history, and the mask alone applies the window
+    bounded_windows: bool = False
 
     def expected_fusions(self, num_layers: int) -> dict[str, int]:
         return {fusion: num_layers for fusion in self.per_layer_fusions}
@@ -68,6 +71,7 @@ TARGETS: Mapping[str, Target] = MappingProxyType(
                 emitter=ONNX,
                 genai=True,
                 layer_states=True,
+                bounded_windows=True,
             ),
             Target(
                 name="onnx",

@@ -195,9 +195,11 @@ def _input_table_bytes(spec: dict[str, Any], lookup: dict[str, Any] | None, item
 
 
 def kv_bytes_per_step(io: DecoderIO, context: int, batch: int) -> int:
-    """K and V of every attention layer for `context` positions of every row, and each row's
-    fixed-size layer states (none for an attention-only model), read once per step."""
-    return (io.kv_bytes_per_position() * context + io.state_bytes_per_sequence()) * batch
+    """K and V of every attention layer for `context` positions of every row, read once per step
+    (a layer bounded by a sliding window holds and reads only its last window - 1:
+    `DecoderIO.kv_bytes_by_kind`), and each row's fixed-size layer states (none for an
+    attention-only model)."""
+    return sum(io.kv_bytes_by_kind(context, batch).values()) + io.state_bytes_per_sequence() * batch
 
 
 def peak_memory_bytes() -> int:

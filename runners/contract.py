@@ -29,6 +29,9 @@ LOGITS_POSITIONS = ("all", "last")
 # numpy has no bfloat16, and onnxruntime's CPU provider cannot compute one (OrtSession says so).
 TENSOR_DTYPES = ("float32", "float16", "bfloat16")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+# The positions dimension of a bounded layer's past and present (`DecoderIO.layer_windows`),
+# by the name a full layer's would have under `concat`.
+WINDOW_DIMS = {"past": "window_past", "total": "window_total"}
 # Far beyond any real model; a manifest past them is corrupt or hostile.
 IO_LIMITS = {"num_layers": 10_000, "num_kv_heads": 1 << 16, "head_dim": 1 << 16, "vocab_size": 1 << 31}
 # What a layer keeps between steps. `attention`: a key/value pair that grows by one position
@@ -126,6 +129,13 @@ class DecoderIO:
     # (a convolution or linear-attention hybrid); None: every layer keeps a key/value pair.
     # In the manifest only when set.
     layers: tuple[LayerState, ...] | None = None
+    # Per layer, the sliding window of a layer whose cache is bounded by it, or None for a layer
+    # that keeps its whole history; None: every layer keeps it. A bounded layer's past holds its
+    # last min(history, window - 1) positions and is always a separate tensor (never a shared
+    # buffer): the graph returns past + new positions as its present, and the runner keeps that
+    # present's last window - 1 positions as the next past (`bounded`). In the manifest only
+    # when set.
+    layer_windows: tuple[int | None, ...] | None = None
 
     @classmethod
     def for_spec(cls, spec: _SpecLike, kv_dtype: str = "float32") -> DecoderIO:
@@ -204,8 +214,10 @@ class DecoderIO:
 
     def kv_bytes_per_position(self) -> int:
         """Bytes of keys plus values that one position of one row holds, over all layers."""
-        heads = len(self.attention_layers) * self.num_kv_heads
-        return heads * (self.head_dim + self.value_dim) * _ITEMSIZE[self.kv_dtype]
+        return len(self.attention_layers) * self._layer_bytes_per_position()
+
+    def _layer_bytes_per_position(self) -> int:
+        return self.num_kv_heads * (self.head_dim + self.value_dim) * _ITEMSIZE[self.kv_dtype]
 
     def state_past_name(self, layer: int, state: str) -> str:
         """A fixed-size state's input name: `past_conv.{layer}`, as lfm2's ONNX exports name it."""
@@ -213,6 +225,44 @@ class DecoderIO:
 
     def state_present_name(self, layer: int, state: str) -> str:
         return f"present_{state}.{layer}"
+
+    def window(self, layer: int) -> int | None:
+        """The window bounding `layer`'s cache, or None when it keeps its whole history."""
+        return None if self.layer_windows is None else self.layer_windows[layer]
+
+    def window_of(self, name: str) -> int | None:
+        """The window bounding the cache tensor `name` (a past or present name), or None (also
+        for a fixed-size state's name)."""
+        if self.layer_windows is None or not name.startswith(("past_key_values.", "present.")):
+            return None
+        return self.window(int(name.split(".")[-2]))
+
+    def kept_positions(self, name: str, history: int) -> int:
+        """How many positions the past tensor `name` holds after `history` positions were seen."""
+        window = self.window_of(name)
+        return history if window is None else min(history, window - 1)
+
+    def bounded(self, name: str, present: Any) -> Any:
+        """The next past of cache tensor `name` from its present [batch, heads, positions, dim]:
+        the present itself, or for a bounded layer its last window - 1 positions (contiguous)."""
+        window = self.window_of(name)
+        if window is None or present.shape[2] < window:
+            return present
+        return present[:, :, present.shape[2] - (window - 1) :].copy()
+
+    def kv_bytes_by_kind(self, positions: int, batch: int = 1) -> dict[str, int]:
+        """Bytes of keys plus values the cache holds between steps once `positions` positions of
+        `batch` rows are cached, by layer kind: "full" (whole history) and "sliding" (bounded by
+        a window, min(positions, window - 1) each), over the layers that keep a key/value pair
+        (a layer with a fixed-size state has none: `state_bytes_per_sequence`). A kind without
+        layers is left out."""
+        per_position = self._layer_bytes_per_position() * batch
+        kinds: dict[str, int] = {}
+        for layer in self.attention_layers:
+            window = self.window(layer)
+            kind, held = ("full", positions) if window is None else ("sliding", min(positions, window - 1))
+            kinds[kind] = kinds.get(kind, 0) + held * per_position
+        return kinds
 
     def past_name(self, layer: int, kind: str) -> str:
         return f"past_key_values.{layer}.{kind}"
@@ -240,8 +290,11 @@ class DecoderIO:
 
     def _kv_spec(self, name: str, length: str) -> TensorSpec:
         last = self.head_dim if name.endswith(".key") else self.value_dim
-        dims = ("batch", self.num_kv_heads, self._capacity_dim if self.shared_kv else length, last)
-        return TensorSpec(name, self.kv_dtype, dims)
+        if self.window_of(name) is not None:  # its own length, past and present alike
+            positions: str | int = WINDOW_DIMS[length]
+        else:
+            positions = self._capacity_dim if self.shared_kv else length
+        return TensorSpec(name, self.kv_dtype, ("batch", self.num_kv_heads, positions, last))
 
     def _cache_spec(self, name: str, length: str) -> TensorSpec:
         if name.startswith(("past_key_values.", "present.")):
@@ -271,6 +324,8 @@ class DecoderIO:
             fixed["value_head_dim"] = self.value_head_dim
         if self.layers is not None:
             fixed["layers"] = [layer.to_dict() for layer in self.layers]
+        if self.layer_windows is not None:
+            fixed["layer_windows"] = list(self.layer_windows)
         return fixed | {
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
@@ -307,6 +362,7 @@ class DecoderIO:
                 _capacity(data.get("capacity")),
                 _value_head_dim(data.get("value_head_dim")),
                 _layers(data.get("layers"), data["num_layers"]),
+                _layer_windows(data.get("layer_windows"), data["num_layers"]),
             )
         except KeyError as e:
             raise ArtifactError(f"manifest.json: field io.{e.args[0]} is missing; rebuild the artifact") from e
@@ -347,6 +403,27 @@ def _layers(value: object, num_layers: int) -> tuple[LayerState, ...] | None:
             "rebuild the artifact"
         )
     return tuple(LayerState.from_dict(i, layer) for i, layer in enumerate(value))
+
+
+def _layer_windows(value: object, num_layers: int) -> tuple[int | None, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != num_layers:
+        raise ArtifactError(
+            f"manifest.json: io.layer_windows must be a list of {num_layers} entries (one per layer), got "
+            f"{str(value)[:80]}; rebuild the artifact"
+        )
+    for window in value:
+        if window is not None and (
+            isinstance(window, bool) or not isinstance(window, int) or not 2 <= window <= MAX_CAPACITY
+        ):
+            raise ArtifactError(
+                f"manifest.json: io.layer_windows entries must be null or an integer in [2, {MAX_CAPACITY}], got "
+                f"{str(window)[:80]}; rebuild the artifact"
+            )
+    if all(window is None for window in value):
+        raise ArtifactError("manifest.json: io.layer_windows bounds no layer (all null); rebuild the artifact")
+    return tuple(value)
 
 
 def _value_head_dim(value: object) -> int | None:

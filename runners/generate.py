@@ -3,7 +3,8 @@
 Prompts of different lengths are left-padded into one batch; the attention mask marks
 padding, and position ids count only real tokens, so each row sees exactly what it would
 see alone. Each step's present tensors are fed back as the next step's past: in the
-contract's `shared` mode they are the same preallocated buffers, written in place.
+contract's `shared` mode they are the same preallocated buffers, written in place; a layer
+bounded by a sliding window keeps only its present's last window - 1 positions.
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ def empty_cache(io: DecoderIO, batch: int, capacity: int) -> dict[str, np.ndarra
             )
         capacity = io.capacity
     length = capacity if io.shared_kv else 0
-    cache = {name: np.zeros(io.kv_shape(name, batch, length), dtype=io.kv_dtype) for name in io.past_names}
+    cache = {
+        name: np.zeros(io.kv_shape(name, batch, 0 if io.window_of(name) else length), dtype=io.kv_dtype)
+        for name in io.past_names
+    }
     return cache | empty_states(io, batch)
 
 
@@ -75,12 +79,15 @@ def empty_states(io: DecoderIO, batch: int) -> dict[str, np.ndarray]:
 def forward(
     session: Session, input_ids: np.ndarray, mask: np.ndarray, cache: dict[str, np.ndarray]
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Run one step; returns the logits and the cache for the next step."""
+    """Run one step; returns the logits and the cache for the next step (a layer bounded by its
+    window keeps its present's last window - 1 positions)."""
     io = session.io
     feeds = {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids(mask, input_ids.shape[1])}
     feeds.update(cache)
     outputs = session.run(feeds)
-    next_cache = {past: outputs[present] for past, present in zip(io.cache_names, io.cache_present_names)}
+    next_cache = {
+        past: io.bounded(past, outputs[present]) for past, present in zip(io.cache_names, io.cache_present_names)
+    }
     return outputs["logits"], next_cache
 
 

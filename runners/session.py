@@ -130,6 +130,10 @@ class OrtSession:
         self._output_names = expected[1]
         self._step_inputs = [name for name in expected[0] if name not in set(io.past_names)]
         self._states = tuple(zip(io.state_names, io.state_present_names))
+        # Layers bounded by a window take a new past every step and return a longer present
+        # (`DecoderIO.layer_windows`); only the others' buffers are bound in place.
+        self._in_place = [(p, q) for p, q in zip(io.past_names, io.present_names) if io.window_of(p) is None]
+        self._bounded = [(p, q) for p, q in zip(io.past_names, io.present_names) if io.window_of(p) is not None]
         # The most recently used cache bindings, each kept while its buffers live (see _run_in_place).
         self._bindings: collections.OrderedDict[tuple[int, ...], _CacheBinding] = collections.OrderedDict()
 
@@ -148,9 +152,40 @@ class OrtSession:
         objects with the same shapes; each step rebinds only the small inputs and the logits.
         The last few sets keep their bindings, so generations stepped in turn (a server's
         batch and the prompt it is prefilling, `kvforge bench`) do not rebind every cache
-        tensor at every step.
+        tensor at every step. A layer bounded by a sliding window (`DecoderIO.layer_windows`)
+        has no buffer to share: its past is bound as an input and its present (past plus the
+        new positions) to a new array at every step.
         """
-        buffers = [feeds[past] for past in self.io.past_names]
+        buffers = [feeds[past] for past, _ in self._in_place]
+        if buffers:
+            binding = self._cached_binding(feeds, buffers)
+        else:  # every layer bounded by a window: nothing to keep bound, and no binding shared between callers
+            binding = self._session.io_binding()
+        for name in self._step_inputs:
+            binding.bind_cpu_input(name, feeds[name])
+        ids = feeds["input_ids"]
+        positions = ids.shape[1] if self.io.logits_positions == "all" else 1
+        logits = np.empty((ids.shape[0], positions, self.io.vocab_size), dtype=self.io.logits_dtype)
+        binding.bind_output("logits", "cpu", 0, logits.dtype, list(logits.shape), logits.ctypes.data)
+        outputs = {present: feeds[past] for past, present in self._in_place}
+        held_inputs: list[np.ndarray] = []  # alive until the run: the binding reads their memory
+        for past, present in self._bounded:  # past + new positions, into a new array
+            held_inputs.append(np.ascontiguousarray(feeds[past]))
+            binding.bind_cpu_input(past, held_inputs[-1])
+            batch, heads, held, dim = feeds[past].shape
+            array = np.empty((batch, heads, held + ids.shape[1], dim), dtype=feeds[past].dtype)
+            binding.bind_output(present, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+            outputs[present] = array
+        # Fixed-size states are small and not written in place: each step returns new arrays.
+        for past, present in self._states:
+            outputs[present] = state = np.empty_like(feeds[past])
+            binding.bind_output(present, "cpu", 0, state.dtype, list(state.shape), state.ctypes.data)
+        self._session.run_with_iobinding(binding)
+        del held_inputs
+        outputs["logits"] = logits  # a new array per step: the caller may keep it
+        return outputs
+
+    def _cached_binding(self, feeds: dict[str, np.ndarray], buffers: list[np.ndarray]) -> ort.IOBinding:
         key = tuple(id(a) for a in buffers)
         entry = self._bindings.get(key)
         if entry is None or not entry.holds(buffers):
@@ -162,25 +197,11 @@ class OrtSession:
             while len(self._bindings) > _KEPT_BINDINGS:
                 self._bindings.popitem(last=False)
         self._bindings.move_to_end(key)
-        binding = entry.binding
-        for name in self._step_inputs:
-            binding.bind_cpu_input(name, feeds[name])
-        ids = feeds["input_ids"]
-        positions = ids.shape[1] if self.io.logits_positions == "all" else 1
-        logits = np.empty((ids.shape[0], positions, self.io.vocab_size), dtype=self.io.logits_dtype)
-        binding.bind_output("logits", "cpu", 0, logits.dtype, list(logits.shape), logits.ctypes.data)
-        # Fixed-size states are small and not written in place: each step returns new arrays.
-        states = {present: np.empty_like(feeds[past]) for past, present in self._states}
-        for name, state in states.items():
-            binding.bind_output(name, "cpu", 0, state.dtype, list(state.shape), state.ctypes.data)
-        self._session.run_with_iobinding(binding)
-        outputs = {present: feeds[past] for past, present in zip(self.io.past_names, self.io.present_names)}
-        outputs["logits"] = logits  # a new array per step: the caller may keep it
-        return outputs | states
+        return entry.binding
 
     def _bind_cache(self, feeds: dict[str, np.ndarray]) -> ort.IOBinding:
         binding = self._session.io_binding()
-        for past, present in zip(self.io.past_names, self.io.present_names):
+        for past, present in self._in_place:
             buffer = feeds[past]
             if not (buffer.flags.c_contiguous and buffer.flags.writeable):
                 raise ValueError(f"{past}: a shared KV buffer must be a writeable C-contiguous array")

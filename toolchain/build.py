@@ -43,7 +43,7 @@ from toolchain import checkpoint as checkpoints
 from toolchain import emit, manifest, progress
 from toolchain.emit import genai
 from toolchain.emit import tensorrt as trt_engine
-from toolchain.export import DecoderWrapper, cache_layout, eager_model, export_decoder
+from toolchain.export import DecoderWrapper, cache_layout, eager_model, export_decoder, layer_windows
 from toolchain.footprint import footprint, format_bytes
 from toolchain.lower import OPSET, apply_contract, to_onnx
 from toolchain.publish import check_output, publish, staged
@@ -143,6 +143,8 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     spec = read_spec(ckpt)
     io = DecoderIO.for_spec(spec, kv_dtype=options.dtype)
     _check_layer_states(io, target, spec)
+    if target.bounded_windows:
+        io = replace(io, layer_windows=layer_windows(ckpt.config, spec))
     if options.device_memory is not None:
         _check_fits(ckpt, spec, options)
     options = _target_options(options, spec)
@@ -396,7 +398,10 @@ def _check_fits(ckpt: checkpoints.Checkpoint, spec: DecoderSpec, options: BuildO
     assert options.device_memory is not None
     seq = options.memory_seq or spec.max_positions
     half = options.dtype != "float32"  # fp16 and bf16 take the same bytes
-    fp = footprint(ckpt, spec, batch=options.memory_batch, seq=seq, compute_bytes=2 if half else 4)
+    windows = layer_windows(ckpt.config, spec) if TARGETS[options.target].bounded_windows else None
+    fp = footprint(
+        ckpt, spec, batch=options.memory_batch, seq=seq, compute_bytes=2 if half else 4, layer_windows=windows
+    )
     compute = "fp16" if half else "fp32"
     weights = fp.weight_bytes_at[compute if options.weights is None else options.weights.name]
     kv = fp.kv_bytes_total[compute]

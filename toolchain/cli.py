@@ -567,13 +567,16 @@ def verify(
 def inspect(checkpoint: str, revision: str | None, batch: int, seq: int | None, allow_pickle: bool) -> None:
     """Parameters, weight bytes per precision and KV-cache bytes of CHECKPOINT (a directory or a cached Hub id)."""
     from toolchain import checkpoint as checkpoints
-    from toolchain.export import cache_layout
+    from toolchain.export import cache_layout, layer_windows
     from toolchain.footprint import footprint, format_footprint
     from toolchain.spec import DecoderSpec
 
     ckpt = checkpoints.load(checkpoint, allow_pickle=allow_pickle, revision=revision)
     spec = cache_layout(ckpt.config, DecoderSpec.from_config(ckpt.config, ckpt.generation_config))
-    click.echo(format_footprint(footprint(ckpt, spec, batch=batch, seq=seq or spec.max_positions), spec))
+    # the KV cache as the default target keeps it: sliding layers bounded by their windows
+    windows = layer_windows(ckpt.config, spec) if TARGETS[DEFAULT_TARGET].bounded_windows else None
+    fp = footprint(ckpt, spec, batch=batch, seq=seq or spec.max_positions, layer_windows=windows)
+    click.echo(format_footprint(fp, spec))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ which is what both torch.export and the runner's sessions need.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -159,6 +159,29 @@ def _layer_states(layers: list[Any], spec: DecoderSpec) -> tuple[LayerState, ...
     return tuple(result)
 
 
+def layer_windows(fields: dict[str, Any], spec: DecoderSpec) -> tuple[int | None, ...] | None:
+    """Per layer, the sliding window transformers' own cache bounds it by (its layer types, as
+    `DynamicCache(config=...)` reads them), or None for a layer that keeps its whole history;
+    None when no layer is bounded. Chunked attention is not a sliding window and stays whole; a
+    window no shorter than the model's context bounds nothing and is left out, and layers of
+    different windows (which would share one mask) are all left whole."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    config, _ = _model_class(fields, spec)
+    kinds, settings = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    windows = tuple(
+        int(kwargs["sliding_window"])
+        if kind == "sliding_attention" and 1 < int(kwargs.get("sliding_window") or 0) < spec.max_positions
+        else None
+        for kind, kwargs in zip(kinds, settings)
+    )
+    sizes = {window for window in windows if window is not None}
+    # transformers builds one sliding mask for every sliding layer, from the first one's cache
+    if len(windows) != spec.num_layers or len(sizes) != 1:
+        return None
+    return windows
+
+
 def _attention_implementation(config: Any, model_class: Any) -> str:
     """SDPA traces to one ONNX Attention op (opset 23), the form every fusion starts from.
     transformers' SDPA path ignores attention-logit softcapping, so softcapped models
@@ -189,12 +212,40 @@ def _quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def _bounded_layer(history: Any) -> Any:
+    """A cache layer bounded by a sliding window, as the contract keeps it (`DecoderIO.layer_windows`):
+    its past holds the last min(history, window - 1) of the `history` positions seen, and its
+    present is that past plus the new positions (the runner keeps the present's last window - 1).
+
+    The masks transformers builds from it are its own masks over the whole history, cut to the
+    columns this layer holds (`get_mask_sizes`: their number and the first one's position);
+    query positions stay absolute. Every size is read from a tensor's shape, so torch.export
+    keeps them symbolic.
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    class BoundedLayer(DynamicLayer):
+        is_sliding = True
+
+        def get_seq_length(self) -> Any:
+            return history
+
+        def get_mask_sizes(self, query_length: Any) -> tuple[Any, Any]:
+            assert self.keys is not None  # the past was put in when the cache was made
+            held = self.keys.shape[-2]
+            return held + query_length, history - held
+
+    return BoundedLayer()
+
+
 class DecoderWrapper(torch.nn.Module):
     """HF causal LM with flat KV-cache tensors in and out, in contract order.
 
     `past` is `io.cache_names` in order. For a model whose layers keep fixed-size states,
     each state enters transformers' own cache object for its layer, so the modeling code
     reads and updates it as it does in `generate`, and leaves as the layer's present.
+    `io.layer_windows` bounds the layers it gives a window: their past holds only the
+    window's last positions (`_bounded_layer`).
     """
 
     def __init__(self, model: torch.nn.Module, num_layers: int, io: DecoderIO | None = None) -> None:
@@ -202,6 +253,16 @@ class DecoderWrapper(torch.nn.Module):
         self.model = model
         self.num_layers = num_layers
         self.io = io if io is not None and io.layers is not None else None
+        windows = None if io is None else io.layer_windows
+        self.layer_windows = tuple(windows) if windows is not None else (None,) * num_layers
+
+    def _bound(self, cache: Any, history: Any, past: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Replace the cache layers the contract bounds by a window with `_bounded_layer`s
+        holding their past (`past(i)`: layer i's keys and values)."""
+        for i, window in enumerate(self.layer_windows):
+            if window is not None:
+                cache.layers[i] = layer = _bounded_layer(history)
+                layer.update(*past(i))
 
     def forward(
         self,
@@ -214,9 +275,10 @@ class DecoderWrapper(torch.nn.Module):
 
         if self.io is not None:
             return self._forward_with_states(input_ids, attention_mask, position_ids, past)
-        # No config: every layer keeps its full history. Sliding-window layers still get
-        # their windowed mask from the model, so results match, and the contract stays uniform.
+        # No config: every layer keeps what its past holds. A sliding-window layer the contract
+        # does not bound keeps its full history and gets its windowed mask from the model.
         cache = DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(self.num_layers)])
+        self._bound(cache, attention_mask.shape[1] - input_ids.shape[1], lambda i: (past[2 * i], past[2 * i + 1]))
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -249,6 +311,8 @@ class DecoderWrapper(torch.nn.Module):
                 for i in range(self.num_layers)
             ]
         )
+        history = attention_mask.shape[1] - input_ids.shape[1]
+        self._bound(cache, history, lambda i: (tensors[io.past_name(i, "key")], tensors[io.past_name(i, "value")]))
         for i, layer in enumerate(io.layers):
             if layer.kind == "conv":
                 state = LinearAttentionLayer()
@@ -283,7 +347,11 @@ def example_inputs(io: DecoderIO, dtype: torch.dtype = torch.float32) -> tuple[A
     input_ids = torch.randint(0, io.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(b, p + s, dtype=torch.int64)
     positions = torch.arange(p, p + s, dtype=torch.int64).expand(b, s).contiguous()
-    past = [torch.zeros(_cache_shape(io, name, b, p), dtype=dtype) for name in io.cache_names]
+    # a bounded layer's past one shorter than the history: its own size, related to no other
+    past = [
+        torch.zeros(_cache_shape(io, name, b, p - 1 if io.window_of(name) else p), dtype=dtype)
+        for name in io.cache_names
+    ]
     return input_ids, mask, positions, past
 
 

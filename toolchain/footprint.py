@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from runners.contract import DecoderIO
 from runners.errors import CheckpointError, GenerationError, KvforgeError
 from toolchain.checkpoint import Checkpoint
 from toolchain.spec import OUTPUT_HEADS, POSITION_EMBEDDINGS, TOKEN_EMBEDDINGS, DecoderSpec, input_first_weights
@@ -21,6 +22,7 @@ QUANT_BLOCK = 32  # weights per quantization block, along the input (reduction) 
 COMPUTE_BYTES = 4  # fp32 compute (the default): scales and the weights that stay unquantized are fp32
 WEIGHT_PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
 KV_PRECISIONS: dict[str, int] = {"fp32": 4, "fp16": 2}
+_KV_DTYPES = {"fp32": "float32", "fp16": "float16"}
 _BITS = {"int8": 8, "int4": 4}
 
 DTYPE_BYTES: dict[str, int] = {
@@ -70,10 +72,15 @@ class Footprint:
     parameters_by_dtype: dict[str, int]  # stored dtype name ("F32", "BF16", ...) -> count
     weight_bytes: int  # the parameters as stored in the checkpoint (tied weights once)
     weight_bytes_at: dict[str, int]  # "fp32", "fp16", "int8", "int4"
-    kv_bytes_per_token: dict[str, int]  # "fp32", "fp16"
-    kv_bytes_total: dict[str, int]  # per_token × batch × seq (+ fixed state × batch)
+    kv_bytes_per_token: dict[str, int]  # "fp32", "fp16": what a token adds to the layers that keep it all
+    # the cache holding batch × seq tokens: the sum of the kinds below (+ fixed state × batch)
+    kv_bytes_total: dict[str, int]
     batch: int
     seq: int
+    # precision -> layer kind -> bytes (`DecoderIO.kv_bytes_by_kind`): "full" layers hold every
+    # token, "sliding" ones bounded by their window hold its last window - 1
+    kv_bytes_by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
+    layer_windows: tuple[int | None, ...] | None = None
     expert_parameters: int = 0  # the routed experts' share of `parameters` (MoE)
     experts_fraction: float = 1.0  # experts per token / routed experts: the share of them a token uses
     # "fp32", "fp16" -> bytes of fixed-size layer states (convolution, recurrent) per sequence,
@@ -99,11 +106,19 @@ class Footprint:
 
 
 def footprint(
-    checkpoint: Checkpoint, spec: DecoderSpec, *, batch: int, seq: int, compute_bytes: int = COMPUTE_BYTES
+    checkpoint: Checkpoint,
+    spec: DecoderSpec,
+    *,
+    batch: int,
+    seq: int,
+    compute_bytes: int = COMPUTE_BYTES,
+    layer_windows: tuple[int | None, ...] | None = None,
 ) -> Footprint:
     """Memory for `checkpoint` running `batch` sequences of `seq` tokens (prompt + generated).
     `compute_bytes` is the width of what quantization leaves in the compute dtype (2 for a
-    `--dtype fp16|bf16` build): the scales, norms, biases and position tables."""
+    `--dtype fp16|bf16` build): the scales, norms, biases and position tables. `layer_windows`
+    (`DecoderIO.layer_windows`, `toolchain.export.layer_windows`) bounds the sliding layers'
+    caches by their windows, as the default target keeps them; None: every layer holds every token."""
     _check_request(spec, batch, seq)
     params = parameter_metadata(checkpoint, spec)
     by_dtype: dict[str, int] = {}
@@ -111,14 +126,22 @@ def footprint(
         by_dtype[dtype] = by_dtype.get(dtype, 0) + math.prod(shape)
     per_token = {name: spec.kv_bytes_per_token(size) for name, size in KV_PRECISIONS.items()}
     state = {name: spec.state_bytes_per_sequence(size) for name, size in KV_PRECISIONS.items()} if spec.layers else {}
+    by_kind = {
+        name: replace(DecoderIO.for_spec(spec, _KV_DTYPES[name]), layer_windows=layer_windows).kv_bytes_by_kind(
+            seq, batch
+        )
+        for name in KV_PRECISIONS
+    }
     return Footprint(
         parameters_by_dtype=dict(sorted(by_dtype.items())),
         weight_bytes=sum(_stored_bytes(name, meta, checkpoint) for name, meta in params.items()),
         weight_bytes_at={p: _bytes_at(p, params, spec, compute_bytes) for p in WEIGHT_PRECISIONS},
         kv_bytes_per_token=per_token,
-        kv_bytes_total={name: (b * seq + state.get(name, 0)) * batch for name, b in per_token.items()},
+        kv_bytes_total={name: sum(kinds.values()) + state.get(name, 0) * batch for name, kinds in by_kind.items()},
         batch=batch,
         seq=seq,
+        kv_bytes_by_kind=by_kind,
+        layer_windows=layer_windows,
         expert_parameters=sum(math.prod(shape) for name, (_, shape) in params.items() if _is_expert(name, shape, spec)),
         experts_fraction=spec.experts_per_token / spec.num_experts if spec.num_experts else 1.0,
         state_bytes_per_sequence=state,
@@ -235,6 +258,9 @@ def format_footprint(fp: Footprint, spec: DecoderSpec) -> str:
     lines += ["", _row(f"KV cache, batch {fp.batch} × seq {fp.seq:,}", "per token", "total", "GiB")]
     for name, total in fp.kv_bytes_total.items():
         lines.append(_row(f"  {name}", f"{fp.kv_bytes_per_token[name]:,}", f"{total:,}", _gib(total)))
+        if fp.layer_windows is not None:  # by layer kind: what bounding the sliding layers saves
+            for kind, nbytes in fp.kv_bytes_by_kind[name].items():
+                lines.append(_row(f"    {_kind_label(kind, fp.layer_windows)}", "", f"{nbytes:,}", _gib(nbytes)))
     if fp.state_bytes_per_sequence:  # in the totals above, once per sequence
         kinds = sorted({layer.kind for layer in spec.layers or ()} - {"attention"})
         lines.append(f"  of which fixed state per sequence ({', '.join(kinds)} layers, any length):")
@@ -243,6 +269,13 @@ def format_footprint(fp: Footprint, spec: DecoderSpec) -> str:
     for weights, kv in (("fp32", "fp32"), ("fp16", "fp16"), ("int8", "fp16"), ("int4", "fp16")):
         lines.append(_size_row(f"{weights} weights, {kv} KV", fp.total_bytes(weights, kv)))
     return "\n".join(lines)
+
+
+def _kind_label(kind: str, windows: tuple[int | None, ...]) -> str:
+    if kind == "full":
+        return f"{sum(w is None for w in windows)} full-attention layers"
+    sizes = "/".join(str(w) for w in sorted({w for w in windows if w is not None}))
+    return f"{sum(w is not None for w in windows)} sliding layers (window {sizes})"
 
 
 def _experts_note(fp: Footprint, spec: DecoderSpec) -> str:

@@ -332,7 +332,9 @@ class DecoderSpec:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of keys plus values that one token adds to the cache, over the attention layers.
 
-        The sliding window does not reduce it: the contract keeps a full-length cache.
+        Counted as if every layer kept every token; on a target that bounds sliding-window
+        layers by their window (`DecoderIO.layer_windows`), `DecoderIO.kv_bytes_by_kind` counts
+        what they hold.
         """
         _check_dtype_bytes(dtype_bytes)
         return self.attention_layers * self.num_kv_heads * (self.head_dim + self.value_head_dim) * dtype_bytes

@@ -292,8 +292,13 @@ def _prefill_errors(reference: ReferenceRun, candidate: Session, tol: Tolerance)
     else:
         yield compare("logits", ref_logits[real], cand_logits[real], tol, rows=True)
     for past, present in zip(io.past_names, io.present_names):
-        # [batch, heads, total, dim] -> [real positions, heads, dim]; a shared buffer's valid part
-        ref_kv, cand_kv = (c[past][:, :, :total].transpose(0, 2, 1, 3)[real] for c in (ref_cache, cand_cache))
+        # [batch, heads, total, dim] -> [real positions, heads, dim]; a shared buffer's valid part,
+        # the last positions of a layer bounded by its window
+        kept = io.kept_positions(past, total)
+        ref_kv, cand_kv = (
+            c[past][:, :, :total][:, :, total - kept :].transpose(0, 2, 1, 3)[real[:, total - kept :]]
+            for c in (ref_cache, cand_cache)
+        )
         yield compare(present, ref_kv, cand_kv, tol, rows=False)
     for past, present in zip(io.state_names, io.state_present_names):
         # a fixed-size state ([batch, ...], no positions): every row whole

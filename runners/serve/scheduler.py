@@ -15,6 +15,10 @@ so each row attends to what it would alone, and position ids count real tokens o
   own; its KV is then copied into the next free row of the batch buffer, right-aligned at
   ``W`` (a prompt longer than ``W`` first shifts the batch right to make room).
 - A finished or cancelled row leaves at once: the last row is moved into its slot.
+- A layer bounded by a sliding window (`DecoderIO.layer_windows`) keeps no column of the
+  buffer: its cache is one array ``[rows, kv_heads, min(W, window - 1), head_dim]`` holding the
+  last columns before ``W``, in the same right-aligned layout, renewed by every step (the
+  graph returns it with the new positions; the runner keeps the last ``window - 1``).
 - ``W`` grows by one per step while rows come and go, so padding accumulates: when the
   padding every row shares (``W`` minus the longest row) reaches the longest row, or
   ``W`` reaches the capacity, the batch is shifted left by that amount (compaction). A row
@@ -133,6 +137,7 @@ class _Row:
 class _Prefill:
     request: Request
     done: int = 0  # prompt tokens prefilled so far
+    bounded: dict[str, np.ndarray] = field(default_factory=dict)  # its window-bounded layers' caches
 
 
 def choice_requests(engine: Engine, parsed: ParsedRequest, arrival: float) -> list[Request]:
@@ -192,8 +197,11 @@ class BatchScheduler:
         self._rows: list[_Row] = []
         self._prefill: _Prefill | None = None
         self._width = 0
-        self._kv: dict[str, np.ndarray] = {}
+        self._kv: dict[str, np.ndarray] = {}  # the layers that keep their whole history
         self._states: dict[str, np.ndarray] = {}  # [slots, ...] per fixed-size state
+        # the window-bounded layers, the last min(width, window - 1) columns of every row
+        self._full_names = [name for name in self.io.past_names if self.io.window_of(name) is None]
+        self._bounded: dict[str, np.ndarray] = self._no_rows()
         self._mask = np.zeros((0, 0), dtype=np.int64)
         self._views: tuple[int, dict[str, np.ndarray]] | None = None
         self._prefill_kv: dict[str, np.ndarray] = {}  # the request being prefilled: its KV and states
@@ -312,7 +320,7 @@ class BatchScheduler:
             request = self._waiting.popleft()
             self.metrics.waiting.set(len(self._waiting))
         self.metrics.queue_time.observe(time.perf_counter() - request.arrival)
-        self._prefill = _Prefill(request)
+        self._prefill = _Prefill(request, bounded=self._no_rows(1))
 
     def _drop_cancelled(self) -> None:
         for index in reversed(range(len(self._rows))):
@@ -333,7 +341,7 @@ class BatchScheduler:
         ids = np.array([[row.next_token] for row in rows], dtype=np.int64)
         self._mask[:n, width] = 1
         mask = np.ascontiguousarray(self._mask[:n, : width + 1])
-        logits = self._forward(ids, mask, self._batch_cache(n), n, width)
+        logits, self._bounded = self._forward(ids, mask, self._batch_cache(n) | self._bounded, n, width)
         self._width = width + 1
         for row in rows:
             row.length += 1
@@ -411,7 +419,7 @@ class BatchScheduler:
         ids = np.asarray(request.ids[state.done : end], dtype=np.int64)[None, :]
         mask = np.ones((1, end), dtype=np.int64)
         try:
-            logits = self._forward(ids, mask, cache, 1, state.done)
+            logits, state.bounded = self._forward(ids, mask, cache | state.bounded, 1, state.done)
         except Exception as error:  # a prefill is one request's: only that request fails
             logger.exception("prefill failed")
             self._prefill = None
@@ -424,13 +432,13 @@ class BatchScheduler:
         self.metrics.prompt_tokens.inc(len(request.ids))
         token = int(self._sample_rows(logits[:, -1, :], [request])[0])
         if token >= 0 and not self._deliver(request, token):
-            self._join(request, cache, token)
+            self._join(request, cache | state.bounded, token)
 
     def _prefill_cache(self) -> dict[str, np.ndarray]:
         if not self._prefill_kv:
             length = self._fixed_capacity or self.max_positions
             self._prefill_kv = {
-                name: np.zeros(self.io.kv_shape(name, 1, length), dtype=self.io.kv_dtype) for name in self.io.past_names
+                name: np.zeros(self.io.kv_shape(name, 1, length), dtype=self.io.kv_dtype) for name in self._full_names
             } | empty_states(self.io, 1)
         return self._prefill_kv
 
@@ -451,6 +459,11 @@ class BatchScheduler:
             buffer[n, :, width - length : width] = cache[name][0, :, :length]
         for name, state in self._states.items():
             state[n] = cache[name][0]
+        held = {name: self.io.kept_positions(name, width) for name in self._bounded}
+        self._bounded = {
+            name: np.concatenate([_last_columns(rows, held[name]), _last_columns(cache[name], held[name])])
+            for name, rows in self._bounded.items()
+        }
         self._mask[n] = 0
         self._mask[n, width - length : width] = 1
         self._width = width
@@ -461,22 +474,25 @@ class BatchScheduler:
 
     def _forward(
         self, ids: np.ndarray, mask: np.ndarray, cache: dict[str, np.ndarray], rows: int, width: int
-    ) -> np.ndarray:
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Run the model on `rows` rows whose cache fills `width` columns; the new positions'
-        keys and values land in columns [width, width + seq) of `cache`, the rows' next
-        fixed-size states in its state buffers."""
+        keys and values land in columns [width, width + seq) of `cache`'s buffers, the rows' next
+        fixed-size states in its state buffers. Returns the logits and the window-bounded layers'
+        next caches (the last columns before width + seq)."""
+        bounded = [name for name in cache if self.io.window_of(name) is not None]
         states = {name: np.ascontiguousarray(cache[name][:rows]) for name in self.io.state_names}
+        full = [name for name in cache if name not in states and name not in bounded]
         if self.io.shared_kv:
-            logits, present = forward(self.session, ids, mask, {n: cache[n] for n in self.io.past_names} | states)
+            logits, present = forward(self.session, ids, mask, {n: cache[n] for n in full + bounded} | states)
         else:
-            past = {name: np.ascontiguousarray(cache[name][:rows, :, :width]) for name in self.io.past_names}
-            logits, present = forward(self.session, ids, mask, past | states)
+            past = {name: np.ascontiguousarray(cache[name][:rows, :, :width]) for name in full}
+            logits, present = forward(self.session, ids, mask, past | {n: cache[n] for n in bounded} | states)
             end = width + ids.shape[1]
-            for name in self.io.past_names:
+            for name in full:
                 cache[name][:rows, :, width:end] = present[name][:, :, width:end]
         for name in self.io.state_names:
             cache[name][:rows] = present[name]
-        return logits
+        return logits, {name: present[name] for name in bounded}
 
     def _batch_cache(self, rows: int) -> dict[str, np.ndarray]:
         """Views of the first `rows` rows, kept while the row count stays: the session keeps
@@ -503,6 +519,9 @@ class BatchScheduler:
                 buffer[:n, :, :longest] = buffer[:n, :, waste : self._width]
             self._mask[:n, :longest] = self._mask[:n, waste : self._width]
             self._mask[:n, longest:] = 0
+            self._bounded = {
+                name: _last_columns(rows, self.io.kept_positions(name, longest)) for name, rows in self._bounded.items()
+            }
             self._width = longest
             self.compactions += 1
 
@@ -518,7 +537,7 @@ class BatchScheduler:
         n, width = len(self._rows), self._width
         kv = {
             name: np.zeros(self.io.kv_shape(name, new_slots, new_capacity), dtype=self.io.kv_dtype)
-            for name in self.io.past_names
+            for name in self._full_names
         }
         for name, buffer in self._kv.items():
             kv[name][:n, :, :width] = buffer[:n, :, :width]
@@ -539,11 +558,23 @@ class BatchScheduler:
                 state[index] = state[last]
             self._mask[index, :width] = self._mask[last, :width]
             self._rows[index] = self._rows[last]
+            for rows in self._bounded.values():
+                rows[index] = rows[last]
         self._rows.pop()
         self._mask[last] = 0
+        self._bounded = {name: rows[:last] for name, rows in self._bounded.items()}
         self._views = None
         if not self._rows:
             self._width = 0
+            self._bounded = self._no_rows()
+
+    def _no_rows(self, rows: int = 0) -> dict[str, np.ndarray]:
+        """The window-bounded layers' caches of `rows` rows holding no position."""
+        return {
+            name: np.zeros(self.io.kv_shape(name, rows, 0), dtype=self.io.kv_dtype)
+            for name in self.io.past_names
+            if self.io.window_of(name) is not None
+        }
 
     # -- request endings ----------------------------------------------------------------
 
@@ -597,3 +628,13 @@ class BatchScheduler:
         self.metrics.waiting.set(len(self._waiting))
         cached = sum(row.length for row in self._rows)
         self.metrics.kv_usage.set(cached / (self.max_num_seqs * self.max_positions))
+
+
+def _last_columns(cache: np.ndarray, held: int) -> np.ndarray:
+    """`cache` [rows, heads, positions, dim] as its last `held` columns: cut on the left, or
+    padded there with zeros (columns every row's mask leaves out)."""
+    positions = cache.shape[2]
+    if positions >= held:
+        return np.ascontiguousarray(cache[:, :, positions - held :])
+    pad = np.zeros((*cache.shape[:2], held - positions, cache.shape[3]), dtype=cache.dtype)
+    return np.concatenate([pad, cache], axis=2)

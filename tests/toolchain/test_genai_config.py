@@ -99,22 +99,34 @@ def int4_artifact(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest
     return build(tiny_checkpoint("llama"), out, BuildOptions(weights=WeightQuantization(4))).output
 
 
+@pytest.fixture(scope="module")
+def concat_artifact(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """gemma2 (eager attention: a concat cache) on target onnx, where its sliding layers keep their
+    whole history; on ort-cpu they are bounded by the window, and no genai config is written."""
+    from toolchain.build import BuildOptions, build
+
+    out = tmp_path_factory.mktemp("art-gemma2-onnx") / "out"
+    return build(tiny_checkpoint("gemma2"), out, BuildOptions(target="onnx")).output
+
+
 def _valid_prefix(text: str) -> str:
     """Text up to the first U+FFFD: where the two tokenizers' decodes of invalid UTF-8 part ways."""
     return text.split("\ufffd", 1)[0]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["llama", "qwen3", "gemma2", "llama-int4"])
+@pytest.mark.parametrize("case", ["llama", "qwen3", "gemma2-onnx", "llama-int4"])
 def test_onnxruntime_genai_generates_the_same_tokens_and_text(
-    case: str, built_artifact: Callable[..., Path], int4_artifact: Path
+    case: str, built_artifact: Callable[..., Path], request: pytest.FixtureRequest
 ) -> None:
     og = pytest.importorskip("onnxruntime_genai")
     from runners.engine import Engine
 
-    artifact = int4_artifact if case == "llama-int4" else built_artifact(case)
+    fixtures = {"llama-int4": "int4_artifact", "gemma2-onnx": "concat_artifact"}
+    artifact = request.getfixturevalue(fixtures[case]) if case in fixtures else built_artifact(case)
     manifest = read_manifest(artifact)
     assert genai.GENAI_CONFIG in manifest["files"]  # listed and hashed like every file
+    assert "layer_windows" not in manifest["io"]  # every layer keeps its whole history
     config = json.loads((artifact / genai.GENAI_CONFIG).read_text())
     assert config["search"]["past_present_share_buffer"] == (manifest["io"]["kv_mode"] == "shared")
 

@@ -41,10 +41,17 @@ _HF_TOP_K = 50  # transformers' GenerationConfig default
 
 def drives(target: Target, io: DecoderIO) -> bool:
     """Whether onnxruntime-genai can run an artifact of this target (its record's `genai`) and
-    contract (its config has one head size for keys and values: not multi-head latent attention's cache,
-    and names key/value caches only: no layer with a fixed-size state)."""
-    plain_cache = io.capacity is None and io.value_head_dim is None and io.layers is None
-    return target.genai and io.kv_dtype in _KV_DTYPES and plain_cache
+    contract (its config has one head size for keys and values: not multi-head latent attention's cache;
+    one cache length for every layer: not layers bounded by a sliding window, whose past it would
+    not cut to the window; and names key/value caches only: no layer with a fixed-size state)."""
+    return (
+        target.genai
+        and io.kv_dtype in _KV_DTYPES
+        and io.capacity is None
+        and io.value_head_dim is None
+        and io.layer_windows is None
+        and io.layers is None
+    )
 
 
 def model_type(spec: DecoderSpec) -> str:
