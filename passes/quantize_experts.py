@@ -154,7 +154,8 @@ class QuantizeExperts(InPlacePass):
 
 
 def _gathered_stack(weight: ir.Value) -> bool:
-    """A constant [experts, out, in] float stack read only by Gather / GatherND over its first axis."""
+    """A constant [experts, out, in] float stack read only by Gather / GatherND over its first axis,
+    the gathered slices only by MatMuls (so not a stack of scales, or of biases)."""
     tensor = weight.const_value
     if tensor is None or tensor.dtype not in _FLOATS or len(tensor.shape) != 3 or weight.is_graph_input():
         return False
@@ -167,5 +168,8 @@ def _gathered_stack(weight: ir.Value) -> bool:
         if user.op_type == "Gather" and user.attributes.get_int("axis", 0) != 0:
             return False
         if user.op_type == "GatherND" and user.attributes.get_int("batch_dims", 0) != 0:
+            return False
+        readers = user.outputs[0].uses()
+        if not readers or any(reader.op_type != "MatMul" or reader.domain != "" for reader, _ in readers):
             return False
     return True
