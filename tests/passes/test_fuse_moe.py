@@ -21,16 +21,16 @@ from onnx import TensorProto, helper, numpy_helper
 from passes.fuse_moe import interleave_gate_up, moe_lowering_ort, routing
 from tests.passes.fusion_testing import canonical_graph, check_modified_is_exact, decoder_feeds, op_count, ort_outputs
 
-E, H, I, K, T = 4, 64, 32, 2, 5
+E, H, INTER, K, T = 4, 64, 32, 2, 5
 RNG = np.random.default_rng(0)
 FUSED_FAMILIES = ["qwen3_moe", "mixtral", "granitemoe"]
 
 
 def experts(scale: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
-    """(gate_up [E, 2I, H] with the gate's rows first, down [E, H, I]), transformers' layout."""
+    """(gate_up [E, 2I, H] with the gate's rows first, down [E, H, INTER]), transformers' layout."""
     return (
-        (RNG.standard_normal((E, 2 * I, H)) * scale).astype(np.float32),
-        (RNG.standard_normal((E, H, I)) * scale).astype(np.float32),
+        (RNG.standard_normal((E, 2 * INTER, H)) * scale).astype(np.float32),
+        (RNG.standard_normal((E, H, INTER)) * scale).astype(np.float32),
     )
 
 
@@ -45,7 +45,7 @@ def reference(x: np.ndarray, logits: np.ndarray, gate_up: np.ndarray, down: np.n
         w = w / w.sum() if normalize else w
         for j, e in enumerate(chosen[t]):
             h = gate_up[e] @ x[t]
-            gate, up = h[:I], h[I:]
+            gate, up = h[:INTER], h[INTER:]
             out[t] += w[j] * (down[e] @ (gate / (1 + np.exp(-gate)) * up))
     return out
 
@@ -99,7 +99,7 @@ def test_moe_kernel_with_interleaved_gate_up_matches_numpy(normalize: int) -> No
 
 
 def test_interleave_puts_gate_and_up_rows_in_turn() -> None:
-    gate_up = np.arange(2 * 3 * 2 * 1, dtype=np.float32).reshape(2, 6, 1)  # 2 experts, I = 3, H = 1
+    gate_up = np.arange(2 * 3 * 2 * 1, dtype=np.float32).reshape(2, 6, 1)  # 2 experts, INTER = 3, H = 1
     out = interleave_gate_up(gate_up)
     assert out[0, :, 0].tolist() == [0, 3, 1, 4, 2, 5]
     assert out[1, :, 0].tolist() == [6, 9, 7, 10, 8, 11]

@@ -20,7 +20,7 @@ from passes.fuse_moe import interleave_gate_up
 from passes.quantize import WeightQuantization, quantize_blockwise
 from passes.quantize_experts import QuantizeExperts
 from tests.passes.fusion_testing import op_count, ort_outputs
-from tests.passes.test_fuse_moe import E, H, I, T, experts, moe_attributes, one_node, reference
+from tests.passes.test_fuse_moe import INTER, E, H, T, experts, moe_attributes, one_node, reference
 
 RNG = np.random.default_rng(1)
 
@@ -45,12 +45,8 @@ def test_moe_becomes_qmoe_that_computes_with_the_dequantized_weights(bits: int, 
     assert qmoe.attributes.get_int("expert_weight_bits") == bits
     assert qmoe.attributes.get_int("block_size", None) == (block if bits == 4 else None)
     assert qmoe.attributes.get_int("accuracy_level", 0) == 0  # 4 would quantize the activations too
-    assert set(model.graph.initializers) == {
-        "w1.q%d" % bits,
-        "w1.q%d.scales" % bits,
-        "w2.q%d" % bits,
-        "w2.q%d.scales" % bits,
-    }
+    names = {f"{w}.q{bits}{part}" for w in ("w1", "w2") for part in ("", ".scales")}
+    assert set(model.graph.initializers) == names
     (y,) = ort_outputs(model, {"x": x, "logits": logits})
     d1 = dequantized(w1, bits, block if bits == 4 else None)
     d2 = dequantized(down, bits, block if bits == 4 else None)
@@ -65,7 +61,7 @@ def test_int4_blocks_fall_back_to_per_channel_when_the_width_is_not_a_multiple()
     model = one_node(
         "MoE", ["x", "logits", "w1", "", "w2"], {"w1": interleave_gate_up(gate_up), "w2": down}, **moe_attributes(0)
     )
-    quantize = QuantizeExperts(4, block_size=64, form="qmoe")  # I = 32 is not a multiple of 64
+    quantize = QuantizeExperts(4, block_size=64, form="qmoe")  # INTER = 32 is not a multiple of 64
     quantize(model)
     assert next(iter(model.graph)).attributes.get_int("block_size", None) is None
     assert "per output channel" in quantize.notes["w1"]
@@ -78,6 +74,7 @@ def gathered_matmul(weight: np.ndarray, right: bool) -> ir.Model:
     nodes = [helper.make_node("GatherND", [name, "idx"], ["slices"]), helper.make_node("MatMul", inputs, ["y"])]
     n = 3
     v_shape = [n, 1, weight.shape[1]] if right else [n, weight.shape[2], 1]
+    out_shape = [n, 1, weight.shape[2]] if right else [n, weight.shape[1], 1]
     graph = helper.make_graph(
         nodes,
         "gathered",
@@ -85,11 +82,7 @@ def gathered_matmul(weight: np.ndarray, right: bool) -> ir.Model:
             helper.make_tensor_value_info("idx", TensorProto.INT64, [n, 1]),
             helper.make_tensor_value_info("v", TensorProto.FLOAT, v_shape),
         ],
-        [
-            helper.make_tensor_value_info(
-                "y", TensorProto.FLOAT, [n, 1, weight.shape[2]] if right else [n, weight.shape[1], 1]
-            )
-        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)],
         [numpy_helper.from_array(weight, name)],
     )
     return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]))
@@ -98,17 +91,17 @@ def gathered_matmul(weight: np.ndarray, right: bool) -> ir.Model:
 @pytest.mark.parametrize("right", [False, True])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_gathered_stack_is_stored_int8_and_dequantized_per_slice(bits: int, right: bool) -> None:
-    weight = (RNG.standard_normal((E, H, I)) * 0.2).astype(np.float32)
+    weight = (RNG.standard_normal((E, H, INTER)) * 0.2).astype(np.float32)
     model = gathered_matmul(weight, right)
     idx = np.array([[2], [0], [2]], np.int64)
-    v = RNG.standard_normal((3, 1, H) if right else (3, I, 1)).astype(np.float32)
+    v = RNG.standard_normal((3, 1, H) if right else (3, INTER, 1)).astype(np.float32)
     (exact,) = ort_outputs(model, {"idx": idx, "v": v})
     quantize = QuantizeExperts(bits, form="gather")
     assert quantize(model).modified and quantize.counts == {"gather_int8": 1}
     codes = model.graph.initializers["model.layers.0.mlp.experts.down_proj.q8"].const_value
     scales = model.graph.initializers["model.layers.0.mlp.experts.down_proj.q8.scales"].const_value
     assert codes is not None and codes.dtype == ir.DataType.INT8
-    assert scales is not None and tuple(scales.shape) == ((E, 1, I) if right else (E, H, 1))  # one per output
+    assert scales is not None and tuple(scales.shape) == ((E, 1, INTER) if right else (E, H, 1))  # one per output
     assert ("int8, not int4" in quantize.notes.get("model.layers.0.mlp.experts.down_proj", "")) == (bits == 4)
     (y,) = ort_outputs(model, {"idx": idx, "v": v})
     axis = 1 if right else 2
