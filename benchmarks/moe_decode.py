@@ -8,7 +8,9 @@ over 4 KV heads), built with `kvforge build` (default target, ort-cpu; `--weight
 
 - `moe`: mixtral, 8 experts of width 832, top-2: about 121M parameters, 59M active per token;
 - `dense-active`: mistral, intermediate 1664 (the two active experts' width): about 59M;
-- `dense-total`: mistral, intermediate 6656 (all eight experts' width): about 121M.
+- `dense-total`: mistral, intermediate 6656 (all eight experts' width): about 121M;
+- `moe-gather`: the `moe` checkpoint built without the mixture-of-experts passes (the graph
+  as exported: each token gathers its experts' weights, then MatMul; experts unquantized).
 
 Every round times each artifact once, in turn: decode tokens/s = (new - 1) / (t(new) - t(1))
 at batch 1, greedy. Medians over rounds, and each model's ratio to `dense-active` within the
@@ -40,13 +42,12 @@ SHAPE: dict[str, Any] = dict(
     tie_word_embeddings=False,
     sliding_window=None,
 )
+ROUTED: dict[str, Any] = dict(intermediate_size=EXPERT_WIDTH, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "dense-active": ("mistral", dict(intermediate_size=TOP_K * EXPERT_WIDTH)),
-    "moe": (
-        "mixtral",
-        dict(intermediate_size=EXPERT_WIDTH, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K),
-    ),
+    "moe": ("mixtral", ROUTED),
     "dense-total": ("mistral", dict(intermediate_size=EXPERTS * EXPERT_WIDTH)),
+    "moe-gather": ("mixtral", ROUTED),
 }
 
 
@@ -80,20 +81,28 @@ def main() -> None:
 
     from passes.quantize import WeightQuantization
     from runners import Engine
+    from toolchain import build as building
     from toolchain.build import BuildOptions, build
 
     weights = WeightQuantization(int(args.weights[3:])) if args.weights else None
     suffix = f"-{args.weights}" if args.weights else ""
     engines = {}
     for name, (family, extra) in MODELS.items():
-        checkpoint, parameters = make(args.workdir / f"ckpt-{name}", family, extra, args.tokenizer)
+        source = "moe" if name == "moe-gather" else name
+        checkpoint, parameters = make(args.workdir / f"ckpt-{source}", family, extra, args.tokenizer)
         active = parameters
-        if name == "moe":
+        if family == "mixtral":
             per_expert = 3 * SHAPE["hidden_size"] * EXPERT_WIDTH * SHAPE["num_hidden_layers"]
             active = parameters - (EXPERTS - TOP_K) * per_expert
         out = args.workdir / f"art-{name}{suffix}"
         if not (out / "manifest.json").exists():
-            result = build(checkpoint, out, BuildOptions(force=True, weights=weights))
+            moe_layers = building._moe_layers
+            if name == "moe-gather":  # no layer counted as routing to experts: no MoE passes
+                building._moe_layers = lambda model, spec: 0  # type: ignore[assignment]
+            try:
+                result = build(checkpoint, out, BuildOptions(force=True, weights=weights))
+            finally:
+                building._moe_layers = moe_layers
             fired = {r.name: sum(r.fusions.values()) for r in result.passes.passes if r.fusions}
             print(f"{name}: built; fusions {fired}; missed {sorted(result.passes.missed)}", flush=True)
         print(f"{name}: {family}, {parameters / 1e6:.1f}M parameters, {active / 1e6:.1f}M active", flush=True)
