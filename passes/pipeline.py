@@ -27,12 +27,14 @@ from passes.fuse_attention import (
     attention_scatter,
 )
 from passes.fuse_gelu import gelu_fusion, gelu_lowering_ort
+from passes.fuse_moe import moe_lowering_ort
 from passes.fuse_norm import norm_fusion
 from passes.fuse_rotary import rotary_fusion
 from passes.last_position import LastPositionLogits
 from passes.pack_matmul import pack_gate_up, pack_qkv
 from passes.quantize import QuantizeWeights, WeightQuantization
 from passes.quantize_embedding import QuantizeEmbedding
+from passes.quantize_experts import QuantizeExperts
 from passes.rewrite import FusionPass
 from passes.targets import TARGETS, Target
 from passes.tensorrt import tensorrt_form
@@ -113,14 +115,17 @@ def pack() -> list[PassBase]:
     return [pack_qkv(), pack_gate_up()]
 
 
-def lower_ort() -> list[PassBase]:
-    """Standard ops become onnxruntime's contrib ops where those are faster on its CPU kernels.
+def lower_ort(moe: bool) -> list[PassBase]:
+    """Standard ops become onnxruntime's contrib ops where those are faster on its CPU kernels;
+    in a mixture of experts (`moe`), the gather-form experts block becomes com.microsoft MoE
+    (passes/fuse_moe.py), which reads each token's selected experts' weights in place.
 
     Not here: `fuse_norm.norm_lowering_ort` (residual Add + norm as SkipSimplifiedLayerNormalization /
     SkipLayerNormalization). onnxruntime's CPU Skip kernels measured slower than the standard
     Add + RMSNormalization / LayerNormalization they replace (fuse_norm's docstring has the numbers).
     """
-    return [PastLengthFromMask(), attention_lowering_ort(), gelu_lowering_ort()]
+    moe_passes: list[PassBase] = [moe_lowering_ort()] if moe else []
+    return [PastLengthFromMask(), attention_lowering_ort(), gelu_lowering_ort(), *moe_passes]
 
 
 def fixed_cache() -> list[PassBase]:
@@ -129,13 +134,16 @@ def fixed_cache() -> list[PassBase]:
     return [PastLengthFromMask(), attention_scatter(), RequireOpset(24, ("TensorScatter",))]
 
 
-def quantize(target: Target, weights: WeightQuantization) -> list[PassBase]:
+def quantize(target: Target, weights: WeightQuantization, moe: bool = False) -> list[PassBase]:
     """Weight-only quantization in the form the target's runtime reads (its record's
     `quantization_forms`: onnxruntime's MatMulNBits for its own targets, standard block-wise
-    DequantizeLinear + MatMul otherwise, per channel for TensorRT's int8). Then the
-    token-embedding table in the target's `embedding_form`, after the LM head so that a tied
-    table shares the head's quantized initializers."""
+    DequantizeLinear + MatMul otherwise, per channel for TensorRT's int8). A mixture of experts'
+    routed experts (`moe`) in the target's `expert_quantization` (passes/quantize_experts.py).
+    Then the token-embedding table in the target's `embedding_form`, after the LM head so that a
+    tied table shares the head's quantized initializers."""
     passes: list[PassBase] = [weights.make_pass(target.quantization_form(weights.bits))]
+    if moe and target.expert_quantization is not None:
+        passes.append(QuantizeExperts(weights.bits, weights.block_size, target.expert_quantization, weights.symmetric))
     if target.embedding_form is not None:
         passes.append(QuantizeEmbedding.from_weights(weights, target.embedding_form))
     return passes
@@ -225,6 +233,8 @@ class PassReport:
         for fusion, reasons in self.missed.items():
             if fusion in (QuantizeWeights.__name__, QuantizeEmbedding.__name__):
                 lines.append("weights left at full precision:")
+            elif fusion == QuantizeExperts.__name__:
+                lines.append("expert weights stored otherwise than asked:")
             else:
                 lines.append(f"fusion {fusion} fired fewer times than expected:")
             lines.extend(f"  {reason}" for reason in reasons)
@@ -244,19 +254,21 @@ def phases(
     capacity: int | None = None,
     dtype: str = "float32",
     logits: str = "last",
+    moe: bool = False,
 ) -> list[tuple[str, list[PassBase]]]:
     """The target's phases with their passes; quantization, when asked for, runs just before
     `finalize`, after the fusions and packing whose MatMuls it quantizes. `logits` is "last"
-    (the LM head on the last position only) or "all" (every position)."""
+    (the LM head on the last position only) or "all" (every position). `moe`: the model has
+    routed experts (the passes for them are left out of a dense model's pipeline)."""
     if target not in TARGETS:
         raise KeyError(f"no pass pipeline for target {target!r}; known: {', '.join(TARGETS)}")
     if logits not in LOGITS_POSITIONS:
         raise ValueError(f"logits must be one of {', '.join(LOGITS_POSITIONS)}, got {logits!r}")
-    settings = {"capacity": capacity, "dtype": dtype, "logits": logits}
+    settings = {"capacity": capacity, "dtype": dtype, "logits": logits, "moe": moe}
     record = TARGETS[target]
     result = [(phase, _make(make_passes, settings)) for phase, make_passes in (PHASES[p] for p in record.phases)]
     if weights is not None:
-        result.insert(len(result) - 1, ("quantize", quantize(record, weights)))
+        result.insert(len(result) - 1, ("quantize", quantize(record, weights, moe)))
     return result
 
 
@@ -269,6 +281,7 @@ def run(
     dtype: str = "float32",
     on_pass: Callable[[int, int, str], None] | None = None,
     logits: str = "last",
+    moe: bool = False,
 ) -> PassReport:
     """Run the target's pipeline on `model` in place and report what each pass did.
 
@@ -277,11 +290,12 @@ def run(
     `weights` adds the weight-only quantization phase. `capacity` is the fixed KV-cache
     length of a target that needs one (`tensorrt`); `dtype` the graph's compute dtype; `logits`
     "last" or "all" (the positions the graph returns logits for).
-    `on_pass(done, total, name)` is called after each pass (progress).
+    `on_pass(done, total, name)` is called after each pass (progress). `moe`: the model has
+    routed experts, which get the mixture-of-experts lowering and expert quantization.
     """
     expected = dict(expected or {})
     report = PassReport(target, histogram_before=histogram(model))
-    pipeline = phases(target, weights, capacity, dtype, logits)
+    pipeline = phases(target, weights, capacity, dtype, logits, moe)
     total = sum(len(passes) for _, passes in pipeline)
     for phase, passes in pipeline:
         for p in passes:
@@ -291,7 +305,7 @@ def run(
             seconds = time.perf_counter() - start
             model = result.model
             name = pass_name(p)
-            fusions = dict(p.counts) if isinstance(p, (FusionPass, QuantizeWeights)) else {}
+            fusions = dict(p.counts) if isinstance(p, (FusionPass, QuantizeWeights, QuantizeExperts)) else {}
             report.passes.append(
                 PassRecord(phase, name, _config(p), result.modified, before, len(model.graph), seconds, fusions)
             )
@@ -299,6 +313,8 @@ def run(
                 report.missed[name] = [str(miss) for miss in p.explain(model)]
             if isinstance(p, QuantizeWeights) and p.counts["skipped"]:
                 report.missed[name] = [f"{w}: {why}" for w, why in p.skipped.items() if not why.startswith("kept")]
+            if isinstance(p, QuantizeExperts) and p.notes:
+                report.missed[name] = [f"{w}: {why}" for w, why in p.notes.items()]
             if on_pass is not None:
                 on_pass(len(report.passes), total, name)
     report.histogram_after = histogram(model)

@@ -35,6 +35,12 @@ class Target:
     in_place_cache_ops: tuple[tuple[str, str], ...]
     # Fusions that fire once per layer on every architecture; a shortfall is explained (--explain)
     per_layer_fusions: tuple[str, ...]
+    # Fusions that fire once per mixture-of-experts layer (passes.fuse_moe); a shortfall is explained
+    moe_fusions: tuple[str, ...]
+    # How routed experts' weights are quantized under --weights (passes.quantize_experts): "qmoe"
+    # (onnxruntime's QMoE, with int8 gathered slices where MoE did not fuse), "gather" (int8 codes
+    # gathered then dequantized, standard ops), or None (left at full precision)
+    expert_quantization: str | None
     fixed_capacity: bool  # the KV cache has a fixed length (--capacity), recorded in the flags
     symmetric_only: bool  # quantized weights must have a zero zero-point
     emitter: str  # ONNX or TENSORRT_ENGINE
@@ -45,8 +51,10 @@ class Target:
     # False: every layer keeps its whole history, and the mask alone applies the window
     bounded_windows: bool = False
 
-    def expected_fusions(self, num_layers: int) -> dict[str, int]:
-        return {fusion: num_layers for fusion in self.per_layer_fusions}
+    def expected_fusions(self, num_layers: int, moe_layers: int = 0) -> dict[str, int]:
+        expected = {fusion: num_layers for fusion in self.per_layer_fusions}
+        expected.update({fusion: moe_layers for fusion in self.moe_fusions if moe_layers})
+        return expected
 
     def quantization_form(self, bits: int) -> str:
         return self.quantization_forms.get(bits, "dequantize_linear")
@@ -66,6 +74,8 @@ TARGETS: Mapping[str, Target] = MappingProxyType(
                 embedding_form="gather_block_quantized",
                 in_place_cache_ops=(("com.microsoft", "GroupQueryAttention"),),
                 per_layer_fusions=("attention", "attention_ort"),
+                moe_fusions=("moe_ort",),
+                expert_quantization="qmoe",
                 fixed_capacity=False,
                 symmetric_only=False,
                 emitter=ONNX,
@@ -82,6 +92,8 @@ TARGETS: Mapping[str, Target] = MappingProxyType(
                 embedding_form="gather_dequantize_linear",
                 in_place_cache_ops=(("", "TensorScatter"),),
                 per_layer_fusions=("attention", "attention_scatter"),
+                moe_fusions=(),
+                expert_quantization="gather",
                 fixed_capacity=False,
                 symmetric_only=False,
                 emitter=ONNX,
@@ -100,6 +112,10 @@ TARGETS: Mapping[str, Target] = MappingProxyType(
                 embedding_form=None,
                 in_place_cache_ops=(("", "TensorScatter"),),
                 per_layer_fusions=("attention", "attention_scatter"),
+                moe_fusions=(),
+                # TensorRT's parser gathers float and integer tensors but dequantizes only a
+                # constant into a MatMul (as for the embedding table)
+                expert_quantization=None,
                 fixed_capacity=True,
                 symmetric_only=True,  # TensorRT requires a zero zero-point
                 emitter=TENSORRT_ENGINE,

@@ -160,17 +160,19 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     # every weight a pass replaces (packing, quantization) alive next to its replacement.
     del program, model
     gc.collect()
+    moe_layers = _moe_layers(onnx_model, spec)
     with _timed(seconds, "passes"):
         try:
             pass_report = pipeline.run(
                 onnx_model,
                 options.target,
-                target.expected_fusions(spec.attention_layers),
+                target.expected_fusions(spec.attention_layers, moe_layers),
                 options.weights,
                 capacity=options.capacity,
                 dtype=options.dtype,
                 logits=options.logits,
                 on_pass=lambda done, total, _: progress.count(done, total, "passes"),
+                moe=moe_layers > 0,
             )
         except UnsupportedByTensorRT as e:
             raise ArtifactError(f"{checkpoint_dir}: {e}") from e
@@ -435,21 +437,33 @@ def _target_options(options: BuildOptions, spec: DecoderSpec) -> BuildOptions:
     return replace(options, capacity=capacity)
 
 
+def _expert_stacks(model: ir.Model, spec: DecoderSpec) -> dict[str, ir.TensorProtocol]:
+    """Initializers under `experts` stacked over the routed experts (first dimension), by name."""
+    if not spec.num_experts:
+        return {}
+    return {
+        name: value.const_value
+        for name, value in model.graph.initializers.items()
+        if ".experts." in name
+        and value.const_value is not None
+        and len(value.const_value.shape) >= 2
+        and value.const_value.shape[0] == spec.num_experts
+    }
+
+
+def _moe_layers(model: ir.Model, spec: DecoderSpec) -> int:
+    """How many layers route to experts: the distinct modules (`model.layers.3.mlp`) whose
+    `experts` hold stacked weights, as exported (layers that stay dense hold none)."""
+    return len({name.split(".experts.", 1)[0] for name in _expert_stacks(model, spec)})
+
+
 def _experts(model: ir.Model, spec: DecoderSpec) -> dict[str, int] | None:
     """A mixture of experts' routed experts, how many a token uses, and the bytes of their
     weights in the graph (initializers under `experts` stacked over the experts), so that
     `kvforge bench` counts only the experts a decode step reads. None for a dense model."""
     if not spec.num_experts:
         return None
-    stacked = [
-        value.const_value
-        for name, value in model.graph.initializers.items()
-        if ".experts." in name
-        and value.const_value is not None
-        and value.const_value.shape[0] == spec.num_experts
-        and len(value.const_value.shape) >= 2
-    ]
-    nbytes = sum(tensor.nbytes for tensor in stacked if tensor is not None)
+    nbytes = sum(tensor.nbytes for tensor in _expert_stacks(model, spec).values())
     return {"routed": spec.num_experts, "per_token": spec.experts_per_token, "weight_bytes": nbytes}
 
 
