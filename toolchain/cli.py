@@ -172,6 +172,11 @@ def main(verbose: bool) -> None:
     type=click.IntRange(1, 256),
     help="Greedy decode steps the verification gate compares.",
 )
+@click.option(
+    "--whole-stack",
+    is_flag=True,
+    help="Export and lower every layer (default: each distinct layer kind once, the stack stamped out from it).",
+)
 @_tolerance_option("the compute dtype's")
 @_guarded
 def build(
@@ -194,6 +199,7 @@ def build(
     allow_pickle: bool,
     decode_steps: int,
     capacity: int | None,
+    whole_stack: bool,
     tolerance: float | None,
 ) -> None:
     """Export CHECKPOINT, lower it to ONNX, verify it against the eager model, publish it to -o.
@@ -223,6 +229,7 @@ def build(
         memory_seq=seq,
         revision=revision,
         tolerance=tolerance,
+        stamp=not whole_stack,
     )
     verbose = bool(click.get_current_context().find_root().params.get("verbose"))
     reporter = progress.Lines(sys.stderr) if verbose and not quiet else progress.for_stream(sys.stderr, quiet)
@@ -234,6 +241,8 @@ def build(
         click.echo(result.passes.explanation(), err=True)
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items())
     click.echo(f"built {result.output} ({stages})", err=True)
+    if result.lowering is not None:
+        click.echo(result.lowering.summary(), err=True)
     click.echo(result.parity.summary(), err=True)
     if result.next_step:
         click.echo(result.next_step, err=True)
