@@ -165,7 +165,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
             gate,
             seconds,
             False,
-            "the stamped graph failed the gate",
+            _REFUSED,
         )
 
 
