@@ -35,6 +35,7 @@ import torch
 from torch.export import ExportedProgram
 
 from runners.contract import DecoderIO
+from runners.errors import ExportError
 from toolchain.export import export_decoder
 from toolchain.lower import _WRAPPER_PREFIX, apply_contract, to_onnx
 from toolchain.spec import DecoderSpec
@@ -170,7 +171,9 @@ def cut_down(model: torch.nn.Module, chosen: Plan) -> Iterator[None]:
     layers: torch.nn.ModuleList = getattr(parent, attribute)
     full = len(layers)
     saved_config = {k: v for k, v in vars(config).items() if isinstance(v, (list, tuple)) and len(v) == full}
-    saved_count = config.num_hidden_layers
+    saved_count = getattr(config, "num_hidden_layers", None)
+    if saved_count != full:
+        raise Unstampable(f"the config's num_hidden_layers ({saved_count}) is not the stack's {full} layers")
     saved_indices: list[tuple[torch.nn.Module, str, Any]] = []
     try:
         for p, i in enumerate(chosen.selected):
@@ -209,14 +212,20 @@ def export(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO) -> CutProgr
     cut_spec = replace(spec, num_layers=len(chosen.selected))
     cut_io = replace(io, num_layers=len(chosen.selected))
     with cut_down(model, chosen):
-        program = export_decoder(model, cut_spec, cut_io)
+        try:
+            program = export_decoder(model, cut_spec, cut_io)
+        except ExportError as e:  # the whole stack may still export: let the build try it
+            raise Unstampable(f"the cut-down model does not export ({e})") from e
     return CutProgram(program, chosen, cut_io)
 
 
 def lower(cut: CutProgram, model: torch.nn.Module, io: DecoderIO) -> tuple[ir.Model, Lowering]:
     """The full stack's graph from the cut-down program: lowered, proven and stamped out
     (Unstampable when the lowered layers' structure cannot be proven)."""
-    lowered = to_onnx(cut.program, cut.io)
+    try:
+        lowered = to_onnx(cut.program, cut.io)
+    except ExportError as e:
+        raise Unstampable(f"the cut-down model does not lower ({e})") from e
     stamped = _Stamper(lowered, cut.plan, model).stamp()
     apply_contract(stamped.graph, io)
     full = len(cut.plan.template)
