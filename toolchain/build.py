@@ -268,8 +268,8 @@ class _StampedGraphRefused(ParityError):
 def _lower(
     model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO, stamping: bool, seconds: dict[str, float], reason: str
 ) -> tuple[ir.Model, stamp.Lowering]:
-    """The graph of `model` (its last reference: freed once lowered), stamped from one traced
-    layer per kind where `stamping` and the structure is proven, else of the whole stack."""
+    """The graph of `model` (its last reference: freed once lowered), stamped from two traced
+    layers per layer kind where `stamping` and the structure is proven, else of the whole stack."""
     if stamping:
         try:
             with _timed(seconds, "export"):
