@@ -38,17 +38,19 @@ def windows(encode: Callable[[str], list[int]], eos: int, texts: list[str], wind
 
 
 def session_perplexity(session: Session, rows: np.ndarray, batch: int) -> tuple[float, int]:
-    """(perplexity per predicted token, tokens predicted) of `session` over the windows `rows`."""
+    """(perplexity per predicted token, tokens predicted) of `session` over the windows `rows`,
+    `batch` windows per call, fewer where their logits would pass 1 GiB (a 262k vocabulary)."""
+    batch = max(1, min(batch, (1 << 30) // (rows.shape[1] * session.io.vocab_size * 4)))
     nll, predicted = 0.0, 0
     for start in range(0, len(rows), batch):
         chunk = rows[start : start + batch]
-        logits = teacher_forced_logits(session, chunk, prefill=1).astype(np.float64)
-        logits = logits[:, :-1]  # the last position predicts past the window
-        top = logits.max(axis=-1, keepdims=True)
-        log_z = top[..., 0] + np.log(np.exp(logits - top).sum(axis=-1))
-        picked = np.take_along_axis(logits, chunk[:, 1:, None], axis=-1)[..., 0]
-        nll += float((log_z - picked).sum())
-        predicted += picked.size
+        logits = teacher_forced_logits(session, chunk, prefill=1)
+        for row, ids in zip(logits, chunk):  # one window at a time in float64
+            scores = row[:-1].astype(np.float64)  # the last position predicts past the window
+            top = scores.max(axis=-1, keepdims=True)
+            log_z = top[:, 0] + np.log(np.exp(scores - top).sum(axis=-1))
+            nll += float((log_z - scores[np.arange(len(ids) - 1), ids[1:]]).sum())
+            predicted += len(ids) - 1
     return math.exp(nll / predicted), predicted
 
 

@@ -34,13 +34,13 @@ from passes.tensorrt_check import UnsupportedByTensorRT
 from passes.widen import WidenFloats
 from runners import runtime as runtimes
 from runners.contract import DecoderIO
-from runners.errors import ArtifactError
+from runners.errors import ArtifactError, ParityError
 from runners.manifest import MANIFEST, read_manifest, verify_files
 from runners.session import OrtSession, Session
 from runners.tokenizer import TokenizerBundle
 from runners.torch_session import TorchSession
 from toolchain import checkpoint as checkpoints
-from toolchain import emit, manifest, progress
+from toolchain import emit, manifest, progress, stamp
 from toolchain.emit import genai
 from toolchain.emit import tensorrt as trt_engine
 from toolchain.export import DecoderWrapper, cache_layout, eager_model, export_decoder, layer_windows
@@ -95,6 +95,9 @@ class BuildOptions:
     # The positions the graph returns logits for: "last" (generation samples the last one only)
     # or "all" (a speculative verify step reads every position it feeds)
     logits: str = "last"
+    # Trace each distinct layer kind once and stamp out the stack (`toolchain.stamp`); False:
+    # export and lower the whole stack
+    stamp: bool = True
 
     def flags(self) -> dict[str, Any]:
         """What determines the artifact's bytes (not `force`, which only says where they may go)."""
@@ -112,6 +115,7 @@ class BuildOptions:
             | (
                 {"logits": self.logits} if self.logits != "last" else {}  # absent by default: older manifests unchanged
             )
+            | ({} if self.stamp else {"stamp": False})
         )
 
 
@@ -123,6 +127,7 @@ class BuildResult:
     passes: PassReport
     seconds: dict[str, float] = field(default_factory=dict)
     next_step: str | None = None  # what completes the artifact elsewhere (an engine that cannot be built here)
+    lowering: stamp.Lowering | None = None  # stamped, or the whole stack and why
 
 
 def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = BuildOptions()) -> BuildResult:
@@ -130,7 +135,6 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     output = Path(os.path.abspath(output))
     if options.target not in TARGETS:
         raise ArtifactError(f"unknown target {options.target!r}; choose one of {', '.join(TARGETS)}")
-    target = TARGETS[options.target]
     if options.dtype not in DTYPES.values():
         raise ArtifactError(f"unknown dtype {options.dtype!r}; choose one of {', '.join(DTYPES.values())}")
     _check_tolerance(options.tolerance, options.weights is not None)
@@ -142,6 +146,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     ckpt = checkpoints.load(checkpoint_dir, allow_pickle=options.allow_pickle, revision=options.revision)
     spec = read_spec(ckpt)
     io = DecoderIO.for_spec(spec, kv_dtype=options.dtype)
+    target = TARGETS[options.target]
     _check_layer_states(io, target, spec)
     if target.bounded_windows:
         io = replace(io, layer_windows=layer_windows(ckpt.config, spec))
@@ -152,13 +157,49 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
         model = eager_model(ckpt, spec, getattr(torch, options.dtype))
     with _timed(seconds, "reference"):  # the eager side of the gate, now: its weights are freed before verify
         gate = _record_gate(_eager_session(model, spec, io), options.flags(), spec, ckpt.path)
-    with _timed(seconds, "export"):
-        program = export_decoder(model, spec, io)
-    with _timed(seconds, "lower"):
-        onnx_model = to_onnx(program, io)
+    models = [model]  # the compilation takes the last reference: its weights can go once lowered
+    del model
+    try:
+        return _compile(models, checkpoint_dir, output, options, ckpt, spec, io, gate, seconds, options.stamp)
+    except _StampedGraphRefused as e:
+        # the whole stack's graph is what stamping stands for: a stamped graph the gate refuses is rebuilt
+        log.warning("the stamped graph failed the parity gate (%s); lowering the whole stack", e)
+        with _timed(seconds, "load"):
+            models = [eager_model(ckpt, spec, getattr(torch, options.dtype))]
+        return _compile(
+            models,
+            checkpoint_dir,
+            output,
+            options,
+            ckpt,
+            spec,
+            io,
+            gate,
+            seconds,
+            False,
+            _REFUSED,
+        )
+
+
+def _compile(
+    models: list[torch.nn.Module],
+    checkpoint_dir: Path | str,
+    output: Path,
+    options: BuildOptions,
+    ckpt: checkpoints.Checkpoint,
+    spec: DecoderSpec,
+    io: DecoderIO,
+    gate: Callable[[Session], ParityReport | DistributionReport],
+    seconds: dict[str, float],
+    stamping: bool,
+    reason: str = "stamping is off",
+) -> BuildResult:
+    """Lower, run the passes, emit, verify and publish the eager model in `models` (taken)."""
+    target = TARGETS[options.target]
+    onnx_model, lowering = _lower(models.pop(), spec, io, stamping, seconds, reason)
+    log.info(lowering.summary())
     # The graph's initializers now hold the weights; the eager model's references would keep
     # every weight a pass replaces (packing, quantization) alive next to its replacement.
-    del program, model
     gc.collect()
     moe_layers = _moe_layers(onnx_model, spec)
     with _timed(seconds, "passes"):
@@ -192,6 +233,8 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
                     genai.write_genai_config(staging, spec, graph_io, emit.generation_config(ckpt, spec))
             with _timed(seconds, "verify"), _verifiable(staging, graph_io, options.weights is None) as session:
                 report = gate(progress.CountedSession(session))
+                if lowering.stamped and not report.passed:
+                    raise _StampedGraphRefused(report.failures())
                 require_parity(report, str(checkpoint_dir))
                 computed_in = session.io.kv_dtype  # the dtype onnxruntime ran the graph in
                 del session
@@ -227,7 +270,39 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
             f"{where}: cannot write the artifact ({_write_failure(e, output)}); nothing was published"
         ) from e
     log.info("published %s (%s)", output, report.summary())
-    return BuildResult(output, written, report, pass_report, seconds, next_step)
+    return BuildResult(output, written, report, pass_report, seconds, next_step, lowering)
+
+
+_REFUSED = "the stamped graph failed the parity gate"
+
+
+class _StampedGraphRefused(ParityError):
+    """The parity gate refused a stamped graph (nothing was published)."""
+
+
+def _lower(
+    model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO, stamping: bool, seconds: dict[str, float], reason: str
+) -> tuple[ir.Model, stamp.Lowering]:
+    """The graph of `model` (its last reference: freed once lowered), stamped from two traced
+    layers per layer kind where `stamping` and the structure is proven, else of the whole stack."""
+    if stamping:
+        try:
+            with _timed(seconds, "export"):
+                cut = stamp.export(model, spec, io)
+            with _timed(seconds, "lower"):
+                onnx_model, lowering = stamp.lower(cut, model, io)
+            del cut, model
+            return onnx_model, lowering
+        except stamp.Unstampable as e:
+            cut = None
+            reason = str(e)
+            log.info("stamping not possible (%s); lowering the whole stack", reason)
+    with _timed(seconds, "export"):
+        program = export_decoder(model, spec, io)
+    with _timed(seconds, "lower"):
+        onnx_model = to_onnx(program, io)
+    del program, model
+    return onnx_model, stamp.whole(spec, reason)
 
 
 def _check_layer_states(io: DecoderIO, target: Target, spec: DecoderSpec) -> None:
@@ -508,7 +583,7 @@ def _timed(seconds: dict[str, float], stage: str) -> Iterator[None]:
     start = time.perf_counter()
     with progress.stage(stage):
         yield
-    seconds[stage] = time.perf_counter() - start
+    seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - start  # a stage run again adds up
     # the process's peak so far: the stage after which it grows is where the memory goes
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     log.info("%s: %.1f s, peak resident memory so far %s", stage, seconds[stage], format_bytes(peak))

@@ -180,6 +180,11 @@ def main(verbose: bool) -> None:
     help="Positions the graph returns logits for: the last one (generation), or all (needed by "
     "`kvforge generate --speculative`).",
 )
+@click.option(
+    "--whole-stack",
+    is_flag=True,
+    help="Export and lower every layer (default: each distinct layer kind once, the stack stamped out from it).",
+)
 @_tolerance_option("the compute dtype's")
 @_guarded
 def build(
@@ -202,6 +207,7 @@ def build(
     allow_pickle: bool,
     decode_steps: int,
     capacity: int | None,
+    whole_stack: bool,
     tolerance: float | None,
     logits: str,
 ) -> None:
@@ -233,6 +239,7 @@ def build(
         revision=revision,
         tolerance=tolerance,
         logits=logits,
+        stamp=not whole_stack,
     )
     verbose = bool(click.get_current_context().find_root().params.get("verbose"))
     reporter = progress.Lines(sys.stderr) if verbose and not quiet else progress.for_stream(sys.stderr, quiet)
@@ -244,6 +251,8 @@ def build(
         click.echo(result.passes.explanation(), err=True)
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items())
     click.echo(f"built {result.output} ({stages})", err=True)
+    if result.lowering is not None:
+        click.echo(result.lowering.summary(), err=True)
     click.echo(result.parity.summary(), err=True)
     if result.next_step:
         click.echo(result.next_step, err=True)

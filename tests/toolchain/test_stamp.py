@@ -1,0 +1,160 @@
+"""Stamped lowering: each distinct layer kind traced once, the stack stamped out from it,
+equal to the whole stack's graph on onnxruntime; families it cannot prove fall back."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+
+from runners.contract import DecoderIO
+from tests.tiny import make_checkpoint
+from toolchain import checkpoint as checkpoints
+from toolchain import stamp
+from toolchain.build import BuildOptions, build, read_spec
+from toolchain.export import eager_model, export_decoder
+from toolchain.lower import to_onnx
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def _checkpoint(tmp_path_factory: pytest.TempPathFactory, model_type: str, layers: int, **fields: Any) -> Path:
+    directory = tmp_path_factory.mktemp(f"ckpt-{model_type}-{layers}")
+    return make_checkpoint(directory, model_type, num_hidden_layers=layers, **fields)
+
+
+@pytest.fixture(scope="module")
+def llama6(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _checkpoint(tmp_path_factory, "llama", 6)
+
+
+def _both(checkpoint: Path) -> tuple[ir.Model, stamp.Lowering, ir.Model, DecoderIO]:
+    """The stamped graph, how it was made, and the whole stack's graph, of one eager model."""
+    ckpt = checkpoints.load(checkpoint)
+    spec = read_spec(ckpt)
+    io = DecoderIO.for_spec(spec)
+    model = eager_model(ckpt, spec)
+    stamped, lowering = stamp.lower(stamp.export(model, spec, io), model, io)
+    whole = to_onnx(export_decoder(model, spec, io), io)
+    return stamped, lowering, whole, io
+
+
+def _run(model: ir.Model, io: DecoderIO, past: int) -> dict[str, np.ndarray]:
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(past)
+    batch, seq = 2, 3
+    feed = {
+        "input_ids": rng.integers(0, io.vocab_size, (batch, seq)).astype(np.int64),
+        "attention_mask": np.ones((batch, past + seq), np.int64),
+        "position_ids": np.arange(past, past + seq, dtype=np.int64)[None].repeat(batch, 0),
+    }
+    for name in io.past_names:
+        feed[name] = rng.standard_normal(io.kv_shape(name, batch, past)).astype(np.float32)
+    names = [output.name for output in session.get_outputs()]
+    return dict(zip(names, session.run(None, feed), strict=True))
+
+
+def _assert_same_graph_and_outputs(stamped: ir.Model, whole: ir.Model, io: DecoderIO) -> None:
+    # node for node the same graph but for names: the same ops, the same weights
+    assert Counter(n.op_type for n in stamped.graph) == Counter(n.op_type for n in whole.graph)
+    assert set(stamped.graph.initializers) == set(whole.graph.initializers)
+    for name, value in whole.graph.initializers.items():
+        np.testing.assert_array_equal(stamped.graph.initializers[name].const_value.numpy(), value.const_value.numpy())
+    for past in (0, 4):
+        ours, theirs = _run(stamped, io, past), _run(whole, io, past)
+        assert list(ours) == list(theirs) == ["logits", *io.present_names]
+        for name in theirs:
+            np.testing.assert_allclose(ours[name], theirs[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_stamped_llama_equals_the_whole_stack(llama6: Path) -> None:
+    stamped, lowering, whole, io = _both(llama6)
+    assert (lowering.stamped, lowering.layers, lowering.traced, lowering.kinds) == (True, 6, 2, 1)
+    _assert_same_graph_and_outputs(stamped, whole, io)
+    # every layer's nodes are scoped in their own layer, reading their own weights
+    scopes = {n.metadata_props.get("pkg.torch.onnx.name_scopes", "") for n in stamped.graph}
+    assert all(any(f"'model.model.layers.{i}'" in s for s in scopes) for i in range(6))
+    matmuls = [n for n in stamped.graph if n.op_type == "Transpose" and n.inputs[0].name.startswith("model.layers.5.")]
+    assert len(matmuls) == 7  # q, k, v, o, gate, up, down of the last layer
+
+
+def test_gemma3_alternating_kinds_stamped_and_equal(tmp_path_factory: pytest.TempPathFactory) -> None:
+    checkpoint = _checkpoint(tmp_path_factory, "gemma3_text", 6, layer_types=[SLIDING, SLIDING, FULL] * 2)
+    ckpt = checkpoints.load(checkpoint)
+    model = eager_model(ckpt, read_spec(ckpt))
+    chosen = stamp.plan(model, read_spec(ckpt))
+    assert chosen.selected == (0, 1, 2, 5) and chosen.template == (0, 1, 2, 1, 1, 3)
+    stamped, lowering, whole, io = _both(checkpoint)
+    assert (lowering.stamped, lowering.traced, lowering.kinds) == (True, 4, 2)
+    _assert_same_graph_and_outputs(stamped, whole, io)
+
+
+def test_cut_down_model_is_restored(llama6: Path) -> None:
+    ckpt = checkpoints.load(llama6)
+    model = eager_model(ckpt, read_spec(ckpt))
+    layers = list(model.model.layers)
+    chosen = stamp.plan(model, read_spec(ckpt))
+    with stamp.cut_down(model, chosen):
+        assert len(model.model.layers) == model.config.num_hidden_layers == 2
+        assert [layer.self_attn.layer_idx for layer in model.model.layers] == [0, 1]
+    assert list(model.model.layers) == layers and model.config.num_hidden_layers == 6
+    assert [layer.self_attn.layer_idx for layer in layers] == list(range(6))
+
+
+def test_no_repeated_kind_is_unstampable(tmp_path_factory: pytest.TempPathFactory) -> None:
+    checkpoint = _checkpoint(tmp_path_factory, "llama", 2)
+    ckpt = checkpoints.load(checkpoint)
+    with pytest.raises(stamp.Unstampable, match="nothing repeats"):
+        stamp.plan(eager_model(ckpt, read_spec(ckpt)), read_spec(ckpt))
+
+
+def _tree_hashes(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+
+@pytest.mark.slow
+def test_stamped_build_passes_the_gate_and_rebuilds_byte_identical(llama6: Path, tmp_path: Path) -> None:
+    first = build(llama6, tmp_path / "a")
+    build(llama6, tmp_path / "b")
+    assert first.lowering is not None and first.lowering.stamped and first.parity.passed
+    assert "6 layers stamped from 2 traced" in first.lowering.summary()
+    assert _tree_hashes(tmp_path / "a") == _tree_hashes(tmp_path / "b")
+    whole = build(llama6, tmp_path / "w", BuildOptions(stamp=False))
+    assert whole.lowering is not None and not whole.lowering.stamped
+    assert whole.manifest["flags"]["stamp"] is False and "stamp" not in first.manifest["flags"]
+
+
+@pytest.mark.slow
+def test_family_that_cannot_be_proven_falls_back_and_says_so(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    # deepseek_v3 hands a value computed in one layer to later ones besides its hidden state
+    checkpoint = _checkpoint(tmp_path_factory, "deepseek_v3", 4)
+    result = build(checkpoint, tmp_path / "out")
+    assert result.lowering is not None and not result.lowering.stamped
+    assert result.lowering.reason is not None and "passes 2 values" in result.lowering.reason
+    assert "whole stack of 4 layers" in result.lowering.summary()
+    assert result.parity.passed
+
+
+@pytest.mark.slow
+def test_stamped_graph_refused_by_the_gate_is_rebuilt_from_the_whole_stack(
+    llama6: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = stamp._torch_tensor
+
+    def wrong(tensor: torch.Tensor, name: str) -> ir.TensorProtocol:  # every stamped weight off by half
+        return real(tensor * 1.5, name)
+
+    monkeypatch.setattr(stamp, "_torch_tensor", wrong)
+    result = build(llama6, tmp_path / "out")
+    assert result.lowering is not None and not result.lowering.stamped
+    assert result.lowering.reason == "the stamped graph failed the parity gate"
+    assert result.parity.passed
