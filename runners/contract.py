@@ -242,13 +242,15 @@ class DecoderIO:
         window = self.window_of(name)
         return history if window is None else min(history, window - 1)
 
-    def bounded(self, name: str, present: Any) -> Any:
+    def bounded(self, name: str, present: Any, extra: int = 0) -> Any:
         """The next past of cache tensor `name` from its present [batch, heads, positions, dim]:
-        the present itself, or for a bounded layer its last window - 1 positions (contiguous)."""
+        the present itself, or for a bounded layer its last window - 1 positions (contiguous),
+        plus `extra` older ones (which the mask leaves out) for a caller that may take back up
+        to `extra` positions afterwards (speculative decoding)."""
         window = self.window_of(name)
-        if window is None or present.shape[2] < window:
+        if window is None or present.shape[2] < window + extra:
             return present
-        return present[:, :, present.shape[2] - (window - 1) :].copy()
+        return present[:, :, present.shape[2] - (window - 1 + extra) :].copy()
 
     def kv_bytes_by_kind(self, positions: int, batch: int = 1) -> dict[str, int]:
         """Bytes of keys plus values the cache holds between steps once `positions` positions of

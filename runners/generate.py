@@ -77,16 +77,16 @@ def empty_states(io: DecoderIO, batch: int) -> dict[str, np.ndarray]:
 
 
 def forward(
-    session: Session, input_ids: np.ndarray, mask: np.ndarray, cache: dict[str, np.ndarray]
+    session: Session, input_ids: np.ndarray, mask: np.ndarray, cache: dict[str, np.ndarray], extra: int = 0
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Run one step; returns the logits and the cache for the next step (a layer bounded by its
-    window keeps its present's last window - 1 positions)."""
+    window keeps its present's last window - 1 positions, and `extra` more: `DecoderIO.bounded`)."""
     io = session.io
     feeds = {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids(mask, input_ids.shape[1])}
     feeds.update(cache)
     outputs = session.run(feeds)
     next_cache = {
-        past: io.bounded(past, outputs[present]) for past, present in zip(io.cache_names, io.cache_present_names)
+        past: io.bounded(past, outputs[present], extra) for past, present in zip(io.cache_names, io.cache_present_names)
     }
     return outputs["logits"], next_cache
 

@@ -56,6 +56,9 @@ PROMPT_LOOKUP = "prompt-lookup"
 DRAFT_PREFIX = "draft:"
 DEFAULT_DRAFT_TOKENS = 8
 MAX_DRAFT_TOKENS = 64
+# positions a step can take back (every draft of a verify step and the token fed before them):
+# what a layer bounded by a sliding window keeps beyond its window while speculating
+ROLLBACK = MAX_DRAFT_TOKENS + 1
 # n-gram sizes prompt lookup matches, longest first. On examples/model (benchmarks/speculative.py,
 # K 8), matching down to one token and preferring the latest match with a full continuation
 # made 3.52 tokens per verify step on the edit-like prompts (2.36 with two tokens at least and
@@ -156,16 +159,27 @@ class RowCache:
         """Feed `ids` after the valid positions; the logits [1, positions, vocab]."""
         feed = np.asarray([ids], dtype=np.int64)
         mask = np.ones((1, self.length + len(ids)), dtype=np.int64)
-        logits, self.kv = forward(self.session, feed, mask, self.kv)
+        # a layer bounded by a sliding window keeps ROLLBACK positions beyond it, so that taking
+        # back a rejected draft leaves it its whole window
+        logits, self.kv = forward(self.session, feed, mask, self.kv, ROLLBACK)
         self.length += len(ids)
         return logits
 
     def truncate(self, length: int) -> None:
         """Forget every position from `length` on (a shared buffer keeps the bytes; the next
         mask does not reach them, and the next step overwrites them)."""
-        if length < self.length and not self.session.io.shared_kv:
-            self.kv = {name: np.ascontiguousarray(a[:, :, :length]) for name, a in self.kv.items()}
-        self.length = min(self.length, length)
+        drop = self.length - length
+        if drop <= 0:
+            return
+        if drop > ROLLBACK:
+            raise ValueError(f"cannot take back {drop} positions: a bounded layer keeps {ROLLBACK} beyond its window")
+        io, kv = self.session.io, dict(self.kv)
+        for name, a in kv.items():
+            if io.window_of(name) is not None:  # its own array: its last positions are the newest
+                kv[name] = np.ascontiguousarray(a[:, :, : a.shape[2] - drop])
+            elif not io.shared_kv:
+                kv[name] = np.ascontiguousarray(a[:, :, :length])
+        self.kv, self.length = kv, length
 
 
 class DraftModel:
