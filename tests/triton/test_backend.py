@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -188,10 +189,15 @@ def served(repository: Path) -> Iterator[tuple[ServingModel, SimpleNamespace]]:
 
 
 def test_a_streamed_request_is_sent_piece_by_piece(
-    served: tuple[ServingModel, SimpleNamespace], tiny_artifact: Path
+    served: tuple[ServingModel, SimpleNamespace], tiny_artifact: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model, pb = served
     expected = "".join(Engine.load(tiny_artifact).stream("def f(x):", max_new_tokens=16, temperature=0))
+    # Events already waiting are sent together: each step is slowed down so that the relay,
+    # not the machine's load, decides how the pieces are grouped.
+    session = model.engine.session
+    run = session.run
+    monkeypatch.setattr(session, "run", lambda feeds: (time.sleep(0.05), run(feeds))[1])
     request = FakeRequest(frontend_request("def f(x):", stream=True, max_tokens=16))
     model.execute([request])  # decoupled: returns at once, the answer goes through the sender
     responses = request.sender.wait()
