@@ -9,7 +9,7 @@ best partial match stopped and the constraint that failed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import onnx_ir as ir
@@ -34,32 +34,37 @@ class Miss:
 class FusionPass(InPlacePass):
     """Apply `rules` in order to the model; `counts` says how often each one fired.
 
-    Rules are keyed by the name the pass report and `--explain` use for them.
+    Rules are keyed by the name the pass report and `--explain` use for them; one name may
+    stand for several rules (forms of one fusion), counted together and explained by the
+    closest match of any of them.
     """
 
-    def __init__(self, name: str, rules: Mapping[str, RewriteRule]) -> None:
+    def __init__(self, name: str, rules: Mapping[str, RewriteRule | Sequence[RewriteRule]]) -> None:
         super().__init__()
         self.name = name
-        self._rules = dict(rules)
+        self._rules = {key: [rule] if isinstance(rule, RewriteRule) else list(rule) for key, rule in rules.items()}
         self.counts: dict[str, int] = {}
 
     def call(self, model: ir.Model) -> PassResult:
         before = _node_ids(model)
-        self.counts = {name: RewriteRuleSet([rule]).apply_to_model(model) for name, rule in self._rules.items()}
-        _release_matched_graphs(self._rules.values())
+        self.counts = {name: RewriteRuleSet(rules).apply_to_model(model) for name, rules in self._rules.items()}
+        _release_matched_graphs(self._all_rules())
         # The rewriter also drops nodes left without uses, so a rule count of 0 is not "unchanged".
         return PassResult(model, modified=any(self.counts.values()) or _node_ids(model) != before)
 
     def explain(self, model: ir.Model) -> list[Miss]:
         """For every rule, why its best partial match in `model` failed (the model is not changed)."""
         misses = []
-        for name, rule in self._rules.items():
+        for name, rules in self._rules.items():
             tracer = MatchingTracer()
-            RewriteRuleSet([rule]).apply_to_model(model, tracer=tracer)
+            RewriteRuleSet(rules).apply_to_model(model, tracer=tracer)
             misses.append(_closest_miss(name, tracer))
-        _release_matched_graphs(self._rules.values())
+        _release_matched_graphs(self._all_rules())
         _detach_unplaced_users(model)
         return misses
+
+    def _all_rules(self) -> list[RewriteRule]:
+        return [rule for rules in self._rules.values() for rule in rules]
 
 
 def _release_matched_graphs(rules: Iterable[RewriteRule]) -> None:

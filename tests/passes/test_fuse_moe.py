@@ -23,7 +23,9 @@ from tests.passes.fusion_testing import canonical_graph, check_modified_is_exact
 
 E, H, INTER, K, T = 4, 64, 32, 2, 5
 RNG = np.random.default_rng(0)
-FUSED_FAMILIES = ["qwen3_moe", "mixtral", "granitemoe"]
+FUSED_FAMILIES = ["qwen3_moe", "mixtral", "granitemoe", "gpt_oss"]
+# gpt_oss: alpha, beta and the clamp of its SwiGLU, what passes.fuse_moe writes for it
+GPT_OSS_SWIGLU = dict(activation_alpha=1.702, activation_beta=1.0, swiglu_limit=7.0)
 
 
 def experts(scale: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
@@ -98,6 +100,53 @@ def test_moe_kernel_with_interleaved_gate_up_matches_numpy(normalize: int) -> No
     assert np.abs(wrong - expected).max() > 1e-2
 
 
+def clamped_experts() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(gate_up [E, 2I, H] with gate and up rows interleaved, its bias [E, 2I], down [E, H, I], its
+    bias [E, H]): gpt_oss's experts as MoE reads them, large enough that the clamp at 7 bites."""
+    return (
+        (RNG.standard_normal((E, 2 * INTER, H)) * 0.6).astype(np.float32),
+        (RNG.standard_normal((E, 2 * INTER)) * 0.5).astype(np.float32),
+        (RNG.standard_normal((E, H, INTER)) * 0.2).astype(np.float32),
+        (RNG.standard_normal((E, H)) * 0.5).astype(np.float32),
+    )
+
+
+def clamped_reference(
+    x: np.ndarray, logits: np.ndarray, w1: np.ndarray, b1: np.ndarray, w2: np.ndarray, b2: np.ndarray
+) -> np.ndarray:
+    """gpt_oss's experts block: top-k over the logits, softmax over the k values, biases, gate
+    min(., 7), up clip(., -7, 7), (up + 1) * gate * sigmoid(1.702 * gate)."""
+    chosen = np.argsort(-logits, axis=-1)[:, :K]
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        top = logits[t, chosen[t]]
+        w = np.exp(top - top.max())
+        w /= w.sum()
+        for j, e in enumerate(chosen[t]):
+            h = w1[e] @ x[t] + b1[e]
+            gate, up = np.minimum(h[0::2], 7.0), np.clip(h[1::2], -7.0, 7.0)
+            out[t] += w[j] * (w2[e] @ ((up + 1) * gate / (1 + np.exp(-1.702 * gate))) + b2[e])
+    return out
+
+
+def test_moe_kernel_with_biases_and_a_clamped_swiglu_matches_gpt_oss_in_numpy() -> None:
+    w1, b1, w2, b2 = clamped_experts()
+    x = RNG.standard_normal((T, H)).astype(np.float32)
+    logits = RNG.standard_normal((T, E)).astype(np.float32)
+    assert (np.abs(np.einsum("enh,th->ten", w1, x)) > 7).mean() > 0.05  # the clamp is exercised
+    inputs = ["x", "logits", "w1", "b1", "w2", "b2"]
+    weights = {"w1": w1, "b1": b1, "w2": w2, "b2": b2}
+    model = one_node("MoE", inputs, weights, **{**moe_attributes(1), **GPT_OSS_SWIGLU})
+    (y,) = ort_outputs(model, {"x": x, "logits": logits})
+    expected = clamped_reference(x, logits, w1, b1, w2, b2)
+    np.testing.assert_allclose(y, expected, atol=5e-5, rtol=1e-5)
+    # without swiglu_limit the kernel does not clamp: another function on these inputs
+    unclamped = {**moe_attributes(1), **GPT_OSS_SWIGLU}
+    del unclamped["swiglu_limit"]
+    (wrong,) = ort_outputs(one_node("MoE", inputs, weights, **unclamped), {"x": x, "logits": logits})
+    assert np.abs(wrong - expected).max() > 1e-2
+
+
 def test_interleave_puts_gate_and_up_rows_in_turn() -> None:
     gate_up = np.arange(2 * 3 * 2 * 1, dtype=np.float32).reshape(2, 6, 1)  # 2 experts, INTER = 3, H = 1
     out = interleave_gate_up(gate_up)
@@ -117,22 +166,49 @@ def test_moe_fusion_fires_on_every_layer_and_keeps_outputs(model_type: str, scra
     fusion(model)
     assert fusion.counts == {"moe_swiglu": 2}  # the tiny checkpoints' two layers
     assert op_count(model, "MoE", "com.microsoft") == 2
-    assert op_count(model, "GatherND") == experts_gathered - 4  # two stacks a layer no longer gathered
-    stacks = [v for name, v in model.graph.initializers.items() if name.endswith("experts.gate_up_proj")]
-    assert len(stacks) == 2 and not any(v.uses() for v in stacks)  # MoE reads the interleaved copies
+    gathered = 4 if model_type == "gpt_oss" else 2  # two stacks a layer, and gpt_oss's two biases
+    assert op_count(model, "GatherND") == experts_gathered - 2 * gathered
+    # MoE reads copies: gate_up interleaved (gpt_oss's already is), gpt_oss's [experts, in, out] stacks transposed
+    copied = ("gate_up_proj", "down_proj") if model_type == "gpt_oss" else ("gate_up_proj",)
+    for stack in copied:
+        stacks = [v for name, v in model.graph.initializers.items() if name.endswith(f"experts.{stack}")]
+        assert len(stacks) == 2 and not any(v.uses() for v in stacks)
     after = ort_outputs(model, feeds)
+    tolerance = 1e-5 if model_type == "gpt_oss" else 2e-5
     for a, b in zip(before, after, strict=True):
-        np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(b, a, atol=tolerance, rtol=1e-4)
 
 
 @pytest.mark.slow
-def test_gpt_oss_experts_keep_the_gather_form_and_explain_why(scratch: Path) -> None:
+def test_gpt_oss_moe_carries_its_biases_and_swiglu_constants(scratch: Path) -> None:
     model = canonical_graph("gpt_oss", scratch)
+    moe_lowering_ort()(model)
+    for node in (n for n in model.graph if n.op_type == "MoE"):
+        assert node.attributes.get_int("swiglu_fusion") == 1 and node.attributes.get_int("k") == K
+        assert node.attributes.get_int("normalize_routing_weights") == 1  # top-k, then softmax over the k
+        for name, value in GPT_OSS_SWIGLU.items():
+            assert node.attributes.get_float(name) == pytest.approx(value)
+        w1, b1, w2, b2 = (node.inputs[i] for i in (2, 3, 4, 5))
+        assert all(v is not None and v.const_value is not None for v in (w1, b1, w2, b2))
+        assert w1.name.endswith(".gate_up_proj.interleaved") and w2.name.endswith(".down_proj.transposed")  # type: ignore[union-attr]
+        assert tuple(w1.shape) == (E, 2 * 128, 64) and tuple(b1.shape) == (E, 2 * 128)  # type: ignore[arg-type]
+        assert tuple(w2.shape) == (E, 64, 128) and tuple(b2.shape) == (E, 64)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_gpt_oss_with_another_clamp_keeps_the_gather_form_and_explain_says_why(scratch: Path) -> None:
+    model = canonical_graph("gpt_oss", scratch)
+    clips = [n for n in model.graph if n.op_type == "Clip" and n.inputs[1] is not None]
+    assert len(clips) == 2  # the up projection's clip(-7, 7) in each layer
+    for clip in clips:  # clip(-6, 7): no single swiglu_limit says that
+        low = ir.Value(name=f"{clip.name}.low", const_value=ir.tensor(np.array(-6, np.float32)))
+        model.graph.register_initializer(low)
+        clip.replace_input_with(1, low)
     fusion = moe_lowering_ort()
     fusion(model)
     assert fusion.counts == {"moe_swiglu": 0}
     (miss,) = fusion.explain(model)
-    assert miss.rule == "moe_swiglu" and "mismatch" in miss.reason
+    assert miss.rule == "moe_swiglu" and "check failed" in miss.reason and "SwiGLU clamps" in miss.reason, miss
 
 
 def _topk_graph(first: str, after: str) -> ir.Graph:

@@ -20,7 +20,19 @@ from passes.fuse_moe import interleave_gate_up
 from passes.quantize import WeightQuantization, quantize_blockwise
 from passes.quantize_experts import QuantizeExperts
 from tests.passes.fusion_testing import op_count, ort_outputs
-from tests.passes.test_fuse_moe import INTER, E, H, T, experts, moe_attributes, one_node, reference
+from tests.passes.test_fuse_moe import (
+    GPT_OSS_SWIGLU,
+    INTER,
+    E,
+    H,
+    T,
+    clamped_experts,
+    clamped_reference,
+    experts,
+    moe_attributes,
+    one_node,
+    reference,
+)
 
 RNG = np.random.default_rng(1)
 
@@ -54,6 +66,24 @@ def test_moe_becomes_qmoe_that_computes_with_the_dequantized_weights(bits: int, 
     np.testing.assert_allclose(y, reference(x, logits, d1_as_stored, d2, True), atol=5e-5, rtol=1e-4)
     exact = reference(x, logits, gate_up, down, True)
     assert np.abs(y - exact).max() < (0.05 if bits == 8 else 1.0) * np.abs(exact).max()
+
+
+@pytest.mark.parametrize(("bits", "block"), [(8, None), (4, 32)])
+def test_clamped_moe_with_biases_becomes_qmoe_that_keeps_them(bits: int, block: int | None) -> None:
+    w1, b1, w2, b2 = clamped_experts()
+    x = RNG.standard_normal((T, H)).astype(np.float32)
+    logits = RNG.standard_normal((T, E)).astype(np.float32)
+    weights = {"w1": w1, "b1": b1, "w2": w2, "b2": b2}
+    attributes = {**moe_attributes(1), **GPT_OSS_SWIGLU}
+    model = one_node("MoE", ["x", "logits", "w1", "b1", "w2", "b2"], weights, **attributes)
+    quantize = QuantizeExperts(bits, block_size=block or 32, form="qmoe")
+    assert quantize(model).modified and quantize.counts == {"qmoe": 1}
+    qmoe = next(iter(model.graph))
+    assert [v.name if v is not None else None for v in qmoe.inputs][4::3] == ["b1", "b2"]  # biases as they were
+    assert qmoe.attributes.get_float("swiglu_limit") == 7.0
+    (y,) = ort_outputs(model, {"x": x, "logits": logits})
+    d1, d2 = dequantized(w1, bits, block), dequantized(w2, bits, block)
+    np.testing.assert_allclose(y, clamped_reference(x, logits, d1, b1, d2, b2), atol=5e-5, rtol=1e-4)
 
 
 def test_int4_blocks_fall_back_to_per_channel_when_the_width_is_not_a_multiple() -> None:
@@ -122,14 +152,14 @@ def _expert_bytes(artifact: Path) -> int:
 def quantized_artifact(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory):
     from toolchain.build import BuildOptions, build
 
-    made: dict[tuple[str, int], Path] = {}
+    made: dict[tuple[str, int, str], Path] = {}
 
-    def get(target: str, bits: int) -> Path:
-        if (target, bits) not in made:
-            out = tmp_path_factory.mktemp(f"moe-{target}-int{bits}") / "out"
+    def get(target: str, bits: int, model_type: str = "qwen3_moe") -> Path:
+        if (target, bits, model_type) not in made:
+            out = tmp_path_factory.mktemp(f"moe-{model_type}-{target}-int{bits}") / "out"
             options = BuildOptions(target=target, weights=WeightQuantization(bits))
-            made[(target, bits)] = build(tiny_checkpoint("qwen3_moe"), out, options).output
-        return made[(target, bits)]
+            made[(target, bits, model_type)] = build(tiny_checkpoint(model_type), out, options).output
+        return made[(target, bits, model_type)]
 
     return get
 
@@ -150,4 +180,20 @@ def test_quantized_moe_build_passes_the_gate_with_smaller_experts(
         assert fired["QuantizeExperts"] == {"gather_int8": 4}
     full = _expert_bytes(built_artifact("qwen3_moe"))
     # fp32 -> int8 codes + one scale per output channel (/ 3.7 or better); int4 about half again
+    assert _expert_bytes(artifact) < full / (6 if bits == 4 else 3.5)
+
+
+@pytest.mark.slow  # builds the tiny gpt_oss twice
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_gpt_oss_build_fuses_to_qmoe_and_passes_the_gate(
+    bits: int, quantized_artifact: Callable[..., Path], built_artifact: Callable[..., Path]
+) -> None:
+    artifact = quantized_artifact("ort-cpu", bits, "gpt_oss")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["parity"]["passed"] is True
+    fired = {r["name"]: r["fusions"] for r in manifest["passes"]["passes"]}
+    assert fired["moe_ort"] == {"moe_swiglu": 2} and fired["QuantizeExperts"] == {"qmoe": 2}
+    after = manifest["passes"]["histogram_after"]
+    assert after["com.microsoft::QMoE"] == 2 and "com.microsoft::MoE" not in after
+    full = _expert_bytes(built_artifact("gpt_oss"))
     assert _expert_bytes(artifact) < full / (6 if bits == 4 else 3.5)
