@@ -8,8 +8,8 @@ the official `openai` client sends, per trial, two streamed greedy completions o
 other: a fresh random prefix of --prefix token ids plus suffix A, then the same prefix plus suffix
 B. Time to first token is the client's time from sending to the first streamed chunk. Reports
 the median of each, the ratio second / first within each server (the machine's load cancels
-out of a ratio taken in one run), the server's hit tokens from /metrics, and whether every text
-equals the other server's.
+out of a ratio taken in one run), the server's hit tokens, bytes held and evictions from
+/metrics, and whether every text equals the other server's.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ def run(artifact: str, extra: list[str], args: argparse.Namespace) -> dict[str, 
             texts += [text_a, text_b]
         hit_tokens = metric(url, "prefix_cache_hit_tokens_total")
         held = metric(url, "prefix_cache_bytes")
+        evictions = metric(url, "prefix_cache_evictions_total")
         announced = [line for line in log.read_text().splitlines() if "prefix cache" in line]
     finally:
         process.send_signal(signal.SIGTERM)
@@ -100,6 +101,7 @@ def run(artifact: str, extra: list[str], args: argparse.Namespace) -> dict[str, 
         "texts": texts,
         "hit_tokens": hit_tokens,
         "bytes": held,
+        "evictions": evictions,
         "log": announced,
     }
 
@@ -126,7 +128,8 @@ def main() -> None:
         first, second = float(result["first"]), float(result["second"])  # type: ignore[arg-type]
         print(
             f"{name:>9}: first {first * 1e3:7.1f} ms  second {second * 1e3:7.1f} ms  "
-            f"second/first {second / first:.3f}  hit tokens {result['hit_tokens']:.0f}  bytes {result['bytes']:.0f}"
+            f"second/first {second / first:.3f}  hit tokens {result['hit_tokens']:.0f}  bytes {result['bytes']:.0f}  "
+            f"evictions {result['evictions']:.0f}"
         )
     for line in cached["log"]:  # type: ignore[attr-defined]
         print(f"  server: {line}")

@@ -53,7 +53,7 @@ from runners.errors import KvforgeError
 from runners.generate import choose_tokens, empty_states, forward, invalid_rows
 from runners.sampling import SamplingParams
 from runners.serve.metrics import Metrics
-from runners.serve.prefix_cache import PrefixCache
+from runners.serve.prefix_cache import PrefixCache, unsupported
 from runners.serve.protocol import ParsedRequest
 from runners.session import Session
 
@@ -187,8 +187,11 @@ class BatchScheduler:
         prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.session = session
-        self.prefix_cache = prefix_cache
         self.io = session.io
+        reason = None if prefix_cache is None else unsupported(self.io)
+        if reason is not None:
+            raise KvforgeError(f"this artifact cannot have a prefix cache: {reason}; run without one")
+        self.prefix_cache = prefix_cache
         self.max_positions = max_positions
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self.max_num_seqs = max_num_seqs

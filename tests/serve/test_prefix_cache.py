@@ -7,6 +7,7 @@ import http.client
 import json
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ from runners.errors import KvforgeError
 from runners.serve.metrics import Metrics
 from runners.serve.prefix_cache import BLOCK, PrefixCache, parse_bytes, unsupported
 from runners.serve.scheduler import BatchScheduler, Finished
+from runners.serve.server import _prefix_cache
 from tests.serve.conftest import KVFORGE, Server
 from tests.serve.test_scheduler import collect, request, solo
 from tests.tiny import CORPUS
@@ -161,6 +163,24 @@ def test_unsupported_for_windows_and_states(engine: Engine) -> None:
     assert unsupported(io) is None
     windowed = replace(io, layer_windows=(8,) + (None,) * (io.num_layers - 1))
     assert "sliding window" in (unsupported(windowed) or "")
+    stateful = SimpleNamespace(past_names=io.past_names, window_of=io.window_of, state_names=("conv.0",))
+    assert "layer states" in (unsupported(stateful) or "")  # type: ignore[arg-type]
+    # the server builds none for such an artifact and says so once
+    lines: list[str] = []
+    fake = SimpleNamespace(session=SimpleNamespace(io=windowed))
+    assert _prefix_cache(fake, Path("unused"), None, Metrics(), lines.append) is None  # type: ignore[arg-type]
+    assert lines == ["prefix cache off for this artifact: " + (unsupported(windowed) or "")]
+    with pytest.raises(KvforgeError, match="cannot have a prefix cache: its layers bounded by a sliding window"):
+        BatchScheduler(
+            SimpleNamespace(io=windowed),  # type: ignore[arg-type]
+            max_positions=64,
+            eos_ids=(),
+            max_num_seqs=1,
+            max_queued=0,
+            prefill_chunk=8,
+            metrics=Metrics(),
+            prefix_cache=PrefixCache(1 << 20, b"", (), Metrics()),
+        )
 
 
 def test_cli_refuses_a_bad_budget(tiny_artifact: Path) -> None:
