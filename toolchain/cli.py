@@ -456,6 +456,13 @@ def bench(
     type=click.FloatRange(0),
     help="Seconds SIGTERM waits for in-flight requests.",
 )
+@click.option(
+    "--prefix-cache-bytes",
+    default=None,
+    metavar="BYTES",
+    help="Memory for the KV of prompt prefixes reused across requests (e.g. 512M, 2G; 0: off). "
+    "Default: a quarter of the memory available at start.",
+)
 @_runtime_option(_RUNTIME_HELP)
 @_guarded
 def serve(
@@ -467,14 +474,20 @@ def serve(
     max_queued: int,
     prefill_chunk: int,
     drain_timeout: float,
+    prefix_cache_bytes: str | None,
     runtime: str,
 ) -> None:
     """Serve ARTIFACT over an OpenAI-compatible HTTP API with continuous batching."""
     from runners.serve import ServeOptions
     from runners.serve import serve as run_serve
+    from runners.serve.prefix_cache import parse_bytes
 
+    try:
+        budget = None if prefix_cache_bytes is None else parse_bytes(prefix_cache_bytes)
+    except KvforgeError as error:
+        raise click.BadParameter(str(error), param_hint="--prefix-cache-bytes") from error
     options = ServeOptions(
-        host, port, served_model_name, max_num_seqs, max_queued, prefill_chunk, drain_timeout, runtime
+        host, port, served_model_name, max_num_seqs, max_queued, prefill_chunk, drain_timeout, runtime, budget
     )
     run_serve(artifact, options, announce=lambda line: click.echo(f"kvforge serve: {line}", err=True))
 

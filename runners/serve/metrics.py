@@ -136,6 +136,13 @@ class Metrics:
         self.request_aborted = Counter("request_aborted", "Requests aborted by a client disconnect or shutdown.")
         self.request_rejected = Counter("request_rejected", "Requests refused with 429 (queue full) or 503.")
         self.request_failed = Counter("request_failed", "Requests ended by an engine error.")
+        self.prefix_cache_queries = Counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = Counter("prefix_cache_hits", "Requests that found a cached prefix.")
+        self.prefix_cache_hit_tokens = Counter(
+            "prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache instead of prefilled."
+        )
+        self.prefix_cache_evictions = Counter("prefix_cache_evictions", "Prefix cache blocks evicted.")
+        self.prefix_cache_bytes = Gauge("prefix_cache_bytes", "Bytes the prefix cache holds.")
 
     def render(self) -> str:
         labels = {"model_name": self.model_name}
@@ -154,6 +161,11 @@ class Metrics:
             self.request_aborted,
             self.request_rejected,
             self.request_failed,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+            self.prefix_cache_hit_tokens,
+            self.prefix_cache_evictions,
+            self.prefix_cache_bytes,
         ):
             lines.extend(metric.render(labels))
         return "\n".join(lines) + "\n"

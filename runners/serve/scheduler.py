@@ -28,6 +28,10 @@ A model whose layers keep fixed-size states (lfm2's convolution layers) has one 
 state, ``[slots, ...]`` with no column axis: a request's prefill starts from a zeroed state of
 its own, which joins the batch in the row its KV goes to and moves with it; padding columns
 never reach a state.
+
+With a prefix cache (`runners.serve.prefix_cache`), a prefill first copies the longest cached
+block prefix of its prompt into its buffer and prefills the rest; a finished prefill stores its
+prompt's full blocks. Decode never sees the cache.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from runners.errors import KvforgeError
 from runners.generate import choose_tokens, empty_states, forward, invalid_rows
 from runners.sampling import SamplingParams
 from runners.serve.metrics import Metrics
+from runners.serve.prefix_cache import PrefixCache, unsupported
 from runners.serve.protocol import ParsedRequest
 from runners.session import Session
 
@@ -179,9 +184,14 @@ class BatchScheduler:
         max_queued: int,
         prefill_chunk: int,
         metrics: Metrics,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.session = session
         self.io = session.io
+        reason = None if prefix_cache is None else unsupported(self.io)
+        if reason is not None:
+            raise KvforgeError(f"this artifact cannot have a prefix cache: {reason}; run without one")
+        self.prefix_cache = prefix_cache
         self.max_positions = max_positions
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self.max_num_seqs = max_num_seqs
@@ -215,7 +225,14 @@ class BatchScheduler:
 
     @classmethod
     def for_engine(
-        cls, engine: Engine, *, max_num_seqs: int, max_queued: int, prefill_chunk: int, metrics: Metrics
+        cls,
+        engine: Engine,
+        *,
+        max_num_seqs: int,
+        max_queued: int,
+        prefill_chunk: int,
+        metrics: Metrics,
+        prefix_cache: PrefixCache | None = None,
     ) -> BatchScheduler:
         """A scheduler over a loaded engine's session, with its context and end-of-text ids."""
         return cls(
@@ -226,6 +243,7 @@ class BatchScheduler:
             max_queued=max_queued,
             prefill_chunk=prefill_chunk,
             metrics=metrics,
+            prefix_cache=prefix_cache,
         )
 
     def start(self) -> None:
@@ -411,11 +429,13 @@ class BatchScheduler:
         assert self._prefill is not None
         state = self._prefill
         request = state.request
-        end = min(state.done + self.prefill_chunk, len(request.ids))
         cache = self._prefill_cache()
         if state.done == 0:  # a fresh sequence: no state of the previous request may leak into it
             for name in self.io.state_names:
                 cache[name].fill(0)
+            if self.prefix_cache is not None:
+                state.done = self.prefix_cache.restore(request.ids, cache)
+        end = min(state.done + self.prefill_chunk, len(request.ids))
         ids = np.asarray(request.ids[state.done : end], dtype=np.int64)[None, :]
         mask = np.ones((1, end), dtype=np.int64)
         try:
@@ -430,6 +450,8 @@ class BatchScheduler:
             return
         self._prefill = None
         self.metrics.prompt_tokens.inc(len(request.ids))
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(request.ids, cache)
         token = int(self._sample_rows(logits[:, -1, :], [request])[0])
         if token >= 0 and not self._deliver(request, token):
             self._join(request, cache | state.bounded, token)

@@ -12,6 +12,7 @@ socket to watch, which `http.server` gives without another dependency.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import select
@@ -30,6 +31,7 @@ from runners.engine import Engine
 from runners.errors import KvforgeError
 from runners.serve.metrics import Metrics
 from runners.serve.openapi import openapi_schema
+from runners.serve.prefix_cache import BLOCK, PrefixCache, default_budget, unsupported
 from runners.serve.protocol import (
     ApiError,
     Choice,
@@ -70,6 +72,7 @@ class ServeOptions:
     prefill_chunk: int = 256
     drain_timeout: float = 30.0
     runtime: str = "auto"  # runners.runtime: which session runs the artifact
+    prefix_cache_bytes: int | None = None  # None: a quarter of the memory available; 0: no prefix cache
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "prefill_chunk"):
@@ -79,6 +82,8 @@ class ServeOptions:
             raise KvforgeError(f"max_queued must be >= 0, got {self.max_queued}")
         if not 0 <= self.port <= 65535:
             raise KvforgeError(f"port must be in [0, 65535] (0 picks a free one), got {self.port}")
+        if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
+            raise KvforgeError(f"prefix_cache_bytes must be >= 0 (0 disables the cache), got {self.prefix_cache_bytes}")
         if self.drain_timeout < 0:
             raise KvforgeError(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
 
@@ -440,6 +445,7 @@ def serve(
             max_queued=options.max_queued,
             prefill_chunk=options.prefill_chunk,
             metrics=metrics,
+            prefix_cache=_prefix_cache(engine, Path(artifact), options.prefix_cache_bytes, metrics, announce),
         )
         scheduler.start()
         app.name = options.served_model_name or Path(artifact).resolve().name
@@ -457,6 +463,25 @@ def serve(
         restore()
         server.shutdown()
         server.server_close()
+
+
+def _prefix_cache(
+    engine: Engine, artifact: Path, budget: int | None, metrics: Metrics, announce: Callable[[str], None]
+) -> PrefixCache | None:
+    """The server's prefix cache over ARTIFACT, keyed by its manifest's digest; None when the
+    budget is 0 or the artifact's layers cannot take one (said once in the log)."""
+    if budget == 0:
+        return None
+    io = engine.session.io
+    reason = unsupported(io)
+    if reason is not None:
+        announce(f"prefix cache off for this artifact: {reason}")
+        return None
+    budget = default_budget() if budget is None else budget
+    identity = hashlib.sha256((artifact / "manifest.json").read_bytes()).digest()
+    names = [name for name in io.past_names if io.window_of(name) is None]
+    announce(f"prefix cache: {budget / (1 << 20):.0f} MiB in blocks of {BLOCK} tokens")
+    return PrefixCache(budget, identity, names, metrics)
 
 
 def _url_host(host: str) -> str:
