@@ -209,8 +209,13 @@ def export(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO) -> CutProgr
     """torch.export of the cut-down model (Unstampable when no layer kind repeats; `model`
     is left as it was either way)."""
     chosen = plan(model, spec)
-    cut_spec = replace(spec, num_layers=len(chosen.selected))
-    cut_io = replace(io, num_layers=len(chosen.selected))
+
+    def cut(per_layer: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+        return None if per_layer is None else tuple(per_layer[i] for i in chosen.selected)
+
+    # what the contract and the spec say per layer (windows, kinds and states) follows the layers kept
+    cut_spec = replace(spec, num_layers=len(chosen.selected), layers=cut(spec.layers))
+    cut_io = replace(io, num_layers=len(chosen.selected), layer_windows=cut(io.layer_windows), layers=cut(io.layers))
     with cut_down(model, chosen):
         try:
             program = export_decoder(model, cut_spec, cut_io)

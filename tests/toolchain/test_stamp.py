@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from tests.tiny import make_checkpoint
 from toolchain import checkpoint as checkpoints
 from toolchain import stamp
 from toolchain.build import BuildOptions, build, read_spec
-from toolchain.export import eager_model, export_decoder
+from toolchain.export import eager_model, export_decoder, layer_windows
 from toolchain.lower import to_onnx
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -35,11 +36,15 @@ def llama6(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _checkpoint(tmp_path_factory, "llama", 6)
 
 
-def _both(checkpoint: Path) -> tuple[ir.Model, stamp.Lowering, ir.Model, DecoderIO]:
-    """The stamped graph, how it was made, and the whole stack's graph, of one eager model."""
+def _both(checkpoint: Path, bounded: bool = False) -> tuple[ir.Model, stamp.Lowering, ir.Model, DecoderIO]:
+    """The stamped graph, how it was made, and the whole stack's graph, of one eager model;
+    `bounded`: its sliding layers' caches bounded by their window, as on `ort-cpu`."""
     ckpt = checkpoints.load(checkpoint)
     spec = read_spec(ckpt)
     io = DecoderIO.for_spec(spec)
+    if bounded:
+        io = replace(io, layer_windows=layer_windows(ckpt.config, spec))
+        assert io.layer_windows is not None and None in io.layer_windows
     model = eager_model(ckpt, spec)
     stamped, lowering = stamp.lower(stamp.export(model, spec, io), model, io)
     whole = to_onnx(export_decoder(model, spec, io), io)
@@ -91,9 +96,10 @@ def test_gemma3_alternating_kinds_stamped_and_equal(tmp_path_factory: pytest.Tem
     model = eager_model(ckpt, read_spec(ckpt))
     chosen = stamp.plan(model, read_spec(ckpt))
     assert chosen.selected == (0, 1, 2, 5) and chosen.template == (0, 1, 2, 1, 1, 3)
-    stamped, lowering, whole, io = _both(checkpoint)
-    assert (lowering.stamped, lowering.traced, lowering.kinds) == (True, 4, 2)
-    _assert_same_graph_and_outputs(stamped, whole, io)
+    for bounded in (False, True):
+        stamped, lowering, whole, io = _both(checkpoint, bounded)
+        assert (lowering.stamped, lowering.traced, lowering.kinds) == (True, 4, 2)
+        _assert_same_graph_and_outputs(stamped, whole, io)
 
 
 def test_cut_down_model_is_restored(llama6: Path) -> None:
