@@ -38,18 +38,20 @@ that optimizer see one op only after `gelu_fusion`.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
-from onnxscript.rewriter._basics import MatchContext
-from onnxscript.rewriter._context import TapeBuilder
-from onnxscript.rewriter._pattern_ir import ValuePattern
 from onnxscript.rewriter.ort_fusions import bias_gelu
 from onnxscript.rewriter.pattern import MatchResult, OpsetPatternBuilder
 
 from passes.fuse_norm import is_vector_over_last_axis
 from passes.rewrite import FusionPass
+
+if TYPE_CHECKING:  # onnxscript exports these only from private modules: annotations only, never at run time
+    from onnxscript.rewriter._basics import MatchContext
+    from onnxscript.rewriter._context import TapeBuilder
+    from onnxscript.rewriter._pattern_ir import ValuePattern
 
 _SQRT_2 = math.sqrt(2.0)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)

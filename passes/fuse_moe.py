@@ -55,16 +55,20 @@ MoE / gather form: 1.50).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
-from onnxscript.rewriter._basics import MatchContext
-from onnxscript.rewriter._context import TapeBuilder
-from onnxscript.rewriter._pattern_ir import ValuePattern
 from onnxscript.rewriter.pattern import MatchResult, OpsetPatternBuilder
 
 from passes.fuse_norm import known_dims
 from passes.rewrite import FusionPass
+
+if TYPE_CHECKING:  # onnxscript exports these only from private modules: annotations only, never at run time
+    from onnxscript.rewriter._basics import MatchContext
+    from onnxscript.rewriter._context import TapeBuilder
+    from onnxscript.rewriter._pattern_ir import ValuePattern
 
 MS_DOMAIN = "com.microsoft"
 # Element types of com.microsoft MoE.

@@ -43,17 +43,19 @@ where it has been measured to help.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
-from onnxscript.rewriter._basics import MatchContext
-from onnxscript.rewriter._context import TapeBuilder
-from onnxscript.rewriter._pattern_ir import ValuePattern
 from onnxscript.rewriter.pattern import MatchResult, OpsetPatternBuilder
 from onnxscript.rewriter.rules.fusion import _rms_normalization
 
 from passes.rewrite import FusionPass
+
+if TYPE_CHECKING:  # onnxscript exports these only from private modules: annotations only, never at run time
+    from onnxscript.rewriter._basics import MatchContext
+    from onnxscript.rewriter._context import TapeBuilder
+    from onnxscript.rewriter._pattern_ir import ValuePattern
 
 Dims = tuple[int | str, ...]
 
