@@ -218,7 +218,9 @@ class ServingModel:
                     return
             if first is None:
                 continue
-            for reply in stream.replies([first, *_drain(request.events)]):
+            # One response per piece, even when the relay fell behind: clients that time
+            # tokens (genai-perf's inter-token latency) count responses.
+            for reply in stream.replies([first]):
                 self._send(sender, reply)
 
     def _abort(self, sender: Any, request: Request, label: str) -> None:
@@ -249,16 +251,6 @@ class ServingModel:
             if not reply.final:
                 raise
             logger.info("could not send the final response: %s", error)
-
-
-def _drain(events: queue.SimpleQueue[Event]) -> list[Event]:
-    """Events already waiting: sent together in one response."""
-    drained: list[Event] = []
-    while True:
-        try:
-            drained.append(events.get_nowait())
-        except queue.Empty:
-            return drained
 
 
 # -- logs and metrics ---------------------------------------------------------------------

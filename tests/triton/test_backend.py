@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -189,20 +188,17 @@ def served(repository: Path) -> Iterator[tuple[ServingModel, SimpleNamespace]]:
 
 
 def test_a_streamed_request_is_sent_piece_by_piece(
-    served: tuple[ServingModel, SimpleNamespace], tiny_artifact: Path, monkeypatch: pytest.MonkeyPatch
+    served: tuple[ServingModel, SimpleNamespace], tiny_artifact: Path
 ) -> None:
     model, pb = served
-    expected = "".join(Engine.load(tiny_artifact).stream("def f(x):", max_new_tokens=16, temperature=0))
-    # Events already waiting are sent together: each step is slowed down so that the relay,
-    # not the machine's load, decides how the pieces are grouped.
-    session = model.engine.session
-    run = session.run
-    monkeypatch.setattr(session, "run", lambda feeds: (time.sleep(0.05), run(feeds))[1])
+    pieces = list(Engine.load(tiny_artifact).stream("def f(x):", max_new_tokens=16, temperature=0))
     request = FakeRequest(frontend_request("def f(x):", stream=True, max_tokens=16))
     model.execute([request])  # decoupled: returns at once, the answer goes through the sender
     responses = request.sender.wait()
-    assert len(responses) > 1 and all(r.error is None for r in responses)
-    assert "".join(r.text() for r in responses) == expected
+    assert all(r.error is None for r in responses)
+    # one response per piece, however far the relay falls behind the engine (the last may be empty)
+    texts = [r.text() for r in responses]
+    assert texts[: len(pieces)] == pieces and "".join(texts[len(pieces) :]) == ""
     assert sum(int(r.outputs["num_output_tokens"][0, 0]) for r in responses) == 16
     model.mirror.sync()
     assert metric(pb, "kvforge_request_success_total", finished_reason="length") == 1
