@@ -37,10 +37,15 @@ IO_LIMITS = {"num_layers": 10_000, "num_kv_heads": 1 << 16, "head_dim": 1 << 16,
 # What a layer keeps between steps. `attention`: a key/value pair that grows by one position
 # per token (`past_key_values.{i}.key|value`). `conv`: a short convolution's last inputs,
 # `[batch, channels, kernel]` (`past_conv.{i}`), of fixed size: no sequence axis, each step
-# reads the state and returns the next one. A linear-attention layer's recurrent state would
-# be a further kind (`past_recurrent.{i}`), not compiled yet.
-LAYER_KINDS = ("attention", "conv")
-STATE_KINDS: dict[str, tuple[str, ...]] = {"attention": (), "conv": ("conv",)}
+# reads the state and returns the next one. `linear_attention` (gated delta nets: qwen3_5,
+# qwen3_next): a short convolution's state as above (`past_conv.{i}`) and the recurrent state,
+# `[batch, heads, key size, value size]` (`past_recurrent.{i}`), both of fixed size.
+LAYER_KINDS = ("attention", "conv", "linear_attention")
+STATE_KINDS: dict[str, tuple[str, ...]] = {
+    "attention": (),
+    "conv": ("conv",),
+    "linear_attention": ("conv", "recurrent"),
+}
 # A state's dimensions after batch: a few, each far beyond any real layer's.
 MAX_STATE_RANK, MAX_STATE_DIM = 4, 1 << 20
 

@@ -118,13 +118,45 @@ GENERIC_CONFIGS: dict[str, dict[str, Any]] = {
     "lfm2": dict(  # short-convolution layers around an attention layer: a fixed-size state per conv layer
         LLAMA_LIKE, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]
     ),
+    "qwen3_5_text": dict(  # gated delta nets (a convolution and a recurrent state) around a gated attention layer
+        LLAMA_LIKE,
+        head_dim=16,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+    ),
+    "qwen3_next": dict(  # qwen3_5's layers with MoE (softmax top-k) and a gated shared expert
+        LLAMA_LIKE,
+        head_dim=16,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        mlp_only_layers=[],
+    ),
 }
 GENERIC = tuple(GENERIC_CONFIGS)
 FAMILIES = SUPPORTED + GENERIC
 
 # Weights widened further, by family: lfm2's random convolution inputs are small, so its
-# convolution state would barely matter, and a test could not tell a wrong state from a right one.
-_WIDER: dict[str, tuple[str, float]] = {"lfm2": (".conv.in_proj.", 3.0)}
+# convolution state would barely matter, and a test could not tell a wrong state from a right one;
+# likewise a gated delta net's recurrent state (widened, forgetting it changes 17-19 of 24 greedy tokens).
+_WIDER: dict[str, tuple[str, float]] = {
+    "lfm2": (".conv.in_proj.", 3.0),
+    "qwen3_5_text": (".linear_attn.", 3.0),
+    "qwen3_next": (".linear_attn.", 3.0),
+}
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -18,6 +18,7 @@ from torch.export import Dim, ExportedProgram
 from runners.contract import DecoderIO, LayerState
 from runners.errors import CheckpointError, ExportError
 from toolchain.checkpoint import Checkpoint
+from toolchain.recurrence import traceable_kernels
 from toolchain.spec import DecoderSpec
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ def _has_state_layers(config: Any) -> bool:
 
 
 # transformers' layer_types whose cache objects keep a fixed-size state the contract carries.
-_STATE_LAYER_TYPES = ("conv",)
+_STATE_LAYER_TYPES = ("conv", "linear_attention")
 
 
 def _layer_states(layers: list[Any], spec: DecoderSpec) -> tuple[LayerState, ...]:
@@ -146,15 +147,19 @@ def _layer_states(layers: list[Any], spec: DecoderSpec) -> tuple[LayerState, ...
         if isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, DynamicLayer):
             conv = layer.conv_states.get(0) if layer.is_conv_states_initialized.get(0) else None
             recurrent = layer.recurrent_states.get(0) if layer.is_recurrent_states_initialized.get(0) else None
-            if conv is not None and recurrent is None and layer.number_of_states == 1:
-                result.append(LayerState("conv", (tuple(conv.shape[1:]),)))
+            if conv is not None and layer.number_of_states == 1:
+                if recurrent is None:
+                    result.append(LayerState("conv", (tuple(conv.shape[1:]),)))
+                else:
+                    result.append(LayerState("linear_attention", (tuple(conv.shape[1:]), tuple(recurrent.shape[1:]))))
                 continue
         elif type(layer) is DynamicLayer:
             result.append(LayerState("attention"))
             continue
         raise ExportError(
             f"{spec.model_type}: layer {index} keeps a {type(layer).__name__} cache; kvforge's contract carries "
-            "attention layers' keys and values and convolution layers' states only"
+            "attention layers' keys and values, convolution layers' states and linear-attention layers' "
+            "convolution and recurrent states only"
         )
     return tuple(result)
 
@@ -314,7 +319,7 @@ class DecoderWrapper(torch.nn.Module):
         history = attention_mask.shape[1] - input_ids.shape[1]
         self._bound(cache, history, lambda i: (tensors[io.past_name(i, "key")], tensors[io.past_name(i, "value")]))
         for i, layer in enumerate(io.layers):
-            if layer.kind == "conv":
+            if layer.kind in ("conv", "linear_attention"):
                 state = LinearAttentionLayer()
                 conv = tensors[io.state_past_name(i, "conv")]
                 state.dtype, state.device = conv.dtype, conv.device  # type: ignore[assignment]
@@ -324,6 +329,9 @@ class DecoderWrapper(torch.nn.Module):
                 state.is_conv_states_initialized[0] = True
                 # a zero state is what a fresh sequence has: one graph for prefill and decode
                 state.has_previous_state[0] = True
+                if layer.kind == "linear_attention":
+                    state.recurrent_states[0] = tensors[io.state_past_name(i, "recurrent")].clone()
+                    state.is_recurrent_states_initialized[0] = True
                 cache.layers[i] = state
         out = self.model(
             input_ids=input_ids,
@@ -339,6 +347,8 @@ class DecoderWrapper(torch.nn.Module):
                 present += [held.keys, held.values]  # type: ignore[union-attr, list-item]
             else:
                 present.append(held.conv_states[0])  # type: ignore[union-attr, arg-type]
+                if layer.kind == "linear_attention":
+                    present.append(held.recurrent_states[0])  # type: ignore[union-attr, arg-type]
         return (out.logits.float(), *present)
 
 
@@ -371,7 +381,7 @@ def export_decoder(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO) -> 
     }
     dtype = next(model.parameters()).dtype
     try:
-        with torch.no_grad():
+        with torch.no_grad(), traceable_kernels(model):
             return torch.export.export(wrapper, example_inputs(io, dtype), dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:  # torch.export raises many unrelated types; all mean the same to the user
         raise ExportError(

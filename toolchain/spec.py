@@ -472,6 +472,8 @@ GENERIC_TESTED: tuple[str, ...] = (
     "gpt_oss",
     "deepseek_v3",
     "lfm2",
+    "qwen3_5_text",
+    "qwen3_next",
 )
 
 # Standardized config attributes a spec reads; the config class resolves each (its
@@ -497,9 +499,6 @@ _STANDARD_FIELDS = (
     "eos_token_id",
     "pad_token_id",
 )
-# Kinds of layer whose state is not a growing key/value pair (transformers' layer_types) that
-# kvforge does not compile yet; `conv` layers (lfm2) keep a state the contract carries.
-_STATEFUL_LAYER_KINDS = ("linear_attention", "mamba", "hybrid", "hybrid_sliding")
 _CONTEXT_FIELDS = ("n_positions", "n_ctx", "seq_length", "max_sequence_length")
 _NORM_EPS_FIELDS = (("rms_norm_eps", "rmsnorm"), ("layer_norm_eps", "layernorm"), ("layer_norm_epsilon", "layernorm"))
 
@@ -520,13 +519,6 @@ def _generic_layout(reader: _Reader, model_type: str) -> tuple[_Reader, _Layout]
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(
             f"{CONFIG_FILE}: model_type {model_type!r} is an encoder-decoder model; kvforge compiles decoder-only LMs"
-        )
-    kinds = [k for k in (getattr(config, "layer_types", None) or ()) if k in _STATEFUL_LAYER_KINDS]
-    if kinds:
-        raise UnsupportedModelError(
-            f"{CONFIG_FILE}: model_type {model_type!r}: field 'layer_types' has {sorted(set(kinds))} layers, which "
-            "keep a recurrent state instead of a key/value cache; kvforge does not compile those yet (of the layers "
-            "with a fixed-size state, it compiles short convolutions: lfm2)"
         )
     if getattr(config, "num_attention_heads", None) is None:
         raise UnsupportedModelError(

@@ -1,6 +1,7 @@
-"""Models whose layers keep a fixed-size state (lfm2's short convolutions) next to attention:
-the contract's per-layer states, built on ort-cpu, compared with eager transformers, through
-the runner (left padding, chunked prefill) and the server's scheduler."""
+"""Models whose layers keep a fixed-size state next to attention (lfm2's short convolutions,
+qwen3_5's gated delta nets: a convolution and a recurrent state): the contract's per-layer
+states, built on ort-cpu, compared with eager transformers, through the runner (left padding,
+chunked prefill) and the server's scheduler."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ PROMPTS = ["def fibonacci(n):", "class Point:\n    def"]
 NEW_TOKENS = 24
 HIDDEN = GENERIC_CONFIGS["lfm2"]["hidden_size"]
 KERNEL = 3  # lfm2's conv_L_cache default
+STATEFUL = ("lfm2", "qwen3_5_text")
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +32,21 @@ def artifact(built_artifact: Callable[..., Path]) -> Path:
     return built_artifact("lfm2")
 
 
+@pytest.fixture(scope="module", params=STATEFUL)
+def family(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def engine(artifact: Path) -> Engine:
-    e = Engine.load(artifact)
+def engine(built_artifact: Callable[..., Path], family: str) -> Engine:
+    e = Engine.load(built_artifact(family))
     e.eos_ids = ()  # compare the full length; transformers generates without eos too
     return e
+
+
+@pytest.fixture(scope="module")
+def lfm2_engine(artifact: Path) -> Engine:
+    return Engine.load(artifact)
 
 
 @pytest.mark.slow  # builds the tiny lfm2 artifact
@@ -63,9 +75,36 @@ def test_manifest_records_each_layer_and_its_state(artifact: Path) -> None:
     assert "genai_config.json" not in manifest["files"]
 
 
+@pytest.mark.slow  # builds the tiny qwen3_5_text artifact
+def test_manifest_records_linear_attention_states(built_artifact: Callable[..., Path]) -> None:
+    config = GENERIC_CONFIGS["qwen3_5_text"]
+    key, value = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    heads = config["linear_num_value_heads"]
+    channels = 2 * config["linear_num_key_heads"] * key + heads * value  # q, k and v through one convolution
+    manifest = json.loads((built_artifact("qwen3_5_text") / "manifest.json").read_text())
+    io = manifest["io"]
+    linear = {
+        "kind": "linear_attention",
+        "states": {"conv": [channels, config["linear_conv_kernel_dim"]], "recurrent": [heads, key, value]},
+    }
+    assert io["layers"] == [linear, {"kind": "attention"}, linear]
+    assert [t["name"] for t in io["inputs"][3:]] == [
+        "past_conv.0",
+        "past_recurrent.0",
+        "past_key_values.1.key",
+        "past_key_values.1.value",
+        "past_conv.2",
+        "past_recurrent.2",
+    ]
+    assert io["inputs"][4]["dims"] == ["batch", heads, key, value]
+    assert manifest["parity"]["passed"] is True
+    errors = {e["name"] for e in manifest["parity"]["prefill"]}
+    assert {"present_recurrent.0", "present_conv.2", "present.1.key"} <= errors  # the gate compares every state
+
+
 @pytest.mark.slow  # builds the tiny lfm2 artifact
-def test_state_bytes_by_arithmetic(engine: Engine) -> None:
-    io = engine.session.io
+def test_state_bytes_by_arithmetic(lfm2_engine: Engine) -> None:
+    io = lfm2_engine.session.io
     assert io.state_bytes_per_sequence() == 2 * HIDDEN * KERNEL * 4  # two conv layers, fp32
     assert io.kv_bytes_per_position() == 1 * 2 * (16 + 16) * 4  # one attention layer, 2 KV heads × 16
     cache = empty_cache(io, batch=3, capacity=10)
@@ -74,18 +113,20 @@ def test_state_bytes_by_arithmetic(engine: Engine) -> None:
     assert kv_bytes_per_step(io, context=10, batch=3) == sum(a.nbytes for a in cache.values())  # what bench counts
 
 
-@pytest.mark.slow  # builds the tiny lfm2 artifact
-def test_greedy_generation_matches_transformers(engine: Engine, tiny_checkpoint: Callable[..., Path]) -> None:
+@pytest.mark.slow  # builds the tiny stateful artifacts
+def test_greedy_generation_matches_transformers(
+    engine: Engine, family: str, tiny_checkpoint: Callable[..., Path]
+) -> None:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("lfm2")).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint(family)).eval()
     for prompt in PROMPTS:
         ids = engine.encode(prompt)
         ours = engine.generate_tokens([ids], max_new_tokens=NEW_TOKENS, temperature=0.0)[0]
         assert ours == hf_greedy(model, ids, NEW_TOKENS), prompt
 
 
-@pytest.mark.slow  # builds the tiny lfm2 artifact
+@pytest.mark.slow  # builds the tiny stateful artifacts
 def test_left_padded_batch_equals_one_by_one(engine: Engine) -> None:
     prompts = [engine.encode(p) for p in ["for i in range(10):", "import os", "héllo wörld, naïve café"]]
     assert len({len(p) for p in prompts}) == 3  # really padded
@@ -94,7 +135,7 @@ def test_left_padded_batch_equals_one_by_one(engine: Engine) -> None:
     assert batched == alone
 
 
-@pytest.mark.slow  # builds the tiny lfm2 artifact
+@pytest.mark.slow  # builds the tiny stateful artifacts
 def test_states_do_not_grow_and_chunked_prefill_equals_one_shot(engine: Engine) -> None:
     io = engine.session.io
     ids = np.asarray([engine.encode(PROMPTS[0] + " return n")], dtype=np.int64)
@@ -104,13 +145,16 @@ def test_states_do_not_grow_and_chunked_prefill_equals_one_shot(engine: Engine) 
     for start in range(0, n, 4):  # 4 tokens at a time over the growing cache
         end = min(start + 4, n)
         logits, cache = forward(engine.session, ids[:, start:end], np.ones((1, end), np.int64), cache)
+    assert io.state_names
     for name in io.state_names:
-        assert cache[name].shape == (1, HIDDEN, KERNEL)
-        np.testing.assert_allclose(cache[name], one[name], rtol=1e-4, atol=1e-5)
+        assert cache[name].shape == one[name].shape == io.state_shape(name, 1)  # no sequence axis
+        scale = float(np.abs(one[name]).max())
+        assert scale > 0, name  # the prompt wrote the state
+        np.testing.assert_allclose(cache[name], one[name], rtol=1e-4, atol=1e-5 * scale)
     np.testing.assert_allclose(logits[:, -1], one_logits[:, -1], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.slow  # builds the tiny lfm2 artifact
+@pytest.mark.slow  # builds the tiny stateful artifacts
 def test_server_rows_equal_each_request_alone(engine: Engine) -> None:
     """Six requests over two rows, prefilled in chunks of 3, arriving while others decode: rows
     are reused and moved, so a state not zeroed per request, or not moved with its row, changes tokens."""
@@ -133,13 +177,13 @@ def test_server_rows_equal_each_request_alone(engine: Engine) -> None:
         scheduler.stop()
 
 
-@pytest.mark.slow  # builds the tiny lfm2 artifact
+@pytest.mark.slow  # builds the tiny stateful artifacts
 def test_speculative_decoding_is_refused_naming_the_states(engine: Engine) -> None:
     """A rejected draft cannot be taken back out of a convolution state (speculation rolls back
     by shortening the KV cache), so speculation is refused rather than silently wrong."""
     from runners.errors import GenerationError
 
-    with pytest.raises(GenerationError, match=r"\['conv'\] layers \(io.layers"):
+    with pytest.raises(GenerationError, match=r"\['(conv|linear_attention)'\] layers \(io.layers"):
         engine.generate(PROMPTS[0], max_new_tokens=4, speculative="prompt-lookup")
 
 

@@ -47,6 +47,8 @@ def test_cache_layout_is_what_the_model_caches(model_type: str, tiny_checkpoint:
             assert tuple(layer.values.shape) == (1, spec.num_kv_heads, 3, spec.value_head_dim)
         else:
             assert state is not None and (1, *state.states[0]) == tuple(layer.conv_states[0].shape)
+            if kind == "linear_attention":
+                assert (1, *state.states[1]) == tuple(layer.recurrent_states[0].shape)
 
 
 def test_cache_layouts_that_differ_from_the_config(tiny_checkpoint: Callable[..., Path]) -> None:
