@@ -463,6 +463,19 @@ def bench(
     help="Memory for the KV of prompt prefixes reused across requests (e.g. 512M, 2G; 0: off). "
     "Default: a quarter of the memory available at start.",
 )
+@click.option(
+    "--speculative",
+    metavar="prompt-lookup|draft:PATH",
+    default=None,
+    help="Exact speculative decoding for every request (as `kvforge generate --speculative`): the same text as "
+    "without. Needs an artifact built with --logits all, without sliding-window or state layers.",
+)
+@click.option(
+    "--draft-tokens",
+    type=click.IntRange(1, 64),
+    default=None,
+    help="Tokens drafted per step and row, with --speculative. Default: 8.",
+)
 @_runtime_option(_RUNTIME_HELP)
 @_guarded
 def serve(
@@ -475,6 +488,8 @@ def serve(
     prefill_chunk: int,
     drain_timeout: float,
     prefix_cache_bytes: str | None,
+    speculative: str | None,
+    draft_tokens: int | None,
     runtime: str,
 ) -> None:
     """Serve ARTIFACT over an OpenAI-compatible HTTP API with continuous batching."""
@@ -487,8 +502,19 @@ def serve(
     except KvforgeError as error:
         raise click.BadParameter(str(error), param_hint="--prefix-cache-bytes") from error
     options = ServeOptions(
-        host, port, served_model_name, max_num_seqs, max_queued, prefill_chunk, drain_timeout, runtime, budget
+        host,
+        port,
+        served_model_name,
+        max_num_seqs,
+        max_queued,
+        prefill_chunk,
+        drain_timeout,
+        runtime,
+        budget,
+        speculative,
+        draft_tokens,
     )
+    options.validate()
     run_serve(artifact, options, announce=lambda line: click.echo(f"kvforge serve: {line}", err=True))
 
 

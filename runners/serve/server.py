@@ -53,6 +53,7 @@ from runners.serve.scheduler import (
     Unavailable,
     choice_requests,
 )
+from runners.speculative import parse_speculative
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,8 @@ class ServeOptions:
     drain_timeout: float = 30.0
     runtime: str = "auto"  # runners.runtime: which session runs the artifact
     prefix_cache_bytes: int | None = None  # None: a quarter of the memory available; 0: no prefix cache
+    speculative: str | None = None  # "prompt-lookup" or "draft:PATH" (runners.speculative); None: off
+    draft_tokens: int | None = None  # drafted per step with `speculative` (None: the default, 8)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "prefill_chunk"):
@@ -84,6 +87,10 @@ class ServeOptions:
             raise KvforgeError(f"port must be in [0, 65535] (0 picks a free one), got {self.port}")
         if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
             raise KvforgeError(f"prefix_cache_bytes must be >= 0 (0 disables the cache), got {self.prefix_cache_bytes}")
+        try:
+            parse_speculative(self.speculative, self.draft_tokens)
+        except KvforgeError as error:
+            raise KvforgeError(f"--speculative / --draft-tokens: {error}") from error
         if self.drain_timeout < 0:
             raise KvforgeError(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
 
@@ -439,6 +446,10 @@ def serve(
         host, port = server.server_address[:2]
         announce(f"listening on http://{_url_host(str(host))}:{port}, loading {artifact}")
         engine = Engine.load(artifact, runtime=options.runtime)
+        try:
+            speculation = engine.speculation(options.speculative, options.draft_tokens)
+        except KvforgeError as error:
+            raise KvforgeError(f"--speculative {options.speculative}: {error}") from error
         scheduler = BatchScheduler.for_engine(
             engine,
             max_num_seqs=options.max_num_seqs,
@@ -446,6 +457,7 @@ def serve(
             prefill_chunk=options.prefill_chunk,
             metrics=metrics,
             prefix_cache=_prefix_cache(engine, Path(artifact), options.prefix_cache_bytes, metrics, announce),
+            speculation=speculation,
         )
         scheduler.start()
         app.name = options.served_model_name or Path(artifact).resolve().name
