@@ -203,6 +203,7 @@ class BatchScheduler:
         metrics: Metrics,
         prefix_cache: PrefixCache | None = None,
         speculation: Speculation | None = None,
+        speculative_rows: int = 1,
     ) -> None:
         self.session = session
         self.io = session.io
@@ -220,6 +221,7 @@ class BatchScheduler:
                     "`kvforge generate --speculative`"
                 )
         self.speculation = speculation
+        self.speculative_rows = speculative_rows  # verify steps run while the batch holds at most this many rows
         self.max_positions = max_positions
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self.max_num_seqs = max_num_seqs
@@ -262,6 +264,7 @@ class BatchScheduler:
         metrics: Metrics,
         prefix_cache: PrefixCache | None = None,
         speculation: Speculation | None = None,
+        speculative_rows: int = 1,
     ) -> BatchScheduler:
         """A scheduler over a loaded engine's session, with its context and end-of-text ids."""
         return cls(
@@ -274,6 +277,7 @@ class BatchScheduler:
             metrics=metrics,
             prefix_cache=prefix_cache,
             speculation=speculation,
+            speculative_rows=speculative_rows,
         )
 
     def start(self) -> None:
@@ -389,6 +393,9 @@ class BatchScheduler:
         room = self._mask.shape[1] - width - 1  # columns a verify step may write after the pending token
         drafts = [d[:room] for d in drafts]
         n = len(rows)
+        if n == 1 and drafts and drafts[0]:
+            self._decode_alone(drafts[0])
+            return
         ids = np.array([[row.next_token] for row in rows], dtype=np.int64)
         self._mask[:n, width] = 1
         mask = np.ascontiguousarray(self._mask[:n, : width + 1])
@@ -402,7 +409,7 @@ class BatchScheduler:
                 row.next_token = token
                 continue
             row.history.append(token)
-            first = drafts[index][:1]
+            first = drafts[index][:1] if drafts else []
             if first:
                 self.metrics.spec_decode_num_drafts.inc()
                 self.metrics.spec_decode_num_draft_tokens.inc(len(drafts[index]))
@@ -423,7 +430,7 @@ class BatchScheduler:
     def _propose(self) -> list[list[int]]:
         """Each row's drafts for this step (none without speculation): at most K, and no more than
         the tokens its budget still allows after the pending one."""
-        if self.speculation is None:
+        if self.speculation is None or len(self._rows) > self.speculative_rows:
             return []
         k = self.speculation.draft_tokens
         drafts = []
@@ -436,26 +443,52 @@ class BatchScheduler:
         """Row `index` chose its first draft: feed its drafts at columns [start, start + k) in a call
         of its own, and choose each next token from them while they equal the drafts. Returns the
         pending token, the positions the row keeps of this step, and whether the request ended."""
-        request = self._rows[index].request
         end = start + len(drafts)
         self._mask[index, start:end] = 1
         mask = np.ascontiguousarray(self._mask[index : index + 1, :end])
         row_cache = {name: buffer[index : index + 1] for name, buffer in self._kv.items()}
         ids = np.asarray([drafts], dtype=np.int64)
         logits, _ = self._forward(ids, mask, row_cache, 1, start)
-        accepted, ended = 1, False  # the first draft, chosen by the batch step
-        for j in range(len(drafts)):
-            token = int(self._sample_rows(logits[:, j, :], [request])[0])
-            matched = token >= 0 and j + 1 < len(drafts) and token == drafts[j + 1]
-            accepted += matched
-            self.metrics.spec_decode_num_accepted_tokens.inc(int(matched))
-            ended = token < 0 or self._deliver(request, token)
-            if ended or not matched:
-                break
-            self._rows[index].history.append(token)
-        self._rows[index].history.append(token)
+        token, accepted, ended = self._choose_along(index, logits, drafts[1:])
+        accepted += 1  # the first draft, chosen by the batch step
         self._mask[index, start + accepted : end] = 0  # the rejected drafts' columns
         return token, 1 + accepted, ended
+
+    def _decode_alone(self, drafts: list[int]) -> None:
+        """A batch of one row: its pending token and drafts in one call (batch 1 takes several
+        tokens), as `Engine`'s speculative decoding does."""
+        row, width = self._rows[0], self._width
+        self.metrics.spec_decode_num_drafts.inc()
+        self.metrics.spec_decode_num_draft_tokens.inc(len(drafts))
+        end = width + 1 + len(drafts)
+        self._mask[0, width:end] = 1
+        ids = np.asarray([[row.next_token, *drafts]], dtype=np.int64)
+        logits, _ = self._forward(ids, np.ascontiguousarray(self._mask[:1, :end]), self._batch_cache(1), 1, width)
+        token, accepted, ended = self._choose_along(0, logits, drafts)
+        self._mask[0, width + 1 + accepted : end] = 0
+        row.next_token = token
+        row.length += 1 + accepted
+        row.span += 1 + accepted
+        self._width = width + 1 + accepted
+        if ended:
+            self._remove_row(0)
+
+    def _choose_along(self, index: int, logits: np.ndarray, drafts: list[int]) -> tuple[int, int, bool]:
+        """Row `index`'s tokens from each position of `logits` [1, positions, vocab] in turn, while
+        they equal `drafts` (the tokens fed after each position). Returns the last token (pending),
+        the drafts accepted, and whether the request ended."""
+        row = self._rows[index]
+        accepted, ended, token = 0, False, -1
+        for j in range(logits.shape[1]):
+            token = int(self._sample_rows(logits[:, j, :], [row.request])[0])
+            matched = token >= 0 and j < len(drafts) and token == drafts[j]
+            accepted += matched
+            self.metrics.spec_decode_num_accepted_tokens.inc(int(matched))
+            ended = token < 0 or self._deliver(row.request, token)
+            row.history.append(token)
+            if ended or not matched:
+                break
+        return token, accepted, ended
 
     def _sample_rows(self, last: np.ndarray, requests: list[Request]) -> np.ndarray:
         """One token per row, each from its own decoder; -1 where the row failed (and was told)."""

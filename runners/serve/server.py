@@ -76,9 +76,10 @@ class ServeOptions:
     prefix_cache_bytes: int | None = None  # None: a quarter of the memory available; 0: no prefix cache
     speculative: str | None = None  # "prompt-lookup" or "draft:PATH" (runners.speculative); None: off
     draft_tokens: int | None = None  # drafted per step with `speculative` (None: the default, 8)
+    speculative_rows: int = 1  # verify steps while the batch holds at most this many rows
 
     def validate(self) -> None:
-        for name in ("max_num_seqs", "prefill_chunk"):
+        for name in ("max_num_seqs", "prefill_chunk", "speculative_rows"):
             if getattr(self, name) < 1:
                 raise KvforgeError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queued < 0:
@@ -456,8 +457,9 @@ def serve(
             max_queued=options.max_queued,
             prefill_chunk=options.prefill_chunk,
             metrics=metrics,
-            prefix_cache=_prefix_cache(engine, Path(artifact), options.prefix_cache_bytes, metrics, announce),
+            prefix_cache=prefix_cache_for(engine, Path(artifact), options.prefix_cache_bytes, metrics, announce),
             speculation=speculation,
+            speculative_rows=options.speculative_rows,
         )
         scheduler.start()
         app.name = options.served_model_name or Path(artifact).resolve().name
@@ -477,7 +479,7 @@ def serve(
         server.server_close()
 
 
-def _prefix_cache(
+def prefix_cache_for(
     engine: Engine, artifact: Path, budget: int | None, metrics: Metrics, announce: Callable[[str], None]
 ) -> PrefixCache | None:
     """The server's prefix cache over ARTIFACT, keyed by its manifest's digest; None when the

@@ -42,7 +42,9 @@ def engine(all_logits: Path) -> Engine:
 
 
 def scheduler_for(engine: Engine, speculative: str | None, session: Any = None, **options: Any) -> BatchScheduler:
-    settings = dict(max_num_seqs=4, max_queued=16, prefill_chunk=8) | options
+    settings = dict(max_num_seqs=4, max_queued=16, prefill_chunk=8, speculative_rows=8) | options
+    if speculative is None:
+        settings.pop("speculative_rows")
     draft_tokens = settings.pop("draft_tokens", None)
     scheduler = BatchScheduler(
         session or engine.session,
@@ -79,12 +81,13 @@ def texts_of(engine: Engine, speculative: str | None, budgets: list[int], **kwar
 BUDGETS = [40, 12, 60, 8, 50, 30, 25, 45, 35]
 
 
-@pytest.mark.parametrize("speculative", ["prompt-lookup", "draft:SELF"])
-def test_concurrent_greedy_equals_plain_batch(engine: Engine, speculative: str) -> None:
+@pytest.mark.parametrize(("speculative", "rows"), [("prompt-lookup", 8), ("draft:SELF", 8), ("prompt-lookup", 1)])
+def test_concurrent_greedy_equals_plain_batch(engine: Engine, speculative: str, rows: int) -> None:
+    """Verify steps per row in a batch of up to 4 (rows 8), or only once a row is alone (rows 1)."""
     speculative = speculative.replace("SELF", str(engine.directory))
     expected = texts_of(engine, None, BUDGETS)
     recording = Recording(engine.session)
-    got = texts_of(engine, speculative, BUDGETS, session=recording, draft_tokens=5)
+    got = texts_of(engine, speculative, BUDGETS, session=recording, draft_tokens=5, speculative_rows=rows)
     for (text, end), (want, want_end) in zip(got, expected):
         assert isinstance(end, Finished) and isinstance(want_end, Finished)
         assert text == want
