@@ -8,7 +8,9 @@ import json
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -151,6 +153,14 @@ def test_refusals_name_the_option(tiny_artifact: Path, built_artifact: Callable[
     assert result.exit_code != 0 and "--speculative" in result.output
     result = CliRunner().invoke(main, ["serve", str(tiny_artifact), "--port", "0", "--speculative", "ngram"])
     assert result.exit_code != 0 and "--speculative" in result.output and "prompt-lookup" in result.output
+
+
+def test_window_bounded_layers_are_refused_naming_the_option(engine: Engine) -> None:
+    io = engine.session.io
+    windowed = replace(io, layer_windows=tuple(8 if i % 2 else None for i in range(io.num_layers)))
+    session = SimpleNamespace(io=windowed, run=engine.session.run)
+    with pytest.raises(KvforgeError, match=r"--speculative.*sliding window"):
+        scheduler_for(engine, "prompt-lookup", session)
 
 
 def test_server_refuses_an_artifact_without_all_logits(tiny_artifact: Path, tmp_path: Path) -> None:
