@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -130,7 +131,7 @@ def test_holes_are_gathered_by_compaction(engine: Engine) -> None:
 
 
 def test_sampled_requests_equal_plain_per_seed(engine: Engine) -> None:
-    def run(speculative: str | None) -> list[str]:
+    def run(speculative: str | None) -> tuple[list[str], float]:
         scheduler = scheduler_for(engine, speculative)
         try:
             requests = [
@@ -196,3 +197,35 @@ def test_server_metrics_and_texts(all_logits: Path, launch: Callable[..., Server
     drafted = values["kvforge:spec_decode_num_draft_tokens_total"]
     accepted = values["kvforge:spec_decode_num_accepted_tokens_total"]
     assert 0 < accepted <= drafted and values["kvforge:spec_decode_num_drafts_total"] > 0
+
+
+def test_grammar_masks_apply_to_drafted_tokens(engine: Engine) -> None:
+    """A regex-constrained reply through the speculating batch equals the plain batch's and
+    matches the expression (the mask decides every position a verify step yields too)."""
+    pytest.importorskip("llguidance")
+    grammar = engine.compile_grammar(regex="(ab|cd){2,12}")
+
+    def run(speculative: str | None) -> tuple[list[str], float]:
+        scheduler = scheduler_for(engine, speculative)
+        try:
+            requests = []
+            for prompt in ("abababab", "cdcdabab", SPEC_PROMPTS[0]):
+                ids = engine.encode(prompt)
+                params = engine.sampling(temperature=0.0)
+                requests.append(
+                    Request(
+                        ids,
+                        params,
+                        40,
+                        engine.tokenizer.detokenizer((), context_ids=ids),
+                        decoder=engine.decoder(params, ids, grammar),
+                    )
+                )
+            texts = [text for text, _ in run_concurrently(scheduler, requests)]
+            return texts, scheduler.metrics.spec_decode_num_accepted_tokens.get()
+        finally:
+            scheduler.stop()
+
+    texts, accepted = run("prompt-lookup")
+    assert texts == run(None)[0] and accepted > 0
+    assert all(re.fullmatch("(ab|cd){2,12}", text) for text in texts), texts
