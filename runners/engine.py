@@ -308,7 +308,7 @@ class Engine:
         detok: StreamingDetokenizer,
         decoder: Decoder,
         stream: TextStream,
-        speculation: _Speculation | None,
+        speculation: Speculation | None,
     ) -> Iterator[str]:
         stats = stream.stats
         start = time.perf_counter()
@@ -343,7 +343,7 @@ class Engine:
         params: SamplingParams,
         decoders: Sequence[Decoder] | None = None,
         done: np.ndarray | None = None,
-        speculation: _Speculation | None = None,
+        speculation: Speculation | None = None,
         stats: SpeculationStats | None = None,
     ) -> Iterator[Step]:
         if speculation is not None:
@@ -361,7 +361,7 @@ class Engine:
             decoders=decoders,
         )
 
-    def speculation(self, speculative: str | None, draft_tokens: int | None) -> _Speculation | None:
+    def speculation(self, speculative: str | None, draft_tokens: int | None) -> Speculation | None:
         """What `speculative` and `draft_tokens` ask for, checked against this artifact (None: plain decoding);
         a draft artifact is loaded (once) and its tokenizer compared with this one's."""
         kind, k = parse_speculative(speculative, draft_tokens)
@@ -369,7 +369,7 @@ class Engine:
             return None
         require_all_logits(self.session.io, self.directory)
         if kind == PROMPT_LOOKUP:
-            return _Speculation(k)
+            return Speculation(k)
         path = kind.removeprefix("draft:")
         if path not in self._drafts:
             draft = Engine.load(path, huge_pages=False)
@@ -384,7 +384,7 @@ class Engine:
                     f"{self.session.io.vocab_size}; use a draft artifact with the target's vocabulary"
                 )
             self._drafts[path] = DraftModel(draft.session, draft.max_positions, path)
-        return _Speculation(k, self._drafts[path])
+        return Speculation(k, self._drafts[path])
 
     def _speculative_steps(
         self,
@@ -393,15 +393,13 @@ class Engine:
         params: SamplingParams,
         decoders: Sequence[Decoder] | None,
         done: np.ndarray | None,
-        speculation: _Speculation,
+        speculation: Speculation,
         stats: SpeculationStats | None,
     ) -> Iterator[Step]:
         if decoders is None:  # one decoder per row, drawing what plain batch sampling would draw for that row
             draws = BatchDraws(make_rng(params.seed), len(prompts))
             decoders = [Decoder(params, p, rng=RowDraws(draws, row)) for row, p in enumerate(prompts)]
-        drafters: list[Drafter] = [
-            PromptLookup() if speculation.draft is None else speculation.draft.row(len(p) + budget) for p in prompts
-        ]
+        drafters = [speculation.drafter(len(p) + budget) for p in prompts]
         return speculative_steps(
             self.session,
             prompts,
@@ -511,11 +509,16 @@ _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 
 @dataclass(frozen=True)
-class _Speculation:
+class Speculation:
     """A request's speculative decoding: drafts per verify step, and the draft model (None: prompt lookup)."""
 
     draft_tokens: int
     draft: DraftModel | None = None
+
+    def drafter(self, capacity: int) -> Drafter:
+        """A fresh drafter for one sequence of at most `capacity` positions (raises GenerationError
+        when the draft model holds fewer)."""
+        return PromptLookup() if self.draft is None else self.draft.row(capacity)
 
 
 @dataclass(frozen=True)

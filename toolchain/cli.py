@@ -463,6 +463,28 @@ def bench(
     help="Memory for the KV of prompt prefixes reused across requests (e.g. 512M, 2G; 0: off). "
     "Default: a quarter of the memory available at start.",
 )
+@click.option(
+    "--speculative",
+    metavar="prompt-lookup|draft:PATH",
+    default=None,
+    help="Exact speculative decoding for every request (as `kvforge generate --speculative`): the same text as "
+    "without. Needs an artifact built with --logits all, without sliding-window or state layers.",
+)
+@click.option(
+    "--draft-tokens",
+    type=click.IntRange(1, 64),
+    default=None,
+    help="Tokens drafted per step and row, with --speculative. Default: 8.",
+)
+@click.option(
+    "--speculative-rows",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="With --speculative: speculate while the batch holds at most this many requests (beyond, each row's "
+    "verify step is a call of its own, which costs more than it gains on the models measured in "
+    "docs/performance.md).",
+)
 @_runtime_option(_RUNTIME_HELP)
 @_guarded
 def serve(
@@ -475,6 +497,9 @@ def serve(
     prefill_chunk: int,
     drain_timeout: float,
     prefix_cache_bytes: str | None,
+    speculative: str | None,
+    draft_tokens: int | None,
+    speculative_rows: int,
     runtime: str,
 ) -> None:
     """Serve ARTIFACT over an OpenAI-compatible HTTP API with continuous batching."""
@@ -487,8 +512,20 @@ def serve(
     except KvforgeError as error:
         raise click.BadParameter(str(error), param_hint="--prefix-cache-bytes") from error
     options = ServeOptions(
-        host, port, served_model_name, max_num_seqs, max_queued, prefill_chunk, drain_timeout, runtime, budget
+        host,
+        port,
+        served_model_name,
+        max_num_seqs,
+        max_queued,
+        prefill_chunk,
+        drain_timeout,
+        runtime,
+        budget,
+        speculative,
+        draft_tokens,
+        speculative_rows,
     )
+    options.validate()
     run_serve(artifact, options, announce=lambda line: click.echo(f"kvforge serve: {line}", err=True))
 
 
@@ -514,6 +551,13 @@ def serve(
 )
 @click.option("--name", default=None, help="Triton model name. Default: ARTIFACT's directory name.")
 @_engine_options(", per instance")
+@click.option(
+    "--prefix-cache-bytes",
+    default=None,
+    metavar="BYTES",
+    help="Memory per instance for the KV of prompt prefixes reused across requests (e.g. 512M, 2G; 0: off). "
+    "Default: a quarter of the memory available when the instance loads.",
+)
 @_runtime_option(
     "auto: as --kind says; ort: onnxruntime on the CPU (--kind cpu); ort-cuda: onnxruntime's CUDA provider "
     "(--kind gpu). The Triton backend runs onnxruntime only, so tensorrt is refused."
@@ -525,6 +569,14 @@ def export_triton(artifact: Path, output: Path, name: str | None, runtime: str, 
     from toolchain.triton import export_triton as run_export
 
     options["kind"] = _triton_kind(runtime, options["kind"], click.get_current_context())
+    budget = options.pop("prefix_cache_bytes")
+    if budget is not None:
+        from runners.serve.prefix_cache import parse_bytes
+
+        try:
+            options["prefix_cache_bytes"] = parse_bytes(budget)
+        except KvforgeError as error:
+            raise click.BadParameter(str(error), param_hint="--prefix-cache-bytes") from error
 
     written = run_export(artifact, output, TritonOptions(name=name, **options))
     click.echo(

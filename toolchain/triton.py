@@ -27,7 +27,15 @@ from pathlib import Path
 
 from runners.errors import ArtifactError, KvforgeError
 from runners.manifest import MANIFEST, read_manifest, verify_files
-from runners.triton.contract import ARTIFACT_DIR, ENGINE_PARAMETERS, INPUTS, OUTPUTS, TensorSpec
+from runners.triton.contract import (
+    ARTIFACT_DIR,
+    AUTO_BUDGET,
+    ENGINE_PARAMETERS,
+    INPUTS,
+    OUTPUTS,
+    PREFIX_CACHE_PARAMETER,
+    TensorSpec,
+)
 from toolchain.publish import check_output, publish, staged
 
 log = logging.getLogger(__name__)
@@ -49,6 +57,7 @@ class TritonOptions:
     max_num_seqs: int = ENGINE_PARAMETERS["max_num_seqs"]
     max_queued: int = ENGINE_PARAMETERS["max_queued"]
     prefill_chunk: int = ENGINE_PARAMETERS["prefill_chunk"]
+    prefix_cache_bytes: int | None = None  # None: a quarter of the memory available at load; 0: off
 
     def validate(self) -> None:
         if self.kind not in KINDS:
@@ -61,6 +70,9 @@ class TritonOptions:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise KvforgeError(f"{flag} must be an integer >= {least}, got {value!r}")
+        budget = self.prefix_cache_bytes
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise KvforgeError(f"--prefix-cache-bytes must be a byte count >= 0 (0: off), got {budget!r}")
         if self.name is not None:
             check_model_name(self.name, "--name")
 
@@ -161,6 +173,8 @@ def render_config(name: str, options: TritonOptions) -> str:
     ]
     for key in ENGINE_PARAMETERS:
         lines += ["parameters {", f'  key: "{key}"', f'  value: {{ string_value: "{getattr(options, key)}" }}', "}"]
+    budget = AUTO_BUDGET if options.prefix_cache_bytes is None else str(options.prefix_cache_bytes)
+    lines += ["parameters {", f'  key: "{PREFIX_CACHE_PARAMETER}"', f'  value: {{ string_value: "{budget}" }}', "}"]
     return "\n".join(lines) + "\n"
 
 
@@ -215,6 +229,13 @@ def render_readme(name: str, repository: str, options: TritonOptions, version: s
         max_num_seqs=options.max_num_seqs,
         max_queued=options.max_queued,
         prefill_chunk=options.prefill_chunk,
+        prefix_cache=(
+            "a quarter of the memory available when the instance loads"
+            if options.prefix_cache_bytes is None
+            else f"{options.prefix_cache_bytes} bytes"
+            if options.prefix_cache_bytes
+            else "off"
+        ),
     )
 
 
@@ -245,8 +266,11 @@ the engine and answered with a CANCELLED error.
 Engine parameters (edit `parameters` in config.pbtxt, or export again):
 `max_num_seqs` {max_num_seqs} (requests generating at once per instance), `max_queued`
 {max_queued} (waiting per instance; beyond, requests fail with UNAVAILABLE), `prefill_chunk`
-{prefill_chunk} (prompt tokens per engine step). Each instance is a process with its own
-copy of the weights and its own KV cache.
+{prefill_chunk} (prompt tokens per engine step), `prefix_cache_bytes`: {prefix_cache} (the KV
+of prompt prefixes reused across requests, in blocks of 16 tokens, least recently used evicted;
+a byte count such as 268435456 or 256M, 0 for off, `auto` for a quarter of the memory available).
+Each instance is a process with its own copy of the weights, its own KV cache and its own prefix
+cache.
 
 ## The Python backend's environment
 

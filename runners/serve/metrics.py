@@ -143,6 +143,13 @@ class Metrics:
         )
         self.prefix_cache_evictions = Counter("prefix_cache_evictions", "Prefix cache blocks evicted.")
         self.prefix_cache_bytes = Gauge("prefix_cache_bytes", "Bytes the prefix cache holds.")
+        self.spec_decode_num_drafts = Counter(
+            "spec_decode_num_drafts", "Decode steps in which a row had drafted tokens (--speculative)."
+        )
+        self.spec_decode_num_draft_tokens = Counter("spec_decode_num_draft_tokens", "Tokens drafted.")
+        self.spec_decode_num_accepted_tokens = Counter(
+            "spec_decode_num_accepted_tokens", "Drafted tokens the target model's own choice agreed with."
+        )
 
     def render(self) -> str:
         labels = {"model_name": self.model_name}
@@ -166,6 +173,9 @@ class Metrics:
             self.prefix_cache_hit_tokens,
             self.prefix_cache_evictions,
             self.prefix_cache_bytes,
+            self.spec_decode_num_drafts,
+            self.spec_decode_num_draft_tokens,
+            self.spec_decode_num_accepted_tokens,
         ):
             lines.extend(metric.render(labels))
         return "\n".join(lines) + "\n"

@@ -32,6 +32,19 @@ never reach a state.
 With a prefix cache (`runners.serve.prefix_cache`), a prefill first copies the longest cached
 block prefix of its prompt into its buffer and prefills the rest; a finished prefill stores its
 prompt's full blocks. Decode never sees the cache.
+
+With speculative decoding (`runners.speculative`), each row's drafter proposes up to K tokens
+before the step. The batch decode runs as before (every row's pending token at column ``W``); a
+row whose chosen token equals its first draft then verifies its drafts in a call of its own, at
+batch 1 over its row of the buffer (columns ``[W + 1, W + 1 + k)``: GroupQueryAttention takes
+several new tokens over a cache only at batch 1), and its decoder chooses each position's token
+in order, as plain decoding would, while they equal the drafts. A row rejected at the first
+draft costs no extra call. Rows then grow by different amounts: the width grows by the largest
+growth ``G``, and a row that kept fewer positions leaves the rest of its ``G`` columns masked
+out (holes, mask 0). The mask alone says what a row attends to and position ids count its real
+tokens, so holes change nothing; compaction gathers each row's real columns when holes are in
+the way of a plain shift. Window-bounded layers and fixed-size states are refused (a hole would
+count in a window; a state cannot take a draft back).
 """
 
 from __future__ import annotations
@@ -48,7 +61,7 @@ import numpy as np
 
 from runners.decoding import Decoder, TokenLogprob, end_of_row
 from runners.detokenizer import StreamingDetokenizer
-from runners.engine import Engine
+from runners.engine import Engine, Speculation
 from runners.errors import KvforgeError
 from runners.generate import choose_tokens, empty_states, forward, invalid_rows
 from runners.sampling import SamplingParams
@@ -56,6 +69,7 @@ from runners.serve.metrics import Metrics
 from runners.serve.prefix_cache import PrefixCache, unsupported
 from runners.serve.protocol import ParsedRequest
 from runners.session import Session
+from runners.speculative import Drafter, require_all_logits
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +150,9 @@ class _Row:
     request: Request
     length: int  # positions cached
     next_token: int  # sampled, not yet fed
+    span: int = 0  # columns from its first cached position to the width (length plus holes)
+    drafter: Drafter | None = None  # with speculative decoding
+    history: list[int] = field(default_factory=list)  # prompt and generated ids, for the drafter
 
 
 @dataclass(eq=False)
@@ -185,6 +202,8 @@ class BatchScheduler:
         prefill_chunk: int,
         metrics: Metrics,
         prefix_cache: PrefixCache | None = None,
+        speculation: Speculation | None = None,
+        speculative_rows: int = 1,
     ) -> None:
         self.session = session
         self.io = session.io
@@ -192,6 +211,17 @@ class BatchScheduler:
         if reason is not None:
             raise KvforgeError(f"this artifact cannot have a prefix cache: {reason}; run without one")
         self.prefix_cache = prefix_cache
+        if speculation is not None:
+            require_all_logits(self.io)
+            if self.io.layer_windows and any(self.io.window_of(name) is not None for name in self.io.past_names):
+                raise KvforgeError(
+                    "speculative decoding in the server's continuous batch (--speculative) is not available for "
+                    "layers whose cache is bounded by a sliding window (io.layer_windows in the manifest): a draft "
+                    "rejected in one row would leave a gap inside the window; serve without --speculative, or use "
+                    "`kvforge generate --speculative`"
+                )
+        self.speculation = speculation
+        self.speculative_rows = speculative_rows  # verify steps run while the batch holds at most this many rows
         self.max_positions = max_positions
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self.max_num_seqs = max_num_seqs
@@ -233,6 +263,8 @@ class BatchScheduler:
         prefill_chunk: int,
         metrics: Metrics,
         prefix_cache: PrefixCache | None = None,
+        speculation: Speculation | None = None,
+        speculative_rows: int = 1,
     ) -> BatchScheduler:
         """A scheduler over a loaded engine's session, with its context and end-of-text ids."""
         return cls(
@@ -244,6 +276,8 @@ class BatchScheduler:
             prefill_chunk=prefill_chunk,
             metrics=metrics,
             prefix_cache=prefix_cache,
+            speculation=speculation,
+            speculative_rows=speculative_rows,
         )
 
     def start(self) -> None:
@@ -353,24 +387,108 @@ class BatchScheduler:
     # -- decode -------------------------------------------------------------------------
 
     def _decode(self) -> None:
-        self._make_room()
+        drafts = self._propose()
+        self._make_room(1 + max(map(len, drafts), default=0))
         rows, width = self._rows, self._width
+        room = self._mask.shape[1] - width - 1  # columns a verify step may write after the pending token
+        drafts = [d[:room] for d in drafts]
         n = len(rows)
+        if n == 1 and drafts and drafts[0]:
+            self._decode_alone(drafts[0])
+            return
         ids = np.array([[row.next_token] for row in rows], dtype=np.int64)
         self._mask[:n, width] = 1
         mask = np.ascontiguousarray(self._mask[:n, : width + 1])
         logits, self._bounded = self._forward(ids, mask, self._batch_cache(n) | self._bounded, n, width)
-        self._width = width + 1
-        for row in rows:
-            row.length += 1
         tokens = self._sample_rows(logits[:, -1, :], [row.request for row in rows])
+        growth, ended = [1] * n, [False] * n
+        for index, row in enumerate(rows):
+            token = int(tokens[index])
+            ended[index] = token < 0 or self._deliver(row.request, token)
+            if self.speculation is None:
+                row.next_token = token
+                continue
+            row.history.append(token)
+            first = drafts[index][:1] if drafts else []
+            if first:
+                self.metrics.spec_decode_num_drafts.inc()
+                self.metrics.spec_decode_num_draft_tokens.inc(len(drafts[index]))
+                self.metrics.spec_decode_num_accepted_tokens.inc(int(token == first[0]))
+            if not ended[index] and first and token == first[0]:
+                token, growth[index], ended[index] = self._verify(index, drafts[index], width + 1)
+            row.next_token = token
+        # a row that kept fewer positions than the one that kept most leaves the rest out (holes)
+        grown = max((g for g, e in zip(growth, ended) if not e), default=1)
+        for index, row in enumerate(rows):
+            row.length += growth[index]
+            row.span += grown
+        self._width = width + grown
         for index in reversed(range(n)):
-            request = rows[index].request
-            token = tokens[index]
-            if token < 0 or self._deliver(request, int(token)):
+            if ended[index]:
                 self._remove_row(index)
-            else:
-                rows[index].next_token = int(token)
+
+    def _propose(self) -> list[list[int]]:
+        """Each row's drafts for this step (none without speculation): at most K, and no more than
+        the tokens its budget still allows after the pending one."""
+        if self.speculation is None or len(self._rows) > self.speculative_rows:
+            return []
+        k = self.speculation.draft_tokens
+        drafts = []
+        for row in self._rows:
+            left = min(k, row.request.budget - row.request.generated - 1)
+            drafts.append(row.drafter.propose(row.history, left) if row.drafter is not None and left > 0 else [])
+        return drafts
+
+    def _verify(self, index: int, drafts: list[int], start: int) -> tuple[int, int, bool]:
+        """Row `index` chose its first draft: feed its drafts at columns [start, start + k) in a call
+        of its own, and choose each next token from them while they equal the drafts. Returns the
+        pending token, the positions the row keeps of this step, and whether the request ended."""
+        end = start + len(drafts)
+        self._mask[index, start:end] = 1
+        mask = np.ascontiguousarray(self._mask[index : index + 1, :end])
+        row_cache = {name: buffer[index : index + 1] for name, buffer in self._kv.items()}
+        ids = np.asarray([drafts], dtype=np.int64)
+        logits, _ = self._forward(ids, mask, row_cache, 1, start)
+        token, accepted, ended = self._choose_along(index, logits, drafts[1:])
+        accepted += 1  # the first draft, chosen by the batch step
+        self._mask[index, start + accepted : end] = 0  # the rejected drafts' columns
+        return token, 1 + accepted, ended
+
+    def _decode_alone(self, drafts: list[int]) -> None:
+        """A batch of one row: its pending token and drafts in one call (batch 1 takes several
+        tokens), as `Engine`'s speculative decoding does."""
+        row, width = self._rows[0], self._width
+        self.metrics.spec_decode_num_drafts.inc()
+        self.metrics.spec_decode_num_draft_tokens.inc(len(drafts))
+        end = width + 1 + len(drafts)
+        self._mask[0, width:end] = 1
+        ids = np.asarray([[row.next_token, *drafts]], dtype=np.int64)
+        logits, _ = self._forward(ids, np.ascontiguousarray(self._mask[:1, :end]), self._batch_cache(1), 1, width)
+        token, accepted, ended = self._choose_along(0, logits, drafts)
+        self._mask[0, width + 1 + accepted : end] = 0
+        row.next_token = token
+        row.length += 1 + accepted
+        row.span += 1 + accepted
+        self._width = width + 1 + accepted
+        if ended:
+            self._remove_row(0)
+
+    def _choose_along(self, index: int, logits: np.ndarray, drafts: list[int]) -> tuple[int, int, bool]:
+        """Row `index`'s tokens from each position of `logits` [1, positions, vocab] in turn, while
+        they equal `drafts` (the tokens fed after each position). Returns the last token (pending),
+        the drafts accepted, and whether the request ended."""
+        row = self._rows[index]
+        accepted, ended, token = 0, False, -1
+        for j in range(logits.shape[1]):
+            token = int(self._sample_rows(logits[:, j, :], [row.request])[0])
+            matched = token >= 0 and j < len(drafts) and token == drafts[j]
+            accepted += matched
+            self.metrics.spec_decode_num_accepted_tokens.inc(int(matched))
+            ended = token < 0 or self._deliver(row.request, token)
+            row.history.append(token)
+            if ended or not matched:
+                break
+        return token, accepted, ended
 
     def _sample_rows(self, last: np.ndarray, requests: list[Request]) -> np.ndarray:
         """One token per row, each from its own decoder; -1 where the row failed (and was told)."""
@@ -489,7 +607,14 @@ class BatchScheduler:
         self._mask[n] = 0
         self._mask[n, width - length : width] = 1
         self._width = width
-        self._rows.append(_Row(request, length, token))
+        row = _Row(request, length, token, span=length)
+        if self.speculation is not None:
+            row.history = [*request.ids, token]
+            try:
+                row.drafter = self.speculation.drafter(length + request.budget)
+            except KvforgeError as error:  # a draft model with a shorter context: this row does not speculate
+                logger.info("request without speculation: %s", error)
+        self._rows.append(row)
         self._views = None
 
     # -- the batch buffer ---------------------------------------------------------------
@@ -524,10 +649,11 @@ class BatchScheduler:
             self._views = (rows, {name: buffer[:rows] for name, buffer in buffers.items()})
         return self._views[1]
 
-    def _make_room(self) -> None:
-        """Before a decode step: compact wasted padding, and make room for one more column."""
-        self._compact(force=self._width + 1 > self._mask.shape[1])
-        self._reserve(len(self._rows), self._width + 1)
+    def _make_room(self, columns: int = 1) -> None:
+        """Before a decode step: compact wasted padding, and make room for `columns` more columns
+        (one at least; more as far as the capacity allows)."""
+        self._compact(force=self._width + columns > self._mask.shape[1])
+        self._reserve(len(self._rows), max(self._width + 1, min(self._width + columns, self._capacity_limit)))
 
     def _compact(self, force: bool) -> None:
         """Shift the batch left over the padding every row shares, when it is wasteful or `force`."""
@@ -537,6 +663,9 @@ class BatchScheduler:
         longest = max(row.length for row in self._rows)
         waste = self._width - longest
         if waste > 0 and (force or waste >= max(longest, _MIN_COMPACTION)):
+            if max(row.span for row in self._rows) > longest:  # holes in the way of a shift: gather
+                self._gather(longest)
+                return
             for buffer in self._kv.values():
                 buffer[:n, :, :longest] = buffer[:n, :, waste : self._width]
             self._mask[:n, :longest] = self._mask[:n, waste : self._width]
@@ -546,6 +675,20 @@ class BatchScheduler:
             }
             self._width = longest
             self.compactions += 1
+
+    def _gather(self, longest: int) -> None:
+        """Compaction with holes (speculation only: no bounded layers, no states): each row's cached
+        columns, in order, right-aligned at the new width `longest`."""
+        for index, row in enumerate(self._rows):
+            columns = np.flatnonzero(self._mask[index, : self._width])
+            start = longest - row.length
+            for buffer in self._kv.values():
+                buffer[index, :, start:longest] = buffer[index][:, columns]
+            self._mask[index] = 0
+            self._mask[index, start:longest] = 1
+            row.span = row.length
+        self._width = longest
+        self.compactions += 1
 
     def _reserve(self, rows: int, columns: int) -> None:
         """Grow the batch buffer (doubling, up to the bounds) to hold `rows` x `columns`."""
@@ -578,7 +721,7 @@ class BatchScheduler:
                 buffer[index, :, :width] = buffer[last, :, :width]
             for state in self._states.values():
                 state[index] = state[last]
-            self._mask[index, :width] = self._mask[last, :width]
+            self._mask[index] = self._mask[last]  # whole: a verify step may have written past the width
             self._rows[index] = self._rows[last]
             for rows in self._bounded.values():
                 rows[index] = rows[last]

@@ -53,6 +53,7 @@ from runners.serve.scheduler import (
     Unavailable,
     choice_requests,
 )
+from runners.speculative import parse_speculative
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +74,12 @@ class ServeOptions:
     drain_timeout: float = 30.0
     runtime: str = "auto"  # runners.runtime: which session runs the artifact
     prefix_cache_bytes: int | None = None  # None: a quarter of the memory available; 0: no prefix cache
+    speculative: str | None = None  # "prompt-lookup" or "draft:PATH" (runners.speculative); None: off
+    draft_tokens: int | None = None  # drafted per step with `speculative` (None: the default, 8)
+    speculative_rows: int = 1  # verify steps while the batch holds at most this many rows
 
     def validate(self) -> None:
-        for name in ("max_num_seqs", "prefill_chunk"):
+        for name in ("max_num_seqs", "prefill_chunk", "speculative_rows"):
             if getattr(self, name) < 1:
                 raise KvforgeError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queued < 0:
@@ -84,6 +88,10 @@ class ServeOptions:
             raise KvforgeError(f"port must be in [0, 65535] (0 picks a free one), got {self.port}")
         if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
             raise KvforgeError(f"prefix_cache_bytes must be >= 0 (0 disables the cache), got {self.prefix_cache_bytes}")
+        try:
+            parse_speculative(self.speculative, self.draft_tokens)
+        except KvforgeError as error:
+            raise KvforgeError(f"--speculative / --draft-tokens: {error}") from error
         if self.drain_timeout < 0:
             raise KvforgeError(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
 
@@ -439,13 +447,19 @@ def serve(
         host, port = server.server_address[:2]
         announce(f"listening on http://{_url_host(str(host))}:{port}, loading {artifact}")
         engine = Engine.load(artifact, runtime=options.runtime)
+        try:
+            speculation = engine.speculation(options.speculative, options.draft_tokens)
+        except KvforgeError as error:
+            raise KvforgeError(f"--speculative {options.speculative}: {error}") from error
         scheduler = BatchScheduler.for_engine(
             engine,
             max_num_seqs=options.max_num_seqs,
             max_queued=options.max_queued,
             prefill_chunk=options.prefill_chunk,
             metrics=metrics,
-            prefix_cache=_prefix_cache(engine, Path(artifact), options.prefix_cache_bytes, metrics, announce),
+            prefix_cache=prefix_cache_for(engine, Path(artifact), options.prefix_cache_bytes, metrics, announce),
+            speculation=speculation,
+            speculative_rows=options.speculative_rows,
         )
         scheduler.start()
         app.name = options.served_model_name or Path(artifact).resolve().name
@@ -465,7 +479,7 @@ def serve(
         server.server_close()
 
 
-def _prefix_cache(
+def prefix_cache_for(
     engine: Engine, artifact: Path, budget: int | None, metrics: Metrics, announce: Callable[[str], None]
 ) -> PrefixCache | None:
     """The server's prefix cache over ARTIFACT, keyed by its manifest's digest; None when the

@@ -28,8 +28,10 @@ from typing import Any, cast
 from runners.engine import Engine
 from runners.errors import KvforgeError
 from runners.serve.metrics import FINISH_REASONS, Metrics
+from runners.serve.prefix_cache import parse_bytes
 from runners.serve.scheduler import BatchScheduler, Event, Overloaded, Request, Unavailable, choice_requests
-from runners.triton.contract import ARTIFACT_DIR, ENGINE_PARAMETERS
+from runners.serve.server import prefix_cache_for
+from runners.triton.contract import ARTIFACT_DIR, AUTO_BUDGET, ENGINE_PARAMETERS, PREFIX_CACHE_PARAMETER
 from runners.triton.requests import Reply, ReplyStream, TritonRequestError, parse_inputs
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ class EngineSettings:
     max_num_seqs: int = ENGINE_PARAMETERS["max_num_seqs"]
     max_queued: int = ENGINE_PARAMETERS["max_queued"]
     prefill_chunk: int = ENGINE_PARAMETERS["prefill_chunk"]
+    prefix_cache_bytes: int | None = 0  # None: a quarter of the memory available; 0 (or absent): off
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> EngineSettings:
@@ -84,7 +87,24 @@ class EngineSettings:
                     f"again with `kvforge export-triton --{name.replace('_', '-')} N`"
                 )
             values[name] = value
-        return cls(**values)
+        return cls(**values, prefix_cache_bytes=_budget(parameters.get(PREFIX_CACHE_PARAMETER)))
+
+
+def _budget(entry: Any) -> int | None:
+    """The prefix cache budget of config.pbtxt's parameter: bytes, None for `auto`, 0 when absent."""
+    if entry is None:
+        return 0
+    text = entry.get("string_value") if isinstance(entry, dict) else None
+    if str(text).strip().lower() == AUTO_BUDGET:
+        return None
+    try:
+        return parse_bytes(str(text))
+    except KvforgeError as error:
+        raise KvforgeError(
+            f"config.pbtxt: parameters {PREFIX_CACHE_PARAMETER} is {text!r}, not a byte count (such as 0, "
+            f"268435456 or 256M) or {AUTO_BUDGET!r}; fix it, or export again with "
+            "`kvforge export-triton --prefix-cache-bytes N`"
+        ) from error
 
 
 def providers_for(kind: str, device_id: str, available: Sequence[str]) -> list[Any]:
@@ -133,6 +153,7 @@ class ServingModel:
             max_queued=settings.max_queued,
             prefill_chunk=settings.prefill_chunk,
             metrics=metrics,
+            prefix_cache=prefix_cache_for(engine, directory, settings.prefix_cache_bytes, metrics, logger.info),
         )
         scheduler.start()
         labels = {"model": name, "version": args["model_version"], "instance": args.get("model_instance_name", "")}
@@ -327,6 +348,11 @@ class MetricsMirror:
             "num_requests_running": m.running.value,
             "num_requests_waiting": m.waiting.value,
             "kv_cache_usage_perc": m.kv_usage.value,
+            "prefix_cache_queries": m.prefix_cache_queries.get(),
+            "prefix_cache_hits": m.prefix_cache_hits.get(),
+            "prefix_cache_hit_tokens": m.prefix_cache_hit_tokens.get(),
+            "prefix_cache_evictions": m.prefix_cache_evictions.get(),
+            "prefix_cache_bytes": m.prefix_cache_bytes.value,
         }
         for reason in FINISH_REASONS:
             values[f"request_success:{reason}"] = m.request_success.get(reason)
@@ -396,6 +422,14 @@ def _mirrored() -> dict[str, tuple[str, str, str, dict[str, str]]]:
             {},
         ),
     }
+    for key, help in (
+        ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+        ("prefix_cache_hits", "Requests that found a cached prefix."),
+        ("prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache instead of prefilled."),
+        ("prefix_cache_evictions", "Prefix cache blocks evicted."),
+    ):
+        table[key] = (f"kvforge_{key}_total", help, "counter", {})
+    table["prefix_cache_bytes"] = ("kvforge_prefix_cache_bytes", "Bytes the prefix cache holds.", "gauge", {})
     for reason in FINISH_REASONS:
         table[f"request_success:{reason}"] = (
             "kvforge_request_success_total",

@@ -62,5 +62,10 @@ NUMPY_TYPES: dict[str, type] = {
 
 # The engine's knobs, as config.pbtxt `parameters` (string values), with `kvforge serve`'s defaults.
 ENGINE_PARAMETERS: dict[str, int] = {"max_num_seqs": 8, "max_queued": 64, "prefill_chunk": 256}
+# The prefix cache's budget in bytes (a count such as 268435456 or 256M; 0: off), or AUTO_BUDGET:
+# a quarter of the memory available when the instance loads (kvforge serve's default). A
+# config without it has no prefix cache.
+PREFIX_CACHE_PARAMETER = "prefix_cache_bytes"
+AUTO_BUDGET = "auto"
 # Where the artifact lives inside the model's version directory.
 ARTIFACT_DIR = "artifact"

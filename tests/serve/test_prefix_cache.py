@@ -18,7 +18,7 @@ from runners.errors import KvforgeError
 from runners.serve.metrics import Metrics
 from runners.serve.prefix_cache import BLOCK, PrefixCache, parse_bytes, unsupported
 from runners.serve.scheduler import BatchScheduler, Finished
-from runners.serve.server import _prefix_cache
+from runners.serve.server import prefix_cache_for
 from tests.serve.conftest import KVFORGE, Server
 from tests.serve.test_scheduler import collect, request, solo
 from tests.tiny import CORPUS
@@ -168,7 +168,7 @@ def test_unsupported_for_windows_and_states(engine: Engine) -> None:
     # the server builds none for such an artifact and says so once
     lines: list[str] = []
     fake = SimpleNamespace(session=SimpleNamespace(io=windowed))
-    assert _prefix_cache(fake, Path("unused"), None, Metrics(), lines.append) is None  # type: ignore[arg-type]
+    assert prefix_cache_for(fake, Path("unused"), None, Metrics(), lines.append) is None  # type: ignore[arg-type]
     assert lines == ["prefix cache off for this artifact: " + (unsupported(windowed) or "")]
     with pytest.raises(KvforgeError, match="cannot have a prefix cache: its layers bounded by a sliding window"):
         BatchScheduler(

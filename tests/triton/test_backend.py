@@ -18,6 +18,7 @@ import pytest
 from runners.engine import Engine
 from runners.errors import KvforgeError
 from runners.serve.metrics import Metrics
+from runners.serve.prefix_cache import BLOCK
 from runners.triton.backend import (
     EngineSettings,
     MetricsMirror,
@@ -25,6 +26,7 @@ from runners.triton.backend import (
     _TritonLog,
     providers_for,
 )
+from tests.tiny import CORPUS
 from tests.triton.frontend import frontend_request
 from tests.triton.test_requests import _NUMPY
 from toolchain.triton import TritonOptions, export_triton
@@ -290,6 +292,47 @@ def test_engine_settings_from_the_config_parameters() -> None:
     for name, value in (("max_num_seqs", "0"), ("prefill_chunk", "many"), ("max_queued", "-1")):
         with pytest.raises(KvforgeError, match=f"parameters {name} is '{value}'.*--{name.replace('_', '-')}"):
             EngineSettings.from_config({"parameters": {name: {"string_value": value}}})
+
+
+def test_the_prefix_cache_budget_from_the_config_parameters(repository: Path) -> None:
+    assert EngineSettings.from_config({}).prefix_cache_bytes == 0  # a config without it: no cache
+    for text, budget in (("auto", None), ("64M", 64 << 20), ("0", 0), ("1048576", 1 << 20)):
+        parameters = {"parameters": {"prefix_cache_bytes": {"string_value": text}}}
+        assert EngineSettings.from_config(parameters).prefix_cache_bytes == budget
+    with pytest.raises(KvforgeError, match="parameters prefix_cache_bytes is 'lots'.*--prefix-cache-bytes"):
+        EngineSettings.from_config({"parameters": {"prefix_cache_bytes": {"string_value": "lots"}}})
+    config = (repository / "tiny" / "config.pbtxt").read_text()
+    assert 'key: "prefix_cache_bytes"\n  value: { string_value: "auto" }' in config
+
+
+def test_the_prefix_cache_hits_and_leaves_the_texts_alone(repository: Path, tiny_artifact: Path) -> None:
+    engine = Engine.load(tiny_artifact)
+    prefix = CORPUS[0] + CORPUS[1] + CORPUS[2]
+    assert len(engine.encode(prefix)) >= 4 * BLOCK
+    prompts = [prefix + " and then", prefix + " but later, x = ", prefix + " and then"]
+    expected = ["".join(engine.stream(p, max_new_tokens=12, temperature=0)) for p in prompts]
+    for budget, hits in (("64M", 2), ("0", 0)):
+        pb = fake_pb()
+        model = load(repository, pb, max_num_seqs="2", prefix_cache_bytes=budget)
+        try:
+            texts = []
+            for prompt in prompts:  # one after the other: each finds what the ones before stored
+                request = FakeRequest(frontend_request(prompt, stream=False, max_tokens=12))
+                model.execute([request])
+                [response] = request.sender.wait()
+                assert response.error is None, response.error
+                texts.append(response.text())
+            assert texts == expected
+            model.mirror.sync()
+            assert metric(pb, "kvforge_prefix_cache_hits_total", instance="tiny_0_0") == hits
+            hit_tokens = metric(pb, "kvforge_prefix_cache_hit_tokens_total")
+            held = metric(pb, "kvforge_prefix_cache_bytes")
+            assert (hit_tokens >= 2 * 4 * BLOCK and 0 < held <= 64 << 20) if hits else hit_tokens == held == 0
+            assert metric(pb, "kvforge_prefix_cache_queries_total") == (
+                sum(map(len, map(engine.encode, prompts))) if hits else 0
+            )
+        finally:
+            model.finalize()
 
 
 def test_providers_follow_the_instance_kind() -> None:

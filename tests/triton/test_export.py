@@ -82,7 +82,12 @@ def test_config_declares_exactly_what_the_openai_frontend_sends(repository: Path
     assert [name for name, entry in inputs.items() if entry.get("optional") != "true"] == ["text_input"]
     assert {entry["name"] for entry in config["output"]} == FRONTEND_OUTPUTS  # type: ignore[attr-defined]
     assert config["instance_group"] == [{"count": 3, "kind": "KIND_GPU"}]
-    assert config["parameters"] == {"max_num_seqs": "5", "max_queued": "64", "prefill_chunk": "256"}
+    assert config["parameters"] == {
+        "max_num_seqs": "5",
+        "max_queued": "64",
+        "prefill_chunk": "256",
+        "prefix_cache_bytes": "auto",
+    }
 
 
 def test_the_contract_table_is_what_the_config_says(repository: Path) -> None:
@@ -153,6 +158,7 @@ def test_existing_outputs_and_force(tiny_artifact: Path, tmp_path: Path) -> None
         (TritonOptions(instances=0), "--instances must be an integer >= 1, got 0"),
         (TritonOptions(kind="tpu"), "--kind 'tpu' is not one of cpu, gpu"),
         (TritonOptions(max_queued=-1), "--max-queued must be an integer >= 0"),
+        (TritonOptions(prefix_cache_bytes=-1), "--prefix-cache-bytes must be a byte count >= 0"),
         (TritonOptions(name="a/b"), "--name 'a/b' is not a usable Triton model name"),
         (TritonOptions(name=".hidden"), "--name '.hidden' is not a usable Triton model name"),
     ],
