@@ -38,6 +38,16 @@ SHAPE: dict[str, Any] = dict(
 # gemma3's sliding layers, as its real configs have).
 EXTRA: dict[str, dict[str, Any]] = {
     "gemma3_text": dict(head_dim=64, sliding_window=512, query_pre_attn_scalar=64),
+    # three gated delta nets to one attention layer, as Qwen3.5's configs interleave them
+    "qwen3_5_text": dict(
+        head_dim=64,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 3,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+    ),
 }
 
 

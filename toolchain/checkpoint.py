@@ -224,6 +224,16 @@ def _checkpoint_dir(path: str | Path) -> Path:
     return directory
 
 
+# transformers writes the floats JSON has no literal for as {"__float__": "Infinity"} (its
+# configs' to_json_string) and reads them back as floats; so does kvforge.
+_SPECIAL_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def _special_float(obj: dict[str, Any]) -> Any:
+    tag = obj.get("__float__") if len(obj) == 1 else None
+    return _SPECIAL_FLOATS[tag] if isinstance(tag, str) and tag in _SPECIAL_FLOATS else obj
+
+
 def _read_json(file: Path, *, required: bool) -> dict[str, Any] | None:
     if not file.is_file():
         if required:
@@ -235,7 +245,7 @@ def _read_json(file: Path, *, required: bool) -> dict[str, Any] | None:
                 f"{file}: {file.stat().st_size:,} bytes, beyond the {MAX_JSON_BYTES:,}-byte limit for a JSON "
                 "file; it is corrupt or not a checkpoint file"
             )
-        data = json.loads(file.read_text(encoding="utf-8"))
+        data = json.loads(file.read_text(encoding="utf-8"), object_hook=_special_float)
     except json.JSONDecodeError as e:
         raise CheckpointError(
             f"{file}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}; fix or regenerate the file"

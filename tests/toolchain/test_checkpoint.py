@@ -374,6 +374,20 @@ def test_invalid_config_json_names_file_and_line(tmp_path: Path) -> None:
     assert "config.json" in error_text(exc) and "line 3" in error_text(exc)
 
 
+def test_config_floats_written_as_transformers_tags_read_as_floats(tmp_path: Path) -> None:
+    """transformers saves inf and nan as {"__float__": ...} (bamba's time_step_limit, for one)."""
+    import math
+
+    from transformers import BambaConfig
+
+    assert "__float__" in BambaConfig(time_step_limit=(0.0, float("inf"))).to_json_string()
+    config = {**CONFIG, "limit": {"__float__": "Infinity"}, "odd": [{"__float__": "NaN"}, {"__float__": "soon"}]}
+    directory = write_dir(tmp_path / "m", config=config)
+    loaded = load(directory).config
+    assert loaded["limit"] == math.inf and math.isnan(loaded["odd"][0])
+    assert loaded["odd"][1] == {"__float__": "soon"}  # not one of the tags: left as it is
+
+
 def test_config_must_be_an_object(tmp_path: Path) -> None:
     directory = write_dir(tmp_path / "m", config=[1, 2])
     with pytest.raises(CheckpointError, match=r"config\.json: expected a JSON object"):

@@ -353,11 +353,12 @@ def test_model_type_transformers_lacks_lists_verified_families(model_type: Any) 
     [
         ("bert", "no causal-LM class"),  # an encoder
         ("t5", "no causal-LM class"),  # an encoder-decoder
-        ("mamba", "keep a recurrent state"),  # a causal LM, but its layers keep no K/V
+        ("mamba", "has no attention heads"),  # a causal LM, but no layer attends: nothing keeps K/V
     ],
 )
 def test_transformers_models_that_are_no_kv_decoders_are_refused(model_type: str, why: str) -> None:
-    data = {**config_dict("llama"), "model_type": model_type}
+    # as their own configs do, these name no attention heads
+    data = {k: v for k, v in config_dict("llama").items() if k != "num_attention_heads"} | {"model_type": model_type}
     with pytest.raises(UnsupportedModelError) as exc:
         DecoderSpec.from_config(data)
     check_error(exc, "config.json", repr(model_type), why)
