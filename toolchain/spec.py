@@ -474,6 +474,9 @@ GENERIC_TESTED: tuple[str, ...] = (
     "lfm2",
     "qwen3_5_text",
     "qwen3_next",
+    "bamba",
+    "granitemoehybrid",
+    "nemotron_h",
 )
 
 # Standardized config attributes a spec reads; the config class resolves each (its

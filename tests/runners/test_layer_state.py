@@ -24,7 +24,7 @@ PROMPTS = ["def fibonacci(n):", "class Point:\n    def"]
 NEW_TOKENS = 24
 HIDDEN = GENERIC_CONFIGS["lfm2"]["hidden_size"]
 KERNEL = 3  # lfm2's conv_L_cache default
-STATEFUL = ("lfm2", "qwen3_5_text")
+STATEFUL = ("lfm2", "qwen3_5_text", "bamba", "nemotron_h")
 
 
 @pytest.fixture(scope="module")
