@@ -35,11 +35,11 @@ def gated_delta_rule(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
-    **_: Any,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated delta rule over [batch, seq, heads, size] inputs, one token per scan step; the
     signature of transformers' (and flash-linear-attention's) `chunk_gated_delta_rule`."""
-    del chunk_size  # one token at a time: the result does not depend on it
+    del chunk_size, kwargs  # one token at a time: the result does not depend on the chunk size
     dtype = query.dtype
     batch, _, key_heads, key_dim = key.shape
     value_heads, value_dim = value.shape[-2:]
