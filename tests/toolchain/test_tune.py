@@ -225,3 +225,21 @@ def test_a_bad_tune_value_is_a_clear_click_error(tmp_path: Path) -> None:
 def test_the_cli_offers_the_tuner_modes() -> None:
     result = CliRunner().invoke(main, ["build", "--help"])
     assert "--tune [off|fast|full]" in result.output and "[default: off]" in result.output
+
+
+class FailedReport:
+    passed = False
+
+    def failures(self) -> str:
+        return "distribution FAILED (int4): top-1 agreement 0.000"
+
+
+def test_a_tuned_build_the_gate_refuses_says_to_build_with_tune_off() -> None:
+    from runners.errors import ParityError
+    from toolchain.build import _require_parity
+
+    with pytest.raises(ParityError, match=r"distribution FAILED .*the kernel forms --tune fast chose .*--tune off$"):
+        _require_parity(FailedReport(), "ckpt", "fast")  # type: ignore[arg-type]
+    with pytest.raises(ParityError) as refused:
+        _require_parity(FailedReport(), "ckpt", "off")  # type: ignore[arg-type]
+    assert "--tune" not in str(refused.value)
