@@ -32,7 +32,7 @@ from passes.fuse_norm import norm_fusion
 from passes.fuse_rotary import rotary_fusion
 from passes.last_position import LastPositionLogits
 from passes.pack_matmul import pack_gate_up, pack_qkv
-from passes.quantize import QuantizeWeights, WeightQuantization
+from passes.quantize import FormChooser, KernelForm, QuantizeWeights, WeightQuantization
 from passes.quantize_embedding import QuantizeEmbedding
 from passes.quantize_experts import QuantizeExperts
 from passes.rewrite import FusionPass
@@ -134,14 +134,17 @@ def fixed_cache() -> list[PassBase]:
     return [PastLengthFromMask(), attention_scatter(), RequireOpset(24, ("TensorScatter",))]
 
 
-def quantize(target: Target, weights: WeightQuantization, moe: bool = False) -> list[PassBase]:
+def quantize(
+    target: Target, weights: WeightQuantization, moe: bool = False, choose: FormChooser | None = None
+) -> list[PassBase]:
     """Weight-only quantization in the form the target's runtime reads (its record's
     `quantization_forms`: onnxruntime's MatMulNBits for its own targets, standard block-wise
     DequantizeLinear + MatMul otherwise, per channel for TensorRT's int8). A mixture of experts'
     routed experts (`moe`) in the target's `expert_quantization` (passes/quantize_experts.py).
     Then the token-embedding table in the target's `embedding_form`, after the LM head so that a
-    tied table shares the head's quantized initializers."""
-    passes: list[PassBase] = [weights.make_pass(target.quantization_form(weights.bits))]
+    tied table shares the head's quantized initializers. `choose` picks each MatMulNBits
+    weight's block size and accuracy level (`toolchain.tune`); other forms ignore it."""
+    passes: list[PassBase] = [weights.make_pass(target.quantization_form(weights.bits), choose)]
     if moe and target.expert_quantization is not None:
         passes.append(QuantizeExperts(weights.bits, weights.block_size, target.expert_quantization, weights.symmetric))
     if target.embedding_form is not None:
@@ -203,10 +206,14 @@ class PassReport:
     passes: list[PassRecord] = field(default_factory=list)
     # fusion -> [rule: why it fell short], for fusions that fired fewer times than expected
     missed: dict[str, list[str]] = field(default_factory=dict)
+    # quantized weight (its codes' initializer) -> (MatMulNBits form, (N, K)), where a form was
+    # chosen per weight (`quantize`'s `choose`); recorded in the manifest as `kernels`, not here
+    kernel_forms: dict[str, tuple[KernelForm, tuple[int, int]]] = field(default_factory=dict)
 
     def to_dict(self, timings: bool = True) -> dict[str, Any]:
         """JSON-able; without timings it is the same for the same graph (for reproducible manifests)."""
         data = asdict(self)
+        del data["kernel_forms"]
         if not timings:
             for record in data["passes"]:
                 del record["seconds"]
@@ -255,11 +262,13 @@ def phases(
     dtype: str = "float32",
     logits: str = "last",
     moe: bool = False,
+    choose: FormChooser | None = None,
 ) -> list[tuple[str, list[PassBase]]]:
     """The target's phases with their passes; quantization, when asked for, runs just before
     `finalize`, after the fusions and packing whose MatMuls it quantizes. `logits` is "last"
     (the LM head on the last position only) or "all" (every position). `moe`: the model has
-    routed experts (the passes for them are left out of a dense model's pipeline)."""
+    routed experts (the passes for them are left out of a dense model's pipeline). `choose`:
+    each MatMulNBits weight's form (`quantize`)."""
     if target not in TARGETS:
         raise KeyError(f"no pass pipeline for target {target!r}; known: {', '.join(TARGETS)}")
     if logits not in LOGITS_POSITIONS:
@@ -268,7 +277,7 @@ def phases(
     record = TARGETS[target]
     result = [(phase, _make(make_passes, settings)) for phase, make_passes in (PHASES[p] for p in record.phases)]
     if weights is not None:
-        result.insert(len(result) - 1, ("quantize", quantize(record, weights, moe)))
+        result.insert(len(result) - 1, ("quantize", quantize(record, weights, moe, choose)))
     return result
 
 
@@ -282,6 +291,7 @@ def run(
     on_pass: Callable[[int, int, str], None] | None = None,
     logits: str = "last",
     moe: bool = False,
+    choose: FormChooser | None = None,
 ) -> PassReport:
     """Run the target's pipeline on `model` in place and report what each pass did.
 
@@ -292,10 +302,11 @@ def run(
     "last" or "all" (the positions the graph returns logits for).
     `on_pass(done, total, name)` is called after each pass (progress). `moe`: the model has
     routed experts, which get the mixture-of-experts lowering and expert quantization.
+    `choose` picks each MatMulNBits weight's block size and accuracy level (`report.kernel_forms`).
     """
     expected = dict(expected or {})
     report = PassReport(target, histogram_before=histogram(model))
-    pipeline = phases(target, weights, capacity, dtype, logits, moe)
+    pipeline = phases(target, weights, capacity, dtype, logits, moe, choose)
     total = sum(len(passes) for _, passes in pipeline)
     for phase, passes in pipeline:
         for p in passes:
@@ -311,6 +322,8 @@ def run(
             )
             if isinstance(p, FusionPass) and name in expected and sum(fusions.values()) < expected[name]:
                 report.missed[name] = [str(miss) for miss in p.explain(model)]
+            if isinstance(p, QuantizeWeights):
+                report.kernel_forms.update(p.forms)
             if isinstance(p, QuantizeWeights) and p.counts["skipped"]:
                 report.missed[name] = [f"{w}: {why}" for w, why in p.skipped.items() if not why.startswith("kept")]
             if isinstance(p, QuantizeExperts) and p.notes:

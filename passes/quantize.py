@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import fnmatch
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import astuple, dataclass
 
 import ml_dtypes
 import numpy as np
@@ -44,10 +44,38 @@ from onnx_ir.passes import InPlacePass, PassResult
 
 BITS = (4, 8)
 BLOCK_SIZES = (32, 64, 128)
+# Block sizes a MatMulNBits weight may be written in when its form is chosen per weight
+# (`kernel_forms`, `kvforge build --tune`); `--block-size` takes BLOCK_SIZES
+KERNEL_BLOCK_SIZES = (32, 64, 128, 256)
+ACCURACY_LEVELS = (0, 4)  # MatMulNBits' float path, and int8 activations
 FORMS = ("matmul_nbits", "dequantize_linear", "dequantize_linear_channel")
 LM_HEAD = "lm_head"  # in `keep`: the projection that produces the logits, whatever its weight is named
 _MS_DOMAIN = "com.microsoft"
 _Tensor = ir.TensorProtocol
+
+
+@dataclass(frozen=True, order=True)
+class KernelForm:
+    """How one MatMulNBits weight is written: its block size along K and the kernel's
+    `accuracy_level` (0: float activations; 4: activations quantized to int8 per block)."""
+
+    block_size: int
+    accuracy_level: int
+
+    def __post_init__(self) -> None:
+        if self.block_size not in KERNEL_BLOCK_SIZES or self.accuracy_level not in ACCURACY_LEVELS:
+            raise ValueError(
+                f"unsupported MatMulNBits form: block_size={self.block_size} (one of "
+                f"{', '.join(map(str, KERNEL_BLOCK_SIZES))}), accuracy_level={self.accuracy_level} "
+                f"(one of {', '.join(map(str, ACCURACY_LEVELS))})"
+            )
+
+    def to_dict(self) -> dict[str, int]:
+        return {"block_size": self.block_size, "accuracy_level": self.accuracy_level}
+
+
+# (N, K) of a weight (out, in features) -> the form its MatMulNBits is written in
+FormChooser = Callable[[int, int], KernelForm]
 
 
 @dataclass(frozen=True)
@@ -167,6 +195,10 @@ class QuantizeWeights(InPlacePass):
     `keep` holds glob patterns of weight names left at full precision (`lm_head` also names
     the projection that produces the logits, which tied-embedding models read from the
     embedding table).
+
+    `choose` (MatMulNBits only): picks each weight's block size and accuracy level from its
+    (N, K) in place of `block_size` and `accuracy_level` (`toolchain.tune`, measured on the
+    build machine); `forms` then says what each quantized weight got.
     """
 
     def __init__(
@@ -177,6 +209,7 @@ class QuantizeWeights(InPlacePass):
         form: str = "matmul_nbits",
         keep: tuple[str, ...] = (),
         accuracy_level: int = 0,
+        choose: FormChooser | None = None,
     ) -> None:
         super().__init__()
         if bits not in BITS or block_size not in BLOCK_SIZES or form not in FORMS:
@@ -188,12 +221,16 @@ class QuantizeWeights(InPlacePass):
         self.keep = ",".join(keep)
         self.accuracy_level = accuracy_level
         self._keep = keep
+        self._choose = choose if form == "matmul_nbits" else None
         self.counts: Counter[str] = Counter()
         self.skipped: dict[str, str] = {}  # weight name -> why it stayed at full precision
+        # quantized initializer (codes) name -> its form, (N, K), when `choose` picked it
+        self.forms: dict[str, tuple[KernelForm, tuple[int, int]]] = {}
 
     def call(self, model: ir.Model) -> PassResult:
         self.counts = Counter()
         self.skipped = {}
+        self.forms = {}
         graph = model.graph
         head = _lm_head(graph) if LM_HEAD in self._keep else None
         # a weight read by several MatMuls the same way is quantized once; read both directly and
@@ -239,11 +276,15 @@ class QuantizeWeights(InPlacePass):
         array = weight.const_value.numpy()  # type: ignore[union-attr]
         kernel = array if transposed else array.T  # [N, K], in the weight's dtype: widened chunk by chunk
         per_channel = self.form == "dequantize_linear_channel"
-        block = kernel.shape[1] if per_channel else self.block_size
+        n, k = kernel.shape
+        chosen = self._choose(n, k) if self._choose is not None else None
+        block = k if per_channel else self.block_size if chosen is None else chosen.block_size
         q = quantize_blockwise(kernel, self.bits, block, self.symmetric)
         base = f"{weight.name}.q{self.bits}"
         if base in graph.initializers:  # the same weight, already quantized as read the other way
             base += ".t"
+        if chosen is not None:
+            self.forms[base] = (chosen, (n, k))
         if self.form == "matmul_nbits":
             b, scales, zero_points = matmul_nbits_inputs(q)
             tensors = [ir.tensor(b), ir.tensor(scales), None if zero_points is None else ir.tensor(zero_points)]
@@ -265,9 +306,11 @@ class QuantizeWeights(InPlacePass):
             node.replace_input_with(1, dq.outputs[0])
             return
         k, n = kn
-        attributes = {"K": k, "N": n, "bits": self.bits, "block_size": self.block_size}
-        if self.accuracy_level:
-            attributes["accuracy_level"] = self.accuracy_level
+        chosen = self.forms.get(inputs[0].name or "")
+        block_size, accuracy_level = (self.block_size, self.accuracy_level) if chosen is None else astuple(chosen[0])
+        attributes = {"K": k, "N": n, "bits": self.bits, "block_size": block_size}
+        if accuracy_level:
+            attributes["accuracy_level"] = accuracy_level
         fused = ir.node("MatMulNBits", [x, *inputs], attributes, domain=_MS_DOMAIN)
         graph.insert_before(node, fused)
         replace_node(graph, node, fused.outputs[0])
@@ -373,5 +416,10 @@ class WeightQuantization:
             "accuracy_level": self.accuracy_level,
         }
 
-    def make_pass(self, form: str) -> QuantizeWeights:
-        return QuantizeWeights(self.bits, self.block_size, self.symmetric, form, self.keep, self.accuracy_level)
+    @property
+    def default_form(self) -> KernelForm:
+        """The MatMulNBits form every weight gets unless its form is chosen (`kvforge build --tune off`)."""
+        return KernelForm(self.block_size, self.accuracy_level)
+
+    def make_pass(self, form: str, choose: FormChooser | None = None) -> QuantizeWeights:
+        return QuantizeWeights(self.bits, self.block_size, self.symmetric, form, self.keep, self.accuracy_level, choose)

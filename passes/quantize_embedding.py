@@ -114,6 +114,7 @@ class QuantizeEmbedding(QuantizeWeights):
         self._keep = keep
         self.counts: Counter[str] = Counter()
         self.skipped: dict[str, str] = {}
+        self.forms = {}  # the table's form is --block-size's, never chosen per weight
 
     @classmethod
     def from_weights(cls, weights: WeightQuantization, form: str) -> QuantizeEmbedding:

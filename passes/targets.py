@@ -50,6 +50,9 @@ class Target:
     # Sliding-window layers keep only their window's last positions (`DecoderIO.layer_windows`);
     # False: every layer keeps its whole history, and the mask alone applies the window
     bounded_windows: bool = False
+    # Its quantized MatMul weights are onnxruntime's MatMulNBits, whose block size and accuracy
+    # level `kvforge build --tune fast|full` may choose per weight by timing them (toolchain.tune)
+    kernel_tuning: bool = False
 
     def expected_fusions(self, num_layers: int, moe_layers: int = 0) -> dict[str, int]:
         expected = {fusion: num_layers for fusion in self.per_layer_fusions}
@@ -82,6 +85,7 @@ TARGETS: Mapping[str, Target] = MappingProxyType(
                 genai=True,
                 layer_states=True,
                 bounded_windows=True,
+                kernel_tuning=True,
             ),
             Target(
                 name="onnx",

@@ -41,6 +41,7 @@ from runners.tokenizer import TokenizerBundle
 from runners.torch_session import TorchSession
 from toolchain import checkpoint as checkpoints
 from toolchain import emit, manifest, progress, stamp
+from toolchain import tune as tuning
 from toolchain.emit import genai
 from toolchain.emit import tensorrt as trt_engine
 from toolchain.export import DecoderWrapper, cache_layout, eager_model, export_decoder, layer_windows
@@ -98,6 +99,10 @@ class BuildOptions:
     # Trace each distinct layer kind once and stamp out the stack (`toolchain.stamp`); False:
     # export and lower the whole stack
     stamp: bool = True
+    # Each quantized weight's MatMulNBits form: "off" (--block-size, accuracy level 4, for every
+    # weight), "fast" or "full" (timed on this machine, `toolchain.tune`)
+    tune: str = tuning.DEFAULT_MODE
+    tune_cache: Path | None = None  # the timing cache's file (None: `toolchain.tune.cache_path()`)
 
     def flags(self) -> dict[str, Any]:
         """What determines the artifact's bytes (not `force`, which only says where they may go)."""
@@ -116,6 +121,7 @@ class BuildOptions:
                 {"logits": self.logits} if self.logits != "last" else {}  # absent by default: older manifests unchanged
             )
             | ({} if self.stamp else {"stamp": False})
+            | ({} if self.tune == tuning.DEFAULT_MODE else {"tune": self.tune})  # absent when off, as before
         )
 
 
@@ -140,6 +146,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     _check_tolerance(options.tolerance, options.weights is not None)
     if options.logits not in pipeline.LOGITS_POSITIONS:
         raise ArtifactError(f"logits must be one of {', '.join(pipeline.LOGITS_POSITIONS)}, got {options.logits!r}")
+    _check_tune(options)
     check_output(output, options.force)
     _return_freed_memory()
     seconds: dict[str, float] = {}
@@ -202,6 +209,11 @@ def _compile(
     # every weight a pass replaces (packing, quantization) alive next to its replacement.
     gc.collect()
     moe_layers = _moe_layers(onnx_model, spec)
+    tuner = (
+        None
+        if options.tune == tuning.DEFAULT_MODE or options.weights is None
+        else tuning.tuner(options.tune, options.weights, options.tune_cache)
+    )
     with _timed(seconds, "passes"):
         try:
             pass_report = pipeline.run(
@@ -214,6 +226,7 @@ def _compile(
                 logits=options.logits,
                 on_pass=lambda done, total, _: progress.count(done, total, "passes"),
                 moe=moe_layers > 0,
+                choose=tuner,
             )
         except UnsupportedByTensorRT as e:
             raise ArtifactError(f"{checkpoint_dir}: {e}") from e
@@ -235,7 +248,7 @@ def _compile(
                 report = gate(progress.CountedSession(session))
                 if lowering.stamped and not report.passed:
                     raise _StampedGraphRefused(report.failures())
-                require_parity(report, str(checkpoint_dir))
+                _require_parity(report, str(checkpoint_dir), options.tune)
                 computed_in = session.io.kv_dtype  # the dtype onnxruntime ran the graph in
                 del session
             if target.emitter == TENSORRT_ENGINE:
@@ -259,6 +272,7 @@ def _compile(
                     parity=report.to_dict() | {"computed_in": computed_in},
                     hub=ckpt.hub,
                     experts=experts,
+                    kernels=None if tuner is None else tuning.kernels_entry(options.tune, pass_report.kernel_forms),
                 )
                 if engine_entry is not None:
                     written = trt_engine.with_engine(written, staging, engine_entry)
@@ -274,6 +288,37 @@ def _compile(
 
 
 _REFUSED = "the stamped graph failed the parity gate"
+
+
+def _check_tune(options: BuildOptions) -> None:
+    """--tune fast|full chooses quantized MatMulNBits forms: refused where there are none."""
+    tuning.check_mode(options.tune)
+    if options.tune == tuning.DEFAULT_MODE:
+        return
+    if options.weights is None:
+        raise ArtifactError(
+            f"--tune {options.tune} chooses the kernel form of quantized weights; add --weights int8|int4, "
+            "or drop --tune"
+        )
+    if not TARGETS[options.target].kernel_tuning:
+        able = ", ".join(name for name, t in TARGETS.items() if t.kernel_tuning)
+        raise ArtifactError(
+            f"--tune {options.tune}: --target {options.target} writes no kernel-specific forms to choose from "
+            f"(kernel tuning is for --target {able}); drop --tune"
+        )
+
+
+def _require_parity(report: ParityReport | DistributionReport, where: str, mode: str) -> None:
+    """The gate's verdict; a tuned build that fails it says which choice to undo."""
+    try:
+        require_parity(report, where)
+    except ParityError as e:
+        if mode == tuning.DEFAULT_MODE:
+            raise
+        raise ParityError(
+            f"{e}; the kernel forms --tune {mode} chose (larger blocks, or a different accuracy level) "
+            "cost this accuracy: build with --tune off"
+        ) from e
 
 
 class _StampedGraphRefused(ParityError):

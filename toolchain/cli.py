@@ -19,6 +19,7 @@ import click
 
 from passes.targets import DEFAULT_TARGET, TARGETS
 from runners.errors import KvforgeError
+from toolchain import tune as tuning
 
 # A checkpoint directory, or a Hub id (ORG/NAME) resolved in the local Hugging Face cache: a string,
 # so that what was typed decides (an existing path wins over an id).
@@ -146,6 +147,18 @@ def main(verbose: bool) -> None:
 )
 @click.option("--asymmetric", is_flag=True, help="Quantize with a zero point per block (default: symmetric).")
 @click.option(
+    "--tune",
+    type=click.Choice(list(tuning.MODES)),
+    default=tuning.DEFAULT_MODE,
+    show_default=True,
+    help="With --weights on "
+    + ", ".join(t.name for t in TARGETS.values() if t.kernel_tuning)
+    + ": each weight's MatMulNBits block size and accuracy level. off: --block-size and accuracy level 4 "
+    "everywhere (the same bytes on every machine); fast: timed here per weight shape at decode (M=1); full: also "
+    "at prefill and with the float path. Timings are cached (KVFORGE_TUNE_CACHE, default "
+    "~/.cache/kvforge/tune.json); the same cache gives the same bytes.",
+)
+@click.option(
     "--keep",
     multiple=True,
     metavar="PATTERN",
@@ -197,6 +210,7 @@ def build(
     weights: str | None,
     block_size: str,
     asymmetric: bool,
+    tune: str,
     keep: tuple[str, ...],
     device_memory: str | None,
     batch: int,
@@ -240,6 +254,7 @@ def build(
         tolerance=tolerance,
         logits=logits,
         stamp=not whole_stack,
+        tune=tune,
     )
     verbose = bool(click.get_current_context().find_root().params.get("verbose"))
     reporter = progress.Lines(sys.stderr) if verbose and not quiet else progress.for_stream(sys.stderr, quiet)

@@ -51,9 +51,11 @@ def write(
     parity: Mapping[str, Any],
     hub: HubSnapshot | None = None,
     experts: Mapping[str, int] | None = None,
+    kernels: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`hub`: the Hugging Face cache snapshot the checkpoint was, recorded as `hub` (id and commit).
-    `experts`: a mixture of experts' routed experts, experts per token and their weight bytes."""
+    `experts`: a mixture of experts' routed experts, experts per token and their weight bytes.
+    `kernels`: the MatMulNBits forms `kvforge build --tune` chose (`toolchain.tune.kernels_entry`)."""
     files = {p.name: sha256_file(p) for p in sorted(directory.iterdir()) if p.name != MANIFEST}
     manifest = {
         "schema_version": SCHEMA_VERSION,
@@ -67,6 +69,7 @@ def write(
         "passes": dict(passes),
         "parity": dict(parity),
         **({"experts": dict(experts)} if experts is not None else {}),
+        **({"kernels": dict(kernels)} if kernels is not None else {}),
         "files": files,
     }
     write_json(directory / MANIFEST, manifest)
