@@ -169,32 +169,51 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
     return (int(top) if top is not None else 0) if flag else None
 
 
+def _json_schema_member(value: dict[str, Any]) -> dict[str, Any]:
+    """response_format.json_schema {schema: object, name: string, strict: boolean | null}: its schema."""
+    spec = value.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(spec, dict) or not isinstance(schema, dict):
+        raise ApiError(
+            400,
+            f"response_format.json_schema.schema must be a JSON schema object, got {_preview(schema)}",
+            "response_format.json_schema.schema",
+        )
+    if "name" in spec and not isinstance(spec["name"], str):
+        raise ApiError(
+            400,
+            f"response_format.json_schema.name must be a string, got {_preview(spec['name'])}",
+            "response_format.json_schema.name",
+        )
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise ApiError(
+            400,
+            f"response_format.json_schema.strict must be true, false or null, got {_preview(spec['strict'])}",
+            "response_format.json_schema.strict",
+        )
+    return schema
+
+
 def _response_format(value: object, engine: Engine) -> Grammar | None:
-    """OpenAI's response_format: text (nothing), json_object, or json_schema {name, schema, strict}."""
+    """OpenAI's response_format: text (nothing), json_object, or json_schema {name, schema, strict}.
+    A `json_schema` member is checked whatever the type, as the API's schema declares it."""
     if value is None:
         return None
     kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        schema: object = {"type": "object"}
-    elif kind == "json_schema":
-        spec = value.get("json_schema") if isinstance(value, dict) else None
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise ApiError(
-                400,
-                f"response_format.json_schema.schema must be a JSON schema object, got {_preview(schema)}",
-                "response_format.json_schema.schema",
-            )
-    else:
+    if kind not in ("text", "json_object", "json_schema"):
         raise ApiError(
             400,
             f"response_format must be {{'type': 'text' | 'json_object' | 'json_schema'}}, got {_preview(value)}",
             "response_format",
         )
+    assert isinstance(value, dict)
+    schema = _json_schema_member(value) if "json_schema" in value or kind == "json_schema" else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = {"type": "object"}
     try:
-        return engine.compile_grammar(json_schema=schema)  # type: ignore[arg-type]
+        return engine.compile_grammar(json_schema=schema)
     except GenerationError as error:
         raise ApiError(400, f"response_format: {error}", "response_format") from error
 

@@ -170,10 +170,14 @@ def test_bad_requests_and_disconnects_do_not_disturb_others(launch: Callable[...
 def test_sigterm_drains_in_flight_requests(
     launch: Callable[..., Server], tiny_artifact: Path, long_request_has_no_eos: None
 ) -> None:
-    server = launch(tiny_artifact)
+    server = launch(tiny_artifact, "--max-num-seqs", "1")
     client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=TIMEOUT_S)
     stream = client.completions.create(model="out", prompt="def", max_tokens=LONG, temperature=0, stream=True)
     chunks = [next(iter(stream))]
+    # three more long requests queued behind it: the drain runs all four one after another, so
+    # it lasts long enough for the request below to arrive while it runs, however loaded the machine
+    queued = [open_request(server, {"prompt": "def", "max_tokens": LONG, "stream": True}) for _ in range(3)]
+    wait_for(server, lambda m: m["num_requests_waiting"] == 3, "three requests queued")
     server.process.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 5.0
     while True:  # the signal arrives asynchronously: /health turns 503 as soon as it is handled
@@ -191,4 +195,7 @@ def test_sigterm_drains_in_flight_requests(
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == Engine.load(tiny_artifact).generate("def", max_new_tokens=LONG, temperature=0)
     assert server.process.wait(TIMEOUT_S) == 0
+    for sock in queued:
+        assert b"finish_reason" in read_until(sock, b"[DONE]")  # the queued requests were drained, not dropped
+        sock.close()
     assert "shutting down" in server.stderr()

@@ -69,6 +69,9 @@ def test_json_object_reply_parses_as_an_object_on_chat_and_completions(client: o
         ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}, "response_format"),
         ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema"),
         ({"type": "yaml"}, "response_format"),
+        # a json_schema member is checked even where the type does not use it
+        ({"type": "text", "json_schema": {"schema": {}, "strict": {}}}, "response_format.json_schema.strict"),
+        ({"type": "json_object", "json_schema": {"schema": {}, "name": 3}}, "response_format.json_schema.name"),
     ],
 )
 def test_schemas_that_do_not_compile_are_bad_requests(client: openai.OpenAI, response_format: dict, param: str) -> None:
