@@ -64,6 +64,18 @@ SUPPORTED = tuple(ARCH_CONFIGS)
 # Families with no entry in kvforge's architecture table: read through transformers' config
 # classes, traced as they are. Each config sets what makes the family differ (the comments).
 _NO_GQA: dict[str, Any] = {k: v for k, v in LLAMA_LIKE.items() if k != "num_key_value_heads"}
+# Gated delta nets (a convolution and a recurrent state each) around a gated attention layer.
+_GATED_DELTA_NETS: dict[str, Any] = dict(
+    LLAMA_LIKE,
+    head_dim=16,
+    num_hidden_layers=3,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+)
 GENERIC_CONFIGS: dict[str, dict[str, Any]] = {
     "stablelm": dict(LLAMA_LIKE, partial_rotary_factor=0.25),  # partial rotary, LayerNorm
     "phi": dict(LLAMA_LIKE, partial_rotary_factor=0.5),  # parallel block, dense bias
@@ -118,17 +130,7 @@ GENERIC_CONFIGS: dict[str, dict[str, Any]] = {
     "lfm2": dict(  # short-convolution layers around an attention layer: a fixed-size state per conv layer
         LLAMA_LIKE, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]
     ),
-    "qwen3_5_text": dict(  # gated delta nets (a convolution and a recurrent state) around a gated attention layer
-        LLAMA_LIKE,
-        head_dim=16,
-        num_hidden_layers=3,
-        layer_types=["linear_attention", "full_attention", "linear_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-    ),
+    "qwen3_5_text": dict(_GATED_DELTA_NETS),
     # Mamba-2 layers (a convolution and an SSM state each; transformers' layer type linear_attention) with attention
     "bamba": dict(
         LLAMA_LIKE,
@@ -163,15 +165,7 @@ GENERIC_CONFIGS: dict[str, dict[str, Any]] = {
         head_dim=16,
     ),
     "qwen3_next": dict(  # qwen3_5's layers with MoE (softmax top-k) and a gated shared expert
-        LLAMA_LIKE,
-        head_dim=16,
-        num_hidden_layers=3,
-        layer_types=["linear_attention", "full_attention", "linear_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
+        _GATED_DELTA_NETS,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
