@@ -37,9 +37,10 @@ IO_LIMITS = {"num_layers": 10_000, "num_kv_heads": 1 << 16, "head_dim": 1 << 16,
 # What a layer keeps between steps. `attention`: a key/value pair that grows by one position
 # per token (`past_key_values.{i}.key|value`). `conv`: a short convolution's last inputs,
 # `[batch, channels, kernel]` (`past_conv.{i}`), of fixed size: no sequence axis, each step
-# reads the state and returns the next one. `linear_attention` (gated delta nets: qwen3_5,
-# qwen3_next): a short convolution's state as above (`past_conv.{i}`) and the recurrent state,
-# `[batch, heads, key size, value size]` (`past_recurrent.{i}`), both of fixed size.
+# reads the state and returns the next one. `linear_attention` (transformers' layer type for
+# gated delta nets, qwen3_5 and qwen3_next, and for Mamba-2 layers): a short convolution's
+# state as above (`past_conv.{i}`) and the recurrent state, `[batch, heads, key size, value
+# size]` (`past_recurrent.{i}`), both of fixed size.
 LAYER_KINDS = ("attention", "conv", "linear_attention")
 STATE_KINDS: dict[str, tuple[str, ...]] = {
     "attention": (),

@@ -76,6 +76,16 @@ _GATED_DELTA_NETS: dict[str, Any] = dict(
     linear_value_head_dim=16,
     linear_conv_kernel_dim=4,
 )
+# Mamba-2 layers' shapes, in the names bamba and granitemoehybrid share.
+_MAMBA2: dict[str, Any] = dict(
+    LLAMA_LIKE,
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_n_groups=1,
+    mamba_d_state=8,
+    mamba_d_conv=4,
+    mamba_chunk_size=16,
+)
 GENERIC_CONFIGS: dict[str, dict[str, Any]] = {
     "stablelm": dict(LLAMA_LIKE, partial_rotary_factor=0.25),  # partial rotary, LayerNorm
     "phi": dict(LLAMA_LIKE, partial_rotary_factor=0.5),  # parallel block, dense bias
@@ -133,24 +143,12 @@ GENERIC_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3_5_text": dict(_GATED_DELTA_NETS),
     # Mamba-2 layers (a convolution and an SSM state each; transformers' layer type linear_attention) with attention
     "bamba": dict(
-        LLAMA_LIKE,
+        _MAMBA2,
         attn_layer_indices=[1],
-        mamba_n_heads=8,
-        mamba_d_head=16,
-        mamba_n_groups=1,
-        mamba_d_state=8,
-        mamba_d_conv=4,
-        mamba_chunk_size=16,
     ),
     "granitemoehybrid": dict(  # granite's multipliers over Mamba-2 and attention layers
-        LLAMA_LIKE,
+        _MAMBA2,
         layer_types=["mamba", "attention"],
-        mamba_n_heads=8,
-        mamba_d_head=16,
-        mamba_n_groups=1,
-        mamba_d_state=8,
-        mamba_d_conv=4,
-        mamba_chunk_size=16,
         num_local_experts=0,
     ),
     "nemotron_h": dict(  # a Mamba-2 block and an attention block, each its own layer

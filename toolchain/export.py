@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.export import Dim, ExportedProgram
 
-from runners.contract import DecoderIO, LayerState
+from runners.contract import STATE_KINDS, DecoderIO, LayerState
 from runners.errors import CheckpointError, ExportError
 from toolchain.checkpoint import Checkpoint
 from toolchain.recurrence import traceable_kernels
@@ -319,7 +319,7 @@ class DecoderWrapper(torch.nn.Module):
         history = attention_mask.shape[1] - input_ids.shape[1]
         self._bound(cache, history, lambda i: (tensors[io.past_name(i, "key")], tensors[io.past_name(i, "value")]))
         for i, layer in enumerate(io.layers):
-            if layer.kind in ("conv", "linear_attention"):
+            if layer.kind != "attention":  # a conv state, and a recurrent one where the kind keeps it
                 state = LinearAttentionLayer()
                 conv = tensors[io.state_past_name(i, "conv")]
                 state.dtype, state.device = conv.dtype, conv.device  # type: ignore[assignment]
@@ -329,7 +329,7 @@ class DecoderWrapper(torch.nn.Module):
                 state.is_conv_states_initialized[0] = True
                 # a zero state is what a fresh sequence has: one graph for prefill and decode
                 state.has_previous_state[0] = True
-                if layer.kind == "linear_attention":
+                if "recurrent" in STATE_KINDS[layer.kind]:
                     state.recurrent_states[0] = tensors[io.state_past_name(i, "recurrent")].clone()
                     state.is_recurrent_states_initialized[0] = True
                 cache.layers[i] = state
@@ -345,10 +345,9 @@ class DecoderWrapper(torch.nn.Module):
             held = cache.layers[i]
             if layer.kind == "attention":
                 present += [held.keys, held.values]  # type: ignore[union-attr, list-item]
-            else:
-                present.append(held.conv_states[0])  # type: ignore[union-attr, arg-type]
-                if layer.kind == "linear_attention":
-                    present.append(held.recurrent_states[0])  # type: ignore[union-attr, arg-type]
+            else:  # in the contract's order of the kind's states
+                held_states = {"conv": held.conv_states[0], "recurrent": held.recurrent_states[0]}  # type: ignore[union-attr]
+                present += [held_states[name] for name in STATE_KINDS[layer.kind]]  # type: ignore[misc]
         return (out.logits.float(), *present)
 
 

@@ -18,7 +18,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch._higher_order_ops.scan import scan  # torch.export's loop over a dynamic length
+
+# torch has no public scan yet (torch.cond and torch.while_loop are public); torch.export and
+# torch.onnx document and lower this one, to ONNX Scan. A while_loop would need its outputs
+# preallocated and written by index, a longer graph for the same loop.
+from torch._higher_order_ops.scan import scan
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -47,6 +47,7 @@ CACHE_VERSION = 1
 # Timing of one candidate: runs before timing, then timed runs (the median is kept)
 WARMUP_RUNS = 3
 TIMED_RUNS = 15
+MIN_SAMPLE_S = 1e-3  # a timed sample repeats runs until it lasts at least this long (at most 64 runs)
 
 # (bits, symmetric, N, K, M, form) -> seconds per run, one sample per timed run
 Timer = Callable[[int, bool, int, int, int, "KernelForm"], Sequence[float]]
@@ -278,10 +279,10 @@ def time_matmul_nbits(bits: int, symmetric: bool, n: int, k: int, m: int, form: 
     feeds = {"A": rng.standard_normal((m, k), dtype=np.float32)}
     for _ in range(WARMUP_RUNS):
         session.run(None, feeds)
-    # runs repeated within each sample, so a sample lasts long enough to time (~1 ms at least)
+    # runs repeated within each sample, so a sample lasts long enough to time
     start = time.perf_counter()
     session.run(None, feeds)
-    repeats = max(1, min(64, int(1e-3 / max(time.perf_counter() - start, 1e-7))))
+    repeats = max(1, min(64, int(MIN_SAMPLE_S / max(time.perf_counter() - start, 1e-7))))
     samples = []
     for _ in range(TIMED_RUNS):
         start = time.perf_counter()
