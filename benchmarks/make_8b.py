@@ -8,6 +8,12 @@ as the Hub's checkpoints are. Each tensor is drawn and written on its own (norma
 norms at 1), so making it needs about one shard of memory, not the model's. The tokenizer is
 `--tokenizer`'s (its ids index the 128k table whatever its own vocabulary). Random weights
 make random text: this checkpoint measures the build's time and memory, not a model.
+
+With `--int4-grid`, every matrix holds whole multiples of 2^-8 in -7 .. 7 with a ±7 in each
+block of 32 along its rows: symmetric int4 in blocks of 32 (kvforge's default `--weights
+int4`) represents it exactly, so an int4 build's gate measures the pipeline rather than the
+rounding of random weights (whose nearly flat next-token distributions round-to-nearest
+int4 moves beyond the gate's bounds, as the 1.5B checkpoint in docs/performance.md shows).
 """
 
 from __future__ import annotations
@@ -53,11 +59,21 @@ def tensors(layers: int) -> list[tuple[str, tuple[int, ...]]]:
     return names + [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
 
 
+def on_int4_grid(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Codes uniform in -7 .. 7 times 2^-8 (std 0.017), the first of every 32 along a row ±7, so that
+    each block's largest magnitude is 7 steps and its symmetric scale is exactly 2^-8."""
+    codes = torch.randint(-7, 8, shape, generator=generator, dtype=torch.int8)
+    signs = torch.randint(0, 2, codes[..., ::32].shape, generator=generator, dtype=torch.int8) * 2 - 1
+    codes[..., ::32] = 7 * signs
+    return codes.to(torch.bfloat16) / 256
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
     parser.add_argument("--tokenizer", type=Path, default=EXAMPLE)
+    parser.add_argument("--int4-grid", action="store_true", help="weights int4 in blocks of 32 represents exactly")
     args = parser.parse_args()
     if (args.out / "model.safetensors.index.json").exists():
         print(f"{args.out} already holds a checkpoint; keeping it")
@@ -99,6 +115,8 @@ def main() -> None:
         for name, shape in shard:
             if len(shape) == 1:
                 data[name] = torch.ones(shape, dtype=torch.bfloat16)
+            elif args.int4_grid:
+                data[name] = on_int4_grid(shape, generator)
             else:
                 data[name] = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
             weight_map[name] = file
