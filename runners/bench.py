@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from runners.contract import DecoderIO
+from runners.decoding import batch_decoders
 from runners.engine import Engine
 from runners.generate import generate_steps
 from runners.manifest import read_manifest
@@ -206,9 +207,7 @@ def peak_memory_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def measure_round(
-    engine: Engine, batches: Sequence[list[list[int]]], new_tokens: int, rng: np.random.Generator
-) -> list[tuple[float, float]]:
+def measure_round(engine: Engine, batches: Sequence[list[list[int]]], new_tokens: int) -> list[tuple[float, float]]:
     """(first token seconds, decode tokens/s over the batch) of one generation per batch of prompts.
 
     Every generation is prefilled first, then their decode steps are taken in turn, one step
@@ -224,8 +223,7 @@ def measure_round(
             prompts,
             max_new_tokens=new_tokens,
             max_positions=engine.max_positions,
-            params=SamplingParams(temperature=0.0),
-            rng=rng,
+            decoders=batch_decoders(SamplingParams(temperature=0.0), prompts),
         )
         start = time.perf_counter()
         next(steps)  # prefill and the first token
@@ -267,7 +265,7 @@ def bench(
     bandwidths = []
     for _ in range(repeats):
         bandwidths.append(bandwidth or memory_bandwidth())
-        measured = measure_round(engine, [rows for _, _, rows in configs], new_tokens, rng)
+        measured = measure_round(engine, [rows for _, _, rows in configs], new_tokens)
         for runs, (first, decode) in zip(rounds, measured):
             runs.append(Round(first * 1000, decode, bandwidths[-1]))
     results = [

@@ -168,6 +168,8 @@ class Decoder:
 
     def choose(self, logits: npt.NDArray[np.floating]) -> tuple[int, TokenLogprob | None]:
         """The next token for one row of logits ([vocab]), and its logprob entry when asked for."""
+        if self.plain_greedy:  # the raw argmax: no float64 copy of the row
+            return int(np.argmax(logits)), None
         scores = np.asarray(logits, dtype=np.float64)[None, :]
         for processor in self.processors:
             scores = processor(scores)
@@ -182,6 +184,45 @@ class Decoder:
     def accept(self, token: int) -> None:
         for processor in self.processors:
             processor.accept(token)
+
+
+class BatchDraws:
+    """The uniforms plain batch sampling draws from one generator: `batch` per step, row r of
+    step t taking number t * batch + r. Row r's `RowDraws` hands them out in order, so each row
+    of a batch samples from the one seeded generator, and a row generated alone (speculative
+    decoding runs rows one after another) samples with the draws it would get in the batch."""
+
+    def __init__(self, rng: np.random.Generator, batch: int) -> None:
+        self.rng, self.batch = rng, batch
+        self.drawn = np.empty(0)
+
+    def get(self, row: int, index: int) -> float:
+        position = index * self.batch + row
+        if position >= self.drawn.size:
+            more = max(position + 1 - self.drawn.size, 64 * self.batch)
+            self.drawn = np.concatenate([self.drawn, self.rng.random(more)])
+        return float(self.drawn[position])
+
+
+@dataclass
+class RowDraws:
+    """A stand-in for a row's generator: `random(1)` gives the row's next uniform."""
+
+    draws: BatchDraws
+    row: int
+    count: int = 0
+
+    def random(self, n: int) -> np.ndarray:
+        values = [self.draws.get(self.row, self.count + i) for i in range(n)]
+        self.count += n
+        return np.asarray(values)
+
+
+def batch_decoders(params: SamplingParams, prompts: Sequence[Sequence[int]]) -> list[Decoder]:
+    """One decoder per row of a batch sampled under one `params` from one generator seeded with
+    `params.seed`: the same seed gives the same tokens, whatever the rows are then run as."""
+    draws = BatchDraws(make_rng(params.seed), len(prompts))
+    return [Decoder(params, prompt, rng=RowDraws(draws, row)) for row, prompt in enumerate(prompts)]
 
 
 def end_of_row(*, eos: bool, stopped: bool, finished: bool, generated: int, budget: int) -> str | None:

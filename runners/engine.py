@@ -18,21 +18,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from runners.decoding import Decoder, TokenLogprob, end_of_row
+from runners.decoding import Decoder, TokenLogprob, batch_decoders, end_of_row
 from runners.detokenizer import StreamingDetokenizer
 from runners.errors import ArtifactError, GenerationError
 from runners.generate import Step, check_length, generate_steps
 from runners.manifest import read_io, read_json_object, read_manifest, read_max_positions, verify_files
 from runners.runtime import Choice, Environment, choose, open_session
-from runners.sampling import SamplingParams, make_rng
+from runners.sampling import SamplingParams
 from runners.session import Session
 from runners.speculative import (
     PROMPT_LOOKUP,
-    BatchDraws,
     Drafter,
     DraftModel,
     PromptLookup,
-    RowDraws,
     SpeculationStats,
     check_same_vocabulary,
     parse_speculative,
@@ -346,19 +344,30 @@ class Engine:
         speculation: Speculation | None = None,
         stats: SpeculationStats | None = None,
     ) -> Iterator[Step]:
+        """The steps of one batch; without `decoders`, the batch is sampled under `params` as one."""
+        decoders = batch_decoders(params, prompts) if decoders is None else decoders
         if speculation is not None:
-            return self._speculative_steps(prompts, budget, params, decoders, done, speculation, stats)
+            return speculative_steps(
+                self.session,
+                prompts,
+                max_new_tokens=budget,
+                decoders=decoders,
+                drafters=[speculation.drafter(len(p) + budget) for p in prompts],
+                draft_tokens=speculation.draft_tokens,
+                eos_ids=self.eos_ids,
+                pad_id=self.pad_id,
+                done=done,
+                stats=stats,
+            )
         return generate_steps(
             self.session,
             prompts,
             max_new_tokens=budget,
             max_positions=self.max_positions,
-            params=params,
-            rng=make_rng(params.seed),
+            decoders=decoders,
             eos_ids=self.eos_ids,
             pad_id=self.pad_id,
             done=done,
-            decoders=decoders,
         )
 
     def speculation(self, speculative: str | None, draft_tokens: int | None) -> Speculation | None:
@@ -385,33 +394,6 @@ class Engine:
                 )
             self._drafts[path] = DraftModel(draft.session, draft.max_positions, path)
         return Speculation(k, self._drafts[path])
-
-    def _speculative_steps(
-        self,
-        prompts: list[list[int]],
-        budget: int,
-        params: SamplingParams,
-        decoders: Sequence[Decoder] | None,
-        done: np.ndarray | None,
-        speculation: Speculation,
-        stats: SpeculationStats | None,
-    ) -> Iterator[Step]:
-        if decoders is None:  # one decoder per row, drawing what plain batch sampling would draw for that row
-            draws = BatchDraws(make_rng(params.seed), len(prompts))
-            decoders = [Decoder(params, p, rng=RowDraws(draws, row)) for row, p in enumerate(prompts)]
-        drafters = [speculation.drafter(len(p) + budget) for p in prompts]
-        return speculative_steps(
-            self.session,
-            prompts,
-            max_new_tokens=budget,
-            decoders=decoders,
-            drafters=drafters,
-            draft_tokens=speculation.draft_tokens,
-            eos_ids=self.eos_ids,
-            pad_id=self.pad_id,
-            done=done,
-            stats=stats,
-        )
 
     def generate_tokens(
         self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | None = None, **sampling: Any

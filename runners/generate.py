@@ -1,4 +1,4 @@
-"""The generation loop: one prefill, then one-token decode steps over a `Session`.
+"""The generation loop: a prefill (in chunks or at once), then one-token decode steps over a `Session`.
 
 Prompts of different lengths are left-padded into one batch; the attention mask marks
 padding, and position ids count only real tokens, so each row sees exactly what it would
@@ -18,7 +18,6 @@ import numpy as np
 from runners.contract import DecoderIO
 from runners.decoding import Decoder, TokenLogprob
 from runners.errors import GenerationError
-from runners.sampling import SamplingParams, greedy, sample_checked
 from runners.session import Session
 
 
@@ -164,54 +163,74 @@ def invalid_rows(last: np.ndarray) -> list[tuple[str, np.ndarray]]:
     return [(problem, rows) for problem, rows in problems if rows.any()]
 
 
+def prefill(
+    session: Session,
+    ids: np.ndarray,
+    mask: np.ndarray,
+    cache: dict[str, np.ndarray],
+    *,
+    chunk: int | None = None,
+    start: int = 0,
+) -> Iterator[tuple[int, np.ndarray, dict[str, np.ndarray]]]:
+    """Feed columns [start, width) of a left-padded batch into `cache`, `chunk` columns per call
+    (all in one call when None); yields after each call the columns fed so far, that call's
+    logits and the cache after it. `start` > 0 continues a cache that already holds the first
+    `start` columns (a restored prefix). The caller may stop between chunks.
+
+    onnxruntime's GroupQueryAttention takes several new tokens over a non-empty cache only at
+    batch 1: chunks after the first need a batch of one on the ort-cpu target.
+    """
+    width = ids.shape[1]
+    if chunk is not None and chunk < 1:
+        raise GenerationError(f"prefill chunk must be at least 1 token, got {chunk}")
+    if not 0 <= start < width:
+        raise GenerationError(f"prefill must feed at least one of the prompt's {width} columns, asked from {start}")
+    size = width - start if chunk is None else chunk
+    for begin in range(start, width, size):
+        end = min(begin + size, width)
+        logits, cache = forward(session, np.ascontiguousarray(ids[:, begin:end]), mask[:, :end], cache)
+        yield end, logits, cache
+
+
 def generate_steps(
     session: Session,
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
     max_positions: int,
-    params: SamplingParams,
-    rng: np.random.Generator,
+    decoders: Sequence[Decoder],
     eos_ids: Sequence[int] = (),
     pad_id: int = 0,
     done: np.ndarray | None = None,
-    decoders: Sequence[Decoder] | None = None,
+    prefill_chunk: int | None = None,
 ) -> Iterator[Step]:
     """Yield one `Step` per generated position until every row is done or the budget is spent.
 
-    A row is done after it samples an eos id. The caller may also mark rows done by
-    setting `done[row] = True` between steps (a stop string, a cancelled request); the
-    loop ends as soon as every row is done.
-
-    With `decoders` (one per row), each row's token is its decoder's choice (its own
-    processors, sampler and seed) and is handed back to it; `params` and `rng` are then
-    only checked. Without, the batch is sampled as one under `params` from `rng`.
+    Each row's token is its decoder's choice (its own processors, sampler and draws; see
+    `runners.decoding.batch_decoders` for a batch under one set of parameters) and is handed
+    back to it. A row is done after it chooses an eos id. The caller may also mark rows done
+    by setting `done[row] = True` between steps (a stop string, a cancelled request); the
+    loop ends as soon as every row is done. The prompts are prefilled `prefill_chunk` tokens
+    per call (`prefill`), in one call when None.
     """
-    params.validate()
     check_length(prompts, max_new_tokens, max_positions)
+    if len(decoders) != len(prompts):
+        raise GenerationError(f"{len(prompts)} prompts need one decoder each, got {len(decoders)}")
     ids, mask = left_pad(prompts, pad_id)
     done = np.zeros(len(prompts), dtype=bool) if done is None else done
-    seen = [np.asarray(p, dtype=np.int64) for p in prompts]
-    capacity = ids.shape[1] + max_new_tokens
-    logits, cache = forward(session, ids, mask, empty_cache(session.io, len(prompts), capacity))
+    cache = empty_cache(session.io, len(prompts), ids.shape[1] + max_new_tokens)
+    *_, (_, logits, cache) = prefill(session, ids, mask, cache, chunk=prefill_chunk)
     eos = np.asarray(list(eos_ids), dtype=np.int64)
     for step in range(max_new_tokens):
         active = ~done
         last = last_logits(logits, active, session.io.vocab_size, step)
-        # Finished rows are still computed; whatever they hold must not stop the others.
-        # last_logits has checked every row that is still generating; the others are zeroed
-        if decoders is None:
-            sampled = sample_checked(last if active.all() else np.where(active[:, None], last, 0.0), params, rng, seen)
-            tokens = np.where(active, sampled, pad_id).astype(np.int64)
-            yield Step(tokens, last, active)
-        else:
-            tokens, entries = choose_tokens(decoders, last, active, pad_id)
-            yield Step(tokens, last, active, entries)
+        # Finished rows are still computed; whatever they hold must not stop the others:
+        # only the rows still generating are checked and choose a token.
+        tokens, entries = choose_tokens(decoders, last, active, pad_id)
+        yield Step(tokens, last, active, entries)
         done |= (tokens[:, None] == eos).any(axis=1) & active
         if done.all() or step == max_new_tokens - 1:
             return
-        if decoders is None and params.repetition_penalty != 1.0:  # only the penalty reads what each row has seen
-            seen = [np.append(s, t) if a else s for s, t, a in zip(seen, tokens, active)]
         mask = np.concatenate([mask, active[:, None].astype(np.int64)], axis=1)
         logits, cache = forward(session, tokens[:, None], mask, cache)
 
@@ -223,22 +242,17 @@ def choose_tokens(
     pad_id: int,
     on_error: Callable[[int, Exception], None] | None = None,
 ) -> tuple[np.ndarray, tuple[TokenLogprob | None, ...]]:
-    """Each active row's token from its decoder (plain greedy rows as one argmax), handed back to it.
+    """Each active row's token from its decoder, handed back to it; `pad_id` for the others.
 
     A row whose decoder fails raises, or with `on_error` is reported to it and gets `pad_id`,
     so that one request's sampler or grammar cannot stop the others.
     """
     tokens = np.full(len(decoders), pad_id, dtype=np.int64)
     entries: list[TokenLogprob | None] = [None] * len(decoders)
-    rows = [int(r) for r in np.flatnonzero(active)]
-    plain = [r for r in rows if decoders[r].plain_greedy]
-    if plain:
-        tokens[plain] = greedy(last[plain])
-    for row in rows:
+    for row in map(int, np.flatnonzero(active)):
         decoder = decoders[row]
         try:
-            if not decoder.plain_greedy:
-                tokens[row], entries[row] = decoder.choose(last[row])
+            tokens[row], entries[row] = decoder.choose(last[row])
             decoder.accept(int(tokens[row]))
         except Exception as error:
             if on_error is None:

@@ -102,28 +102,6 @@ def make_rng(seed: int | None) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-def check_logits(logits: npt.ArrayLike) -> npt.NDArray[np.floating]:
-    """Check the shape and values of session logits ([batch, vocab]); returns them uncopied."""
-    array = np.asarray(logits)
-    if array.ndim != 2:
-        raise GenerationError(
-            f"logits must have shape [batch, vocab], got shape {array.shape}; "
-            "take the last position of the session's [batch, seq, vocab] logits"
-        )
-    if array.shape[1] == 0:
-        raise GenerationError(f"logits have an empty vocabulary axis (shape {array.shape})")
-    if not np.issubdtype(array.dtype, np.floating):
-        raise GenerationError(f"logits must be a float array, got dtype {array.dtype}")
-    if not np.isfinite(array).all():  # one pass when all is well; the details only on failure
-        if np.isnan(array).any():
-            raise GenerationError("logits contain NaN; the model or session produced invalid output")
-        if np.isposinf(array).any():
-            raise GenerationError("logits contain +inf; the model or session overflowed")
-        if (array.max(axis=-1) == -np.inf).any():
-            raise GenerationError("a row of logits is all -inf: no token can be chosen")
-    return array
-
-
 def apply_repetition_penalty(logits: FloatArray, seen: Sequence[npt.ArrayLike], penalty: float) -> FloatArray:
     """Make already-seen tokens less likely, dividing positive and multiplying negative logits.
 
@@ -258,44 +236,3 @@ def draw(logits: FloatArray, rng: Uniforms) -> IdArray:
     last_with_mass = probs.shape[-1] - 1 - np.argmax(probs[:, ::-1] > 0, axis=-1)
     tokens: IdArray = np.minimum(chosen, last_with_mass).astype(np.int64)
     return tokens
-
-
-def sample(
-    logits: npt.ArrayLike,
-    params: SamplingParams,
-    rng: np.random.Generator,
-    seen: Sequence[npt.ArrayLike] | None = None,
-) -> IdArray:
-    """Choose the next token of every row of ``logits`` ([batch, vocab]) -> int64 [batch].
-
-    ``seen`` holds, per row, the ids the repetition penalty applies to (prompt and
-    generated so far); it is required only when the penalty is on.
-    """
-    params.validate()
-    return sample_checked(check_logits(logits), params, rng, seen)
-
-
-def sample_checked(
-    logits: npt.NDArray[np.floating],
-    params: SamplingParams,
-    rng: np.random.Generator,
-    seen: Sequence[npt.ArrayLike] | None = None,
-) -> IdArray:
-    """`sample` for logits that already passed `check_logits` (or the generation loop's own
-    check) under `params` already validated: the loop checks every step's logits once."""
-    if params.greedy and params.repetition_penalty == 1.0:
-        return greedy(logits)  # the argmax needs no float64 copy
-    scores = logits.astype(np.float64)
-    if params.repetition_penalty != 1.0:
-        if seen is None:
-            raise GenerationError(
-                "repetition_penalty is set but seen is None; pass the prompt and generated ids of each row"
-            )
-        scores = apply_repetition_penalty(scores, seen, params.repetition_penalty)
-    if params.greedy:
-        return greedy(scores)
-    scores = apply_temperature(scores, params.temperature)
-    scores = apply_top_k(scores, params.top_k)
-    scores = apply_top_p(scores, params.top_p)
-    scores = apply_min_p(scores, params.min_p)
-    return draw(scores, rng)

@@ -47,7 +47,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from runners.contract import DecoderIO
-from runners.decoding import Decoder, TokenLogprob
+from runners.decoding import Decoder, TokenLogprob, end_of_row
 from runners.errors import GenerationError
 from runners.generate import Step, empty_cache, forward, last_logits
 from runners.session import Session
@@ -218,37 +218,6 @@ class DraftRow:
         return drafts
 
 
-class BatchDraws:
-    """The uniforms plain batch sampling draws from one generator: `batch` per step, row r of
-    step t taking number t * batch + r. Row r's `RowDraws` hands them out in order, so a row
-    generated alone samples with the draws it would get in the batch."""
-
-    def __init__(self, rng: np.random.Generator, batch: int) -> None:
-        self.rng, self.batch = rng, batch
-        self.drawn = np.empty(0)
-
-    def get(self, row: int, index: int) -> float:
-        position = index * self.batch + row
-        if position >= self.drawn.size:
-            more = max(position + 1 - self.drawn.size, 64 * self.batch)
-            self.drawn = np.concatenate([self.drawn, self.rng.random(more)])
-        return float(self.drawn[position])
-
-
-@dataclass
-class RowDraws:
-    """A stand-in for a row's generator: `random(1)` gives the row's next uniform."""
-
-    draws: BatchDraws
-    row: int
-    count: int = 0
-
-    def random(self, n: int) -> np.ndarray:
-        values = [self.draws.get(self.row, self.count + i) for i in range(n)]
-        self.count += n
-        return np.asarray(values)
-
-
 def speculative_steps(
     session: Session,
     prompts: Sequence[Sequence[int]],
@@ -314,7 +283,14 @@ def _row_tokens(
     yield token, row_logits, entry
     history = [*prompt, token]
     generated, step = 1, 0
-    while generated < budget and token not in eos and not decoder.finished:
+
+    def ended() -> bool:
+        return (
+            end_of_row(eos=token in eos, stopped=False, finished=decoder.finished, generated=generated, budget=budget)
+            is not None
+        )
+
+    while not ended():
         # no more drafts than tokens still allowed after the pending one: the cache never
         # grows past prompt + budget
         drafts = drafter.propose(history, min(draft_tokens, budget - generated - 1))
@@ -331,16 +307,13 @@ def _row_tokens(
             accepted = j < len(drafts) and token == drafts[j]
             stats.accepted_tokens += accepted
             yield token, row_logits, entry
-            if not accepted or generated >= budget or token in eos or decoder.finished:
+            if not accepted or ended():
                 break
         cache.truncate(len(history) - 1)  # the newest token is pending: fed at the next step
 
 
 def _choose(decoder: Decoder, logits: np.ndarray) -> tuple[int, TokenLogprob | None]:
-    if decoder.plain_greedy:
-        token, entry = int(np.argmax(logits)), None
-    else:
-        token, entry = decoder.choose(logits)
+    token, entry = decoder.choose(logits)
     decoder.accept(token)
     return token, entry
 

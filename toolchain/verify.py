@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from runners.decoding import batch_decoders
 from runners.errors import GenerationError, ParityError
 from runners.generate import Step, empty_cache, forward, generate_steps, left_pad
 from runners.sampling import SamplingParams
@@ -185,8 +186,7 @@ def record_reference(reference: Session, *, max_positions: int, decode_steps: in
             prompts,
             max_new_tokens=decode_steps,
             max_positions=max_positions,
-            params=SamplingParams(temperature=0.0),
-            rng=np.random.default_rng(seed),
+            decoders=batch_decoders(SamplingParams(temperature=0.0), prompts),
         ):
             run.steps.append(step)
     except GenerationError as e:
@@ -206,9 +206,7 @@ def check_parity(
 ) -> ParityReport:
     """Compare `candidate` (the compiled graph) with `reference` (the eager model)."""
     recorded = record_reference(reference, max_positions=max_positions, decode_steps=decode_steps, seed=seed)
-    return compare_with_reference(
-        recorded, candidate, max_positions=max_positions, dtype=dtype, seed=seed, tolerance=tolerance
-    )
+    return compare_with_reference(recorded, candidate, max_positions=max_positions, dtype=dtype, tolerance=tolerance)
 
 
 def compare_with_reference(
@@ -217,7 +215,6 @@ def compare_with_reference(
     *,
     max_positions: int,
     dtype: str = "float32",
-    seed: int = 0,
     tolerance: float | None = None,
 ) -> ParityReport:
     """The prefill within tolerance, then the same greedy tokens with logits in tolerance.
@@ -226,19 +223,18 @@ def compare_with_reference(
     report = ParityReport(dtype, tol)
     report.prefill = list(_prefill_errors(reference, candidate, tol))
     if all(e.within for e in report.prefill):  # decoding from a wrong prefill only repeats the failure
-        _decode(report, reference, candidate, max_positions, seed)
+        _decode(report, reference, candidate, max_positions)
     return report
 
 
-def _decode(report: ParityReport, reference: ReferenceRun, candidate: Session, max_positions: int, seed: int) -> None:
+def _decode(report: ParityReport, reference: ReferenceRun, candidate: Session, max_positions: int) -> None:
     """Greedy decode through the runner's loop; stop at the first token that differs from the eager model's."""
     steps = generate_steps(
         candidate,
         reference.prompts,
         max_new_tokens=max(len(reference.steps), 1),
         max_positions=max_positions,
-        params=SamplingParams(temperature=0.0),
-        rng=np.random.default_rng(seed),
+        decoders=batch_decoders(SamplingParams(temperature=0.0), reference.prompts),
     )
     try:
         for index, (ref_step, cand_step) in enumerate(zip(reference.steps, steps)):

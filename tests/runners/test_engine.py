@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from runners.decoding import batch_decoders
 from runners.engine import Engine
 from runners.errors import ArtifactError, GenerationError
 from runners.generate import Step, empty_cache, forward, generate_steps, left_pad
@@ -158,8 +159,7 @@ def test_one_session_serves_generations_of_any_shape(artifact: Path, engine: Eng
             batch,
             max_new_tokens=new,
             max_positions=session_engine.max_positions,
-            params=SamplingParams(temperature=0.0),
-            rng=np.random.default_rng(0),
+            decoders=batch_decoders(SamplingParams(temperature=0.0), batch),
         )
         return [step.logits for step in run]
 
@@ -195,8 +195,7 @@ def test_generations_stepped_in_turn_keep_their_bindings_and_match_each_alone(
             batch,
             max_new_tokens=6,
             max_positions=on.max_positions,
-            params=SamplingParams(temperature=0.0),
-            rng=np.random.default_rng(0),
+            decoders=batch_decoders(SamplingParams(temperature=0.0), batch),
         )
 
     one, two = run(prompts[:1]), run(prompts)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from runners.contract import DecoderIO
+from runners.decoding import batch_decoders
 from runners.errors import GenerationError
 from runners.generate import check_length, generate_steps
 from runners.sampling import SamplingParams
@@ -58,8 +59,7 @@ def run_loop(session: ScriptedSession, prompts: list[list[int]], max_new_tokens:
             prompts,
             max_new_tokens=max_new_tokens,
             max_positions=64,
-            params=SamplingParams(temperature=0.0),
-            rng=np.random.default_rng(0),
+            decoders=batch_decoders(SamplingParams(temperature=0.0), prompts),
             **kwargs,  # type: ignore[arg-type]
         )
     )
@@ -85,8 +85,7 @@ def test_nan_or_inf_logits_raise_naming_the_step(poison: float, problem: str | N
             [[1, 2]],
             max_new_tokens=6,
             max_positions=64,
-            params=SamplingParams(temperature=0.0),
-            rng=np.random.default_rng(0),
+            decoders=batch_decoders(SamplingParams(temperature=0.0), [[1, 2]]),
         ):
             produced.append(int(step.tokens[0]))
     assert produced == [5] * call  # every step before the bad one, nothing sampled from it
@@ -112,8 +111,7 @@ def test_sampling_is_refused_too_not_only_greedy() -> None:
                 [[1, 2]],
                 max_new_tokens=4,
                 max_positions=64,
-                params=SamplingParams(temperature=0.8, top_p=0.9),
-                rng=np.random.default_rng(0),
+                decoders=batch_decoders(SamplingParams(temperature=0.8, top_p=0.9), [[1, 2]]),
             )
         )
 

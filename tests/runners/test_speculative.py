@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from runners.decoding import BatchDraws, RowDraws
 from runners.engine import Completion, Engine
 from runners.errors import GenerationError
-from runners.speculative import BatchDraws, PromptLookup, RowDraws, parse_speculative
+from runners.speculative import PromptLookup, parse_speculative
 from tests.runners.test_decoding import SCHEMA, check_schema
 
 pytestmark = pytest.mark.slow

@@ -83,6 +83,7 @@ def test_chunked_prefill_on_the_engine_equals_one_prefill_on_onnxruntime(engine_
 
 
 def test_decode_is_faster_than_onnxruntime_on_the_cpu(engine_artifact: Path) -> None:
+    from runners.decoding import batch_decoders
     from runners.generate import generate_steps
     from runners.manifest import read_io, read_manifest
     from runners.sampling import SamplingParams
@@ -97,8 +98,7 @@ def test_decode_is_faster_than_onnxruntime_on_the_cpu(engine_artifact: Path) -> 
             [[5, 6, 7, 8]] * 4,
             max_new_tokens=64,
             max_positions=128,
-            params=SamplingParams(temperature=0.0),
-            rng=np.random.default_rng(0),
+            decoders=batch_decoders(SamplingParams(temperature=0.0), [[5, 6, 7, 8]] * 4),
         )
         next(steps)  # the prefill
         start = time.perf_counter()
