@@ -3,48 +3,26 @@
 Each step runs one decode for every row of the batch, then admits a waiting request and
 runs at most one prefill chunk, so a long prompt delays the others by one chunk at most.
 
-The batch lives in one KV buffer per past tensor, ``[slots, kv_heads, capacity, head_dim]``,
-and one attention mask ``[slots, capacity]``. Every row is right-aligned at a shared
-width ``W`` (the mask's length): row ``i`` holds its ``length_i`` cached positions in
-columns ``[W - length_i, W)``, the columns before it are left padding (mask 0), and a decode
-step writes every row's new position at column ``W``. This is exactly a left-padded batch,
-so each row attends to what it would alone, and position ids count real tokens only.
+The running rows' caches live in one `KVBatch` (`runners.serve.batch`): a left-padded,
+right-aligned layout at a shared width, compacted as padding builds up; a decode step feeds every
+row's pending token at once.
 
-- A request is prefilled alone (batch 1: onnxruntime's GroupQueryAttention takes several
-  new tokens over a non-empty cache only at batch 1), chunk by chunk, into a buffer of its
-  own; its KV is then copied into the next free row of the batch buffer, right-aligned at
-  ``W`` (a prompt longer than ``W`` first shifts the batch right to make room).
-- A finished or cancelled row leaves at once: the last row is moved into its slot.
-- A layer bounded by a sliding window (`DecoderIO.layer_windows`) keeps no column of the
-  buffer: its cache is one array ``[rows, kv_heads, min(W, window - 1), head_dim]`` holding the
-  last columns before ``W``, in the same right-aligned layout, renewed by every step (the
-  graph returns it with the new positions; the runner keeps the last ``window - 1``).
-- ``W`` grows by one per step while rows come and go, so padding accumulates: when the
-  padding every row shares (``W`` minus the longest row) reaches the longest row, or
-  ``W`` reaches the capacity, the batch is shifted left by that amount (compaction). A row
-  never holds more than the model's context, so the capacity stays bounded.
-
-A model whose layers keep fixed-size states (lfm2's convolution layers) has one more buffer per
-state, ``[slots, ...]`` with no column axis: a request's prefill starts from a zeroed state of
-its own, which joins the batch in the row its KV goes to and moves with it; padding columns
-never reach a state.
+A request is prefilled alone (batch 1: onnxruntime's GroupQueryAttention takes several new tokens
+over a non-empty cache only at batch 1) by the runner's own `prefill`, one chunk per step, into a
+cache of its own (fixed-size states start from zero); its cache then joins the batch.
 
 With a prefix cache (`runners.serve.prefix_cache`), a prefill first copies the longest cached
 block prefix of its prompt into its buffer and prefills the rest; a finished prefill stores its
 prompt's full blocks. Decode never sees the cache.
 
 With speculative decoding (`runners.speculative`), each row's drafter proposes up to K tokens
-before the step. The batch decode runs as before (every row's pending token at column ``W``); a
+before the step. The batch decode runs as before (every row's pending token at the width); a
 row whose chosen token equals its first draft then verifies its drafts in a call of its own, at
-batch 1 over its row of the buffer (columns ``[W + 1, W + 1 + k)``: GroupQueryAttention takes
-several new tokens over a cache only at batch 1), and its decoder chooses each position's token
-in order, as plain decoding would, while they equal the drafts. A row rejected at the first
-draft costs no extra call. Rows then grow by different amounts: the width grows by the largest
-growth ``G``, and a row that kept fewer positions leaves the rest of its ``G`` columns masked
-out (holes, mask 0). The mask alone says what a row attends to and position ids count its real
-tokens, so holes change nothing; compaction gathers each row's real columns when holes are in
-the way of a plain shift. Window-bounded layers and fixed-size states are refused (a hole would
-count in a window; a state cannot take a draft back).
+batch 1 over its row of the batch, and its decoder chooses each position's token in order, as
+plain decoding would, while they equal the drafts. A row rejected at the first draft costs no
+extra call. Rows then grow by different amounts, which the batch keeps as holes in its mask.
+Window-bounded layers and fixed-size states are refused (a hole would count in a window; a
+state cannot take a draft back).
 """
 
 from __future__ import annotations
@@ -54,7 +32,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -63,8 +41,9 @@ from runners.decoding import Decoder, TokenLogprob, end_of_row
 from runners.detokenizer import StreamingDetokenizer
 from runners.engine import Engine, Speculation
 from runners.errors import KvforgeError
-from runners.generate import choose_tokens, empty_states, forward, invalid_rows
+from runners.generate import choose_tokens, empty_states, forward, invalid_rows, prefill
 from runners.sampling import SamplingParams
+from runners.serve.batch import KVBatch
 from runners.serve.metrics import Metrics
 from runners.serve.prefix_cache import PrefixCache, unsupported
 from runners.serve.protocol import ParsedRequest
@@ -72,9 +51,6 @@ from runners.session import Session
 from runners.speculative import Drafter, require_all_logits
 
 logger = logging.getLogger(__name__)
-
-# Shared padding below this many columns is not worth a copy of the batch's cache.
-_MIN_COMPACTION = 16
 
 
 @dataclass(frozen=True)
@@ -147,10 +123,10 @@ class Request:
 
 @dataclass(eq=False)
 class _Row:
+    """A running request; its cache is the batch's row of the same index."""
+
     request: Request
-    length: int  # positions cached
     next_token: int  # sampled, not yet fed
-    span: int = 0  # columns from its first cached position to the width (length plus holes)
     drafter: Drafter | None = None  # with speculative decoding
     history: list[int] = field(default_factory=list)  # prompt and generated ids, for the drafter
 
@@ -158,8 +134,8 @@ class _Row:
 @dataclass(eq=False)
 class _Prefill:
     request: Request
-    done: int = 0  # prompt tokens prefilled so far
-    bounded: dict[str, np.ndarray] = field(default_factory=dict)  # its window-bounded layers' caches
+    chunks: Iterator[tuple[int, np.ndarray, dict[str, np.ndarray]]]  # `prefill` over the prompt
+    cache: dict[str, np.ndarray]  # the prompt's cache after the chunks run so far
 
 
 def choice_requests(engine: Engine, parsed: ParsedRequest, arrival: float) -> list[Request]:
@@ -229,26 +205,14 @@ class BatchScheduler:
         self.prefill_chunk = prefill_chunk
         self.metrics = metrics
         self.failure: str | None = None
-        self.compactions = 0  # times the batch was shifted left over shared padding
         self._cond = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
         self._in_system = 0  # accepted and not yet released
         self._stopping = False
         self._rows: list[_Row] = []
+        self._batch = KVBatch(self.io, max_rows=max_num_seqs, max_positions=max_positions)
         self._prefill: _Prefill | None = None
-        self._width = 0
-        self._kv: dict[str, np.ndarray] = {}  # the layers that keep their whole history
-        self._states: dict[str, np.ndarray] = {}  # [slots, ...] per fixed-size state
-        # the window-bounded layers, the last min(width, window - 1) columns of every row
-        self._full_names = [name for name in self.io.past_names if self.io.window_of(name) is None]
-        self._bounded: dict[str, np.ndarray] = self._no_rows()
-        self._mask = np.zeros((0, 0), dtype=np.int64)
-        self._views: tuple[int, dict[str, np.ndarray]] | None = None
-        self._prefill_kv: dict[str, np.ndarray] = {}  # the request being prefilled: its KV and states
-        # A graph with a fixed cache length takes buffers of exactly that length; otherwise
-        # leave room past the context for the padding that builds up between compactions.
-        self._fixed_capacity: int | None = getattr(self.io, "capacity", None)
-        self._capacity_limit = self._fixed_capacity or max_positions + max(_MIN_COMPACTION, max_positions // 4)
+        self._prefill_kv: dict[str, np.ndarray] = {}  # the full-history layers' buffers a prefill writes
         self._thread = threading.Thread(target=self._run, name="kvforge-engine", daemon=True)
 
     # -- called from request threads ---------------------------------------------------
@@ -324,6 +288,11 @@ class BatchScheduler:
     def in_system(self) -> int:
         return self._in_system
 
+    @property
+    def compactions(self) -> int:
+        """Times the batch was shifted left over shared padding."""
+        return self._batch.compactions
+
     def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is waiting or running; False if `timeout` passed first."""
         with self._cond:
@@ -372,7 +341,11 @@ class BatchScheduler:
             request = self._waiting.popleft()
             self.metrics.waiting.set(len(self._waiting))
         self.metrics.queue_time.observe(time.perf_counter() - request.arrival)
-        self._prefill = _Prefill(request, bounded=self._no_rows(1))
+        cache, start = self._sequence_cache(request)
+        ids = np.asarray([request.ids], dtype=np.int64)
+        mask = np.ones_like(ids)
+        chunks = prefill(self.session, ids, mask, cache, chunk=self.prefill_chunk, start=start)
+        self._prefill = _Prefill(request, chunks, cache)
 
     def _drop_cancelled(self) -> None:
         for index in reversed(range(len(self._rows))):
@@ -387,19 +360,17 @@ class BatchScheduler:
     # -- decode -------------------------------------------------------------------------
 
     def _decode(self) -> None:
+        batch = self._batch
         drafts = self._propose()
-        self._make_room(1 + max(map(len, drafts), default=0))
-        rows, width = self._rows, self._width
-        room = self._mask.shape[1] - width - 1  # columns a verify step may write after the pending token
-        drafts = [d[:room] for d in drafts]
+        batch.make_room(1 + max(map(len, drafts), default=0))
+        rows, width = self._rows, batch.width
+        drafts = [d[: batch.room] for d in drafts]  # columns a verify step may write after the pending token
         n = len(rows)
         if n == 1 and drafts and drafts[0]:
             self._decode_alone(drafts[0])
             return
         ids = np.array([[row.next_token] for row in rows], dtype=np.int64)
-        self._mask[:n, width] = 1
-        mask = np.ascontiguousarray(self._mask[:n, : width + 1])
-        logits, self._bounded = self._forward(ids, mask, self._batch_cache(n) | self._bounded, n, width)
+        logits = self._forward(ids, batch.open(None, width, width + 1), None, width)
         tokens = self._sample_rows(logits[:, -1, :], [row.request for row in rows])
         growth, ended = [1] * n, [False] * n
         for index, row in enumerate(rows):
@@ -418,11 +389,7 @@ class BatchScheduler:
                 token, growth[index], ended[index] = self._verify(index, drafts[index], width + 1)
             row.next_token = token
         # a row that kept fewer positions than the one that kept most leaves the rest out (holes)
-        grown = max((g for g, e in zip(growth, ended) if not e), default=1)
-        for index, row in enumerate(rows):
-            row.length += growth[index]
-            row.span += grown
-        self._width = width + grown
+        batch.advance(growth, max((g for g, e in zip(growth, ended) if not e), default=1))
         for index in reversed(range(n)):
             if ended[index]:
                 self._remove_row(index)
@@ -444,32 +411,26 @@ class BatchScheduler:
         of its own, and choose each next token from them while they equal the drafts. Returns the
         pending token, the positions the row keeps of this step, and whether the request ended."""
         end = start + len(drafts)
-        self._mask[index, start:end] = 1
-        mask = np.ascontiguousarray(self._mask[index : index + 1, :end])
-        row_cache = {name: buffer[index : index + 1] for name, buffer in self._kv.items()}
         ids = np.asarray([drafts], dtype=np.int64)
-        logits, _ = self._forward(ids, mask, row_cache, 1, start)
+        logits = self._forward(ids, self._batch.open(index, start, end), index, start)
         token, accepted, ended = self._choose_along(index, logits, drafts[1:])
         accepted += 1  # the first draft, chosen by the batch step
-        self._mask[index, start + accepted : end] = 0  # the rejected drafts' columns
+        self._batch.close(index, start + accepted, end)  # the rejected drafts' columns
         return token, 1 + accepted, ended
 
     def _decode_alone(self, drafts: list[int]) -> None:
         """A batch of one row: its pending token and drafts in one call (batch 1 takes several
         tokens), as `Engine`'s speculative decoding does."""
-        row, width = self._rows[0], self._width
+        row, width = self._rows[0], self._batch.width
         self.metrics.spec_decode_num_drafts.inc()
         self.metrics.spec_decode_num_draft_tokens.inc(len(drafts))
         end = width + 1 + len(drafts)
-        self._mask[0, width:end] = 1
         ids = np.asarray([[row.next_token, *drafts]], dtype=np.int64)
-        logits, _ = self._forward(ids, np.ascontiguousarray(self._mask[:1, :end]), self._batch_cache(1), 1, width)
+        logits = self._forward(ids, self._batch.open(None, width, end), None, width)
         token, accepted, ended = self._choose_along(0, logits, drafts)
-        self._mask[0, width + 1 + accepted : end] = 0
+        self._batch.close(0, width + 1 + accepted, end)
         row.next_token = token
-        row.length += 1 + accepted
-        row.span += 1 + accepted
-        self._width = width + 1 + accepted
+        self._batch.advance([1 + accepted], 1 + accepted)
         if ended:
             self._remove_row(0)
 
@@ -547,67 +508,45 @@ class BatchScheduler:
         assert self._prefill is not None
         state = self._prefill
         request = state.request
-        cache = self._prefill_cache()
-        if state.done == 0:  # a fresh sequence: no state of the previous request may leak into it
-            for name in self.io.state_names:
-                cache[name].fill(0)
-            if self.prefix_cache is not None:
-                state.done = self.prefix_cache.restore(request.ids, cache)
-        end = min(state.done + self.prefill_chunk, len(request.ids))
-        ids = np.asarray(request.ids[state.done : end], dtype=np.int64)[None, :]
-        mask = np.ones((1, end), dtype=np.int64)
         try:
-            logits, state.bounded = self._forward(ids, mask, cache | state.bounded, 1, state.done)
+            done, logits, state.cache = next(state.chunks)
         except Exception as error:  # a prefill is one request's: only that request fails
             logger.exception("prefill failed")
             self._prefill = None
             self._fail(request, f"prefill failed: {type(error).__name__}: {error}")
             return
-        state.done = end
-        if end < len(request.ids):
+        if done < len(request.ids):
             return
         self._prefill = None
         self.metrics.prompt_tokens.inc(len(request.ids))
         if self.prefix_cache is not None:
-            self.prefix_cache.store(request.ids, cache)
+            self.prefix_cache.store(request.ids, state.cache)
         token = int(self._sample_rows(logits[:, -1, :], [request])[0])
         if token >= 0 and not self._deliver(request, token):
-            self._join(request, cache | state.bounded, token)
+            self._join(request, state.cache, token)
 
-    def _prefill_cache(self) -> dict[str, np.ndarray]:
+    def _sequence_cache(self, request: Request) -> tuple[dict[str, np.ndarray], int]:
+        """A fresh batch-1 cache for `request`'s prefill, with the longest cached prefix of its
+        prompt restored: the cache and the positions it already holds. The full-history layers'
+        buffers are reused from one request to the next (in `shared` mode the graph writes into
+        them); fixed-size states start from zero, so no state of another request leaks in."""
         if not self._prefill_kv:
-            length = self._fixed_capacity or self.max_positions
+            length = self.io.capacity or self.max_positions
             self._prefill_kv = {
-                name: np.zeros(self.io.kv_shape(name, 1, length), dtype=self.io.kv_dtype) for name in self._full_names
-            } | empty_states(self.io, 1)
-        return self._prefill_kv
+                name: np.zeros(self.io.kv_shape(name, 1, length), dtype=self.io.kv_dtype)
+                for name in self._batch.full_names
+            }
+        start = 0 if self.prefix_cache is None else self.prefix_cache.restore(request.ids, self._prefill_kv)
+        full = self._prefill_kv
+        if not self.io.shared_kv:  # the graph takes exactly the positions held, and returns them grown
+            full = {name: np.ascontiguousarray(buffer[:, :, :start]) for name, buffer in full.items()}
+        return full | self._batch.empty_bounded(1) | empty_states(self.io, 1), start
 
     def _join(self, request: Request, cache: dict[str, np.ndarray], token: int) -> None:
-        """Copy a prefilled request's KV into the next free row, right-aligned at the width."""
+        """A prefilled request joins the batch: its cache as the batch's next row."""
         length = len(request.ids)
-        n = len(self._rows)
-        self._compact(force=max(self._width, length) + 1 > self._mask.shape[1])
-        width = max(self._width, length)
-        self._reserve(n + 1, width + 1)
-        shift = width - self._width
-        if shift and n:  # a prompt longer than the batch's width: shift every row right
-            for buffer in self._kv.values():
-                buffer[:n, :, shift:width] = buffer[:n, :, : self._width]
-            self._mask[:n, shift:width] = self._mask[:n, : self._width]
-            self._mask[:n, :shift] = 0
-        for name, buffer in self._kv.items():
-            buffer[n, :, width - length : width] = cache[name][0, :, :length]
-        for name, state in self._states.items():
-            state[n] = cache[name][0]
-        held = {name: self.io.kept_positions(name, width) for name in self._bounded}
-        self._bounded = {
-            name: np.concatenate([_last_columns(rows, held[name]), _last_columns(cache[name], held[name])])
-            for name, rows in self._bounded.items()
-        }
-        self._mask[n] = 0
-        self._mask[n, width - length : width] = 1
-        self._width = width
-        row = _Row(request, length, token, span=length)
+        self._batch.join(cache, length)
+        row = _Row(request, token)
         if self.speculation is not None:
             row.history = [*request.ids, token]
             try:
@@ -615,131 +554,19 @@ class BatchScheduler:
             except KvforgeError as error:  # a draft model with a shorter context: this row does not speculate
                 logger.info("request without speculation: %s", error)
         self._rows.append(row)
-        self._views = None
 
-    # -- the batch buffer ---------------------------------------------------------------
-
-    def _forward(
-        self, ids: np.ndarray, mask: np.ndarray, cache: dict[str, np.ndarray], rows: int, width: int
-    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Run the model on `rows` rows whose cache fills `width` columns; the new positions'
-        keys and values land in columns [width, width + seq) of `cache`'s buffers, the rows' next
-        fixed-size states in its state buffers. Returns the logits and the window-bounded layers'
-        next caches (the last columns before width + seq)."""
-        bounded = [name for name in cache if self.io.window_of(name) is not None]
-        states = {name: np.ascontiguousarray(cache[name][:rows]) for name in self.io.state_names}
-        full = [name for name in cache if name not in states and name not in bounded]
-        if self.io.shared_kv:
-            logits, present = forward(self.session, ids, mask, {n: cache[n] for n in full + bounded} | states)
-        else:
-            past = {name: np.ascontiguousarray(cache[name][:rows, :, :width]) for name in full}
-            logits, present = forward(self.session, ids, mask, past | {n: cache[n] for n in bounded} | states)
-            end = width + ids.shape[1]
-            for name in full:
-                cache[name][:rows, :, width:end] = present[name][:, :, width:end]
-        for name in self.io.state_names:
-            cache[name][:rows] = present[name]
-        return logits, {name: present[name] for name in bounded}
-
-    def _batch_cache(self, rows: int) -> dict[str, np.ndarray]:
-        """Views of the first `rows` rows, kept while the row count stays: the session keeps
-        its binding while it is given the same arrays."""
-        if self._views is None or self._views[0] != rows:
-            buffers = self._kv | self._states
-            self._views = (rows, {name: buffer[:rows] for name, buffer in buffers.items()})
-        return self._views[1]
-
-    def _make_room(self, columns: int = 1) -> None:
-        """Before a decode step: compact wasted padding, and make room for `columns` more columns
-        (one at least; more as far as the capacity allows)."""
-        self._compact(force=self._width + columns > self._mask.shape[1])
-        self._reserve(len(self._rows), max(self._width + 1, min(self._width + columns, self._capacity_limit)))
-
-    def _compact(self, force: bool) -> None:
-        """Shift the batch left over the padding every row shares, when it is wasteful or `force`."""
-        if not self._rows:
-            return
-        n = len(self._rows)
-        longest = max(row.length for row in self._rows)
-        waste = self._width - longest
-        if waste > 0 and (force or waste >= max(longest, _MIN_COMPACTION)):
-            if max(row.span for row in self._rows) > longest:  # holes in the way of a shift: gather
-                self._gather(longest)
-                return
-            for buffer in self._kv.values():
-                buffer[:n, :, :longest] = buffer[:n, :, waste : self._width]
-            self._mask[:n, :longest] = self._mask[:n, waste : self._width]
-            self._mask[:n, longest:] = 0
-            self._bounded = {
-                name: _last_columns(rows, self.io.kept_positions(name, longest)) for name, rows in self._bounded.items()
-            }
-            self._width = longest
-            self.compactions += 1
-
-    def _gather(self, longest: int) -> None:
-        """Compaction with holes (speculation only: no bounded layers, no states): each row's cached
-        columns, in order, right-aligned at the new width `longest`."""
-        for index, row in enumerate(self._rows):
-            columns = np.flatnonzero(self._mask[index, : self._width])
-            start = longest - row.length
-            for buffer in self._kv.values():
-                buffer[index, :, start:longest] = buffer[index][:, columns]
-            self._mask[index] = 0
-            self._mask[index, start:longest] = 1
-            row.span = row.length
-        self._width = longest
-        self.compactions += 1
-
-    def _reserve(self, rows: int, columns: int) -> None:
-        """Grow the batch buffer (doubling, up to the bounds) to hold `rows` x `columns`."""
-        slots, capacity = self._mask.shape
-        if rows <= slots and columns <= capacity:
-            return
-        new_slots = min(max(rows, 2 * slots, 1), self.max_num_seqs)
-        new_capacity = self._fixed_capacity or min(max(columns, 2 * capacity, 64), self._capacity_limit)
-        if columns > new_capacity or rows > new_slots:  # unreachable while requests fit the context
-            raise KvforgeError(f"batch buffer of {rows} x {columns} exceeds {new_slots} x {new_capacity}")
-        n, width = len(self._rows), self._width
-        kv = {
-            name: np.zeros(self.io.kv_shape(name, new_slots, new_capacity), dtype=self.io.kv_dtype)
-            for name in self._full_names
-        }
-        for name, buffer in self._kv.items():
-            kv[name][:n, :, :width] = buffer[:n, :, :width]
-        states = empty_states(self.io, new_slots)
-        for name, state in self._states.items():
-            states[name][:n] = state[:n]
-        mask = np.zeros((new_slots, new_capacity), dtype=np.int64)
-        mask[:n, :width] = self._mask[:n, :width]
-        self._kv, self._states, self._mask, self._views = kv, states, mask, None
+    def _forward(self, ids: np.ndarray, mask: np.ndarray, row: int | None, width: int) -> np.ndarray:
+        """Run the model over the batch (or its row `row`) whose cache fills `width` columns; the
+        new positions land in columns [width, width + seq). Returns the logits."""
+        logits, present = forward(self.session, ids, mask, self._batch.feeds(row, width))
+        self._batch.store(present, row, width, ids.shape[1])
+        return logits
 
     def _remove_row(self, index: int) -> None:
-        last = len(self._rows) - 1
-        width = self._width
-        if index != last:
-            for buffer in self._kv.values():
-                buffer[index, :, :width] = buffer[last, :, :width]
-            for state in self._states.values():
-                state[index] = state[last]
-            self._mask[index] = self._mask[last]  # whole: a verify step may have written past the width
-            self._rows[index] = self._rows[last]
-            for rows in self._bounded.values():
-                rows[index] = rows[last]
-        self._rows.pop()
-        self._mask[last] = 0
-        self._bounded = {name: rows[:last] for name, rows in self._bounded.items()}
-        self._views = None
-        if not self._rows:
-            self._width = 0
-            self._bounded = self._no_rows()
-
-    def _no_rows(self, rows: int = 0) -> dict[str, np.ndarray]:
-        """The window-bounded layers' caches of `rows` rows holding no position."""
-        return {
-            name: np.zeros(self.io.kv_shape(name, rows, 0), dtype=self.io.kv_dtype)
-            for name in self.io.past_names
-            if self.io.window_of(name) is not None
-        }
+        self._batch.remove(index)
+        last = self._rows.pop()
+        if index < len(self._rows):
+            self._rows[index] = last
 
     # -- request endings ----------------------------------------------------------------
 
@@ -783,6 +610,7 @@ class BatchScheduler:
                 pending.append(self._prefill.request)
             self._waiting.clear()
         self._rows, self._prefill = [], None
+        self._batch.clear()
         for request in pending:
             if not request.released:
                 self._fail(request, message)
@@ -791,15 +619,5 @@ class BatchScheduler:
     def _update_gauges(self) -> None:
         self.metrics.running.set(len(self._rows) + (self._prefill is not None))
         self.metrics.waiting.set(len(self._waiting))
-        cached = sum(row.length for row in self._rows)
+        cached = sum(self._batch.lengths)
         self.metrics.kv_usage.set(cached / (self.max_num_seqs * self.max_positions))
-
-
-def _last_columns(cache: np.ndarray, held: int) -> np.ndarray:
-    """`cache` [rows, heads, positions, dim] as its last `held` columns: cut on the left, or
-    padded there with zeros (columns every row's mask leaves out)."""
-    positions = cache.shape[2]
-    if positions >= held:
-        return np.ascontiguousarray(cache[:, :, positions - held :])
-    pad = np.zeros((*cache.shape[:2], held - positions, cache.shape[3]), dtype=cache.dtype)
-    return np.concatenate([pad, cache], axis=2)

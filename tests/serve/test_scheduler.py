@@ -142,7 +142,7 @@ def test_capacity_stays_bounded_and_padding_is_compacted(engine: Engine) -> None
                 text, end = collect(req)
                 assert isinstance(end, Finished)
                 assert (text, end.completion_tokens) == solo(engine, prompt, budget)
-            assert scheduler._mask.shape[1] <= scheduler._capacity_limit
+            assert scheduler._batch.mask.shape[1] <= scheduler._batch.capacity_limit
         text, end = collect(keeper)
         assert isinstance(end, Finished)
         assert (text, end.completion_tokens) == solo(engine, "for i in", 200)
