@@ -22,7 +22,14 @@ from runners.decoding import Decoder, TokenLogprob, batch_decoders, end_of_row
 from runners.detokenizer import StreamingDetokenizer
 from runners.errors import ArtifactError, GenerationError
 from runners.generate import Step, check_length, generate_steps
-from runners.manifest import read_io, read_json_object, read_manifest, read_max_positions, verify_files
+from runners.manifest import (
+    FileHashes,
+    listed_files,
+    read_io,
+    read_json_object,
+    read_manifest,
+    read_max_positions,
+)
 from runners.runtime import Choice, Environment, choose, open_session
 from runners.sampling import SamplingParams
 from runners.session import Session
@@ -134,8 +141,12 @@ class Engine:
     ) -> Engine:
         """Open an artifact after checking every file against its manifest.
 
-        The hashes are checked before any file is used, and the model's external data must
-        name files among those checked, before onnxruntime opens it.
+        The directory must hold exactly the manifest's files before any is opened. The files
+        are hashed in threads from then on: the model's external data must name files among
+        them, and every other file must match its hash, before onnxruntime opens the model;
+        the weights are hashed while onnxruntime loads them, and if they do not match, the
+        session is dropped and the mismatch raised: no Engine is returned over a modified
+        file. (A TensorRT engine is checked whole before it is deserialized.)
 
         `runtime` chooses the session (`runners.runtime`): "auto" runs the artifact's
         TensorRT engine where TensorRT and a GPU are present, else onnxruntime's CUDA provider
@@ -145,12 +156,34 @@ class Engine:
         `environment` stands for what is installed (`Environment.detect()` when None).
 
         `huge_pages` backs the weights onnxruntime loads on the CPU with 2 MiB pages on Linux
-        (`runners.hugepages`): decode about 8% faster on the 125M reference, for 0.3 to
-        0.9 s more at load; pass False when a process loads to generate a few tokens.
+        (`runners.hugepages`): faster decode for a little more time at load (docs/performance.md);
+        pass False when a process loads to generate a few tokens.
         """
         directory = Path(directory)
         manifest = read_manifest(directory)
-        verify_files(directory, manifest)
+        hashes = FileHashes(directory, listed_files(directory, manifest))
+        try:
+            engine = cls._open(directory, manifest, hashes, providers, runtime, huge_pages, environment)
+        except Exception:
+            hashes.wait()  # a modified file is the error to report, whatever it made fail
+            raise
+        failure = hashes.failure()
+        if failure is not None:
+            del engine  # not even the traceback keeps a session over a modified file
+            raise failure
+        return engine
+
+    @classmethod
+    def _open(
+        cls,
+        directory: Path,
+        manifest: dict[str, Any],
+        hashes: FileHashes,
+        providers: Sequence[str] | None,
+        runtime: str,
+        huge_pages: bool,
+        environment: Environment | None,
+    ) -> Engine:
         io = read_io(directory, manifest)
         # A graph with a fixed cache (target tensorrt) holds at most io.capacity positions.
         max_positions = min(read_max_positions(directory, manifest), io.capacity or 1 << 62)
@@ -166,7 +199,7 @@ class Engine:
             else choose(runtime, manifest, environment or Environment.detect(), str(directory))
         )
         engine = cls(
-            open_session(directory, manifest, io, choice, huge_pages=huge_pages, providers=providers),
+            open_session(directory, manifest, io, choice, huge_pages=huge_pages, providers=providers, hashes=hashes),
             TokenizerBundle.load(directory),
             max_positions=max_positions,
             eos_ids=settings.eos_ids,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,14 @@ def verify_files(directory: Path, manifest: dict[str, Any]) -> None:
     Names must be plain file names: a manifest cannot point the runner outside its
     directory, and a symlink inside it is refused, whatever it points to.
     """
+    FileHashes(directory, listed_files(directory, manifest)).wait()
+
+
+def listed_files(directory: Path, manifest: dict[str, Any]) -> dict[str, str]:
+    """The manifest's files (name to sha256), once the directory holds exactly them as plain files.
+
+    Everything of `verify_files` but the hashes: cheap, so it is done before any file is opened.
+    """
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise ArtifactError(f"{directory / MANIFEST}: field files is missing or empty; rebuild the artifact")
@@ -102,14 +112,56 @@ def verify_files(directory: Path, manifest: dict[str, Any]) -> None:
         path = directory / name
         if not path.is_file() or path.is_symlink():
             raise ArtifactError(f"{path}: listed in {MANIFEST} but missing or not a plain file; rebuild the artifact")
-        try:
-            actual = sha256_file(path)
-        except OSError as e:
-            raise ArtifactError(f"{path}: cannot be read ({e.strerror or e}); check its permissions") from e
-        if actual != expected:
-            raise ArtifactError(
-                f"{path}: sha256 does not match {MANIFEST}; the file was modified, rebuild the artifact"
-            )
+    return dict(sorted(files.items()))
+
+
+class FileHashes:
+    """The files' sha256 checks, run in threads from construction on; `wait` raises if one fails.
+
+    hashlib releases the GIL while it hashes, so the caller can do other work (onnxruntime
+    creating its session) while the files are read; whatever it made from them must be
+    dropped if a check fails. The small files go first, so that waiting for all but the
+    weights does not wait for the weights' hash, even with one worker. An error is that of
+    the first failing file in name order, whichever thread finished first.
+    """
+
+    def __init__(self, directory: Path, files: Mapping[str, str], workers: int | None = None) -> None:
+        from runners.session import usable_cpus  # not at the top: runners.session imports this module
+
+        names = sorted(files, key=lambda name: (_size(directory / name), name))
+        workers = max(1, min(len(names), workers or usable_cpus()))
+        executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvforge-sha256")
+        self._checks = {name: executor.submit(check_hash, directory / name, files[name]) for name in names}
+        executor.shutdown(wait=False)  # the threads end when the last file is hashed
+
+    def failure(self, exclude: Collection[str] = ()) -> BaseException | None:
+        """The error of the first file in name order that fails its hash (waiting as far as that),
+        or None once every file but those excluded has matched."""
+        checks = sorted((name, check) for name, check in self._checks.items() if name not in exclude)
+        return next((error for _, check in checks if (error := check.exception()) is not None), None)
+
+    def wait(self, exclude: Collection[str] = ()) -> None:
+        """Return once every file but those excluded is hashed, or raise `failure(exclude)`."""
+        failure = self.failure(exclude)
+        if failure is not None:
+            raise failure
+
+
+def check_hash(path: Path, expected: str) -> None:
+    """The file hashes to `expected`, or an ArtifactError says it does not."""
+    try:
+        actual = sha256_file(path)
+    except OSError as e:
+        raise ArtifactError(f"{path}: cannot be read ({e.strerror or e}); check its permissions") from e
+    if actual != expected:
+        raise ArtifactError(f"{path}: sha256 does not match {MANIFEST}; the file was modified, rebuild the artifact")
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0  # check_hash says why
 
 
 def is_plain_file_name(name: str) -> bool:

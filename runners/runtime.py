@@ -23,6 +23,7 @@ from typing import Any
 
 from runners.contract import DecoderIO
 from runners.errors import ArtifactError, KvforgeError
+from runners.manifest import FileHashes
 from runners.session import OrtSession, Session
 
 RUNTIMES = ("auto", "ort", "ort-cuda", "tensorrt")
@@ -124,8 +125,10 @@ def open_session(
     *,
     huge_pages: bool = False,
     providers: Sequence[str] | None = None,
+    hashes: FileHashes | None = None,
 ) -> Session:
-    """The session of `choice` over an artifact whose files were checked against `manifest`.
+    """The session of `choice` over an artifact whose files were checked against `manifest`, or are
+    being checked by `hashes` (`OrtSession`; a TensorRT engine is checked whole before it is read).
 
     `providers`, where given, are passed to onnxruntime as they are (a caller that picks the
     device itself, as the Triton backend does)."""
@@ -142,4 +145,5 @@ def open_session(
         tuple(providers) if providers is not None else choice.providers,
         data_files=set(files),
         huge_pages=huge_pages and choice.runtime == "ort",  # pages for host memory: the CPU's weights
+        hashes=hashes,
     )

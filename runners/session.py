@@ -25,6 +25,8 @@ from runners.hugepages import huge_pages_for_new_memory
 if TYPE_CHECKING:
     import onnxruntime as ort
 
+    from runners.manifest import FileHashes
+
 
 def usable_cpus() -> int:
     """CPUs this process may run on: its affinity mask where the OS has one, which a container's
@@ -77,6 +79,7 @@ class OrtSession:
         weights_cast_per_run: bool = False,
         prepack: bool = True,
         huge_pages: bool = False,
+        hashes: FileHashes | None = None,
     ) -> None:
         """`weights_cast_per_run` is for a graph whose weights are read through Casts
         (`passes.widen`): onnxruntime then leaves the graph as it is (constant folding would
@@ -92,7 +95,12 @@ class OrtSession:
 
         `huge_pages` backs the memory onnxruntime allocates while loading (the prepacked
         weights) with 2 MiB pages on Linux (`runners.hugepages`): decode streams it faster,
-        for a little more time at load."""
+        for a little more time at load.
+
+        `hashes`, where given, are the artifact's sha256 checks running in threads: every file
+        but the external data must have matched before onnxruntime opens the model, so that
+        what it parses is checked; the weights' bytes are hashed while it loads them, and the
+        caller drops the session if they do not match."""
         import onnxruntime as ort
 
         if io.kv_dtype == "bfloat16":
@@ -101,7 +109,9 @@ class OrtSession:
                 "(it has no bfloat16 MatMul); run it on TensorRT (`kvforge build-engine`), or build it with "
                 "--dtype fp16 or fp32 for onnxruntime"
             )
-        check_external_data(Path(model_path), data_files)
+        locations = check_external_data(Path(model_path), data_files)
+        if hashes is not None:
+            hashes.wait(exclude=locations)
 
         options = ort.SessionOptions()
         options.log_severity_level = 3

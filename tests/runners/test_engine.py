@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import subprocess
 import sys
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+import runners.engine as engine_module
+import runners.manifest as manifest_module
 from runners.decoding import batch_decoders
 from runners.engine import Engine
 from runners.errors import ArtifactError, GenerationError
 from runners.generate import Step, empty_cache, forward, generate_steps, left_pad
 from runners.sampling import SamplingParams
-from runners.session import OrtSession
+from runners.session import OrtSession, Session
 
 pytestmark = pytest.mark.slow
 
@@ -118,6 +124,85 @@ def test_tampered_or_incomplete_artifacts_are_refused(artifact: Path, tmp_path: 
     (copy / "extra.bin").unlink()
     (copy / "manifest.json").unlink()
     with pytest.raises(ArtifactError, match="manifest.json: missing"):
+        Engine.load(copy)
+
+
+def test_files_are_hashed_while_the_session_is_created(artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weights' hash waits for onnxruntime to have opened the model: the load can only end if the
+    two run at once (hashing first, as loads once did, would wait out the timeout and fail)."""
+    opened = threading.Event()
+    overlapped = []
+    sha256_file, open_session = manifest_module.sha256_file, engine_module.open_session
+
+    def hash_after_open(path: Path) -> str:
+        if path.name == "model.onnx.data":
+            overlapped.append(opened.wait(timeout=60))
+        return sha256_file(path)
+
+    def open_then_signal(*args: Any, **kwargs: Any) -> Session:
+        session = open_session(*args, **kwargs)
+        opened.set()
+        return session
+
+    monkeypatch.setattr(manifest_module, "sha256_file", hash_after_open)
+    monkeypatch.setattr(engine_module, "open_session", open_then_signal)
+    assert Engine.load(artifact, huge_pages=False).generate(PROMPT, max_new_tokens=3, temperature=0.0)
+    assert overlapped == [True]
+
+
+def test_a_modified_file_found_after_the_session_opened_leaves_no_engine(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """onnxruntime opens weights whose hash is still being checked; when the check fails, the load
+    raises the mismatch and the session is gone (the traceback keeps nothing of it)."""
+    copy = tmp_path / "a"
+    shutil.copytree(artifact, copy)
+    data = bytearray((copy / "model.onnx.data").read_bytes())
+    data[100] ^= 0xFF  # inside a weight: onnxruntime loads the model all the same
+    (copy / "model.onnx.data").write_bytes(bytes(data))
+    sessions: list[weakref.ref[Session]] = []
+    open_session = engine_module.open_session
+
+    def recorded(*args: Any, **kwargs: Any) -> Session:
+        session = open_session(*args, **kwargs)
+        sessions.append(weakref.ref(session))
+        return session
+
+    monkeypatch.setattr(engine_module, "open_session", recorded)
+    with pytest.raises(ArtifactError, match=r"model\.onnx\.data: sha256 does not match") as caught:
+        Engine.load(copy)
+    assert len(sessions) == 1  # the session was made before the hash was known
+    gc.collect()
+    assert sessions[0]() is None and caught.value is not None
+
+
+def test_a_modified_model_reports_its_hash_not_what_onnxruntime_made_of_it(artifact: Path, tmp_path: Path) -> None:
+    """A model.onnx cut short fails in the readers that open it while it is hashed; the error is the
+    hash's, as when the hashes were checked first."""
+    copy = tmp_path / "a"
+    shutil.copytree(artifact, copy)
+    model = (copy / "model.onnx").read_bytes()
+    (copy / "model.onnx").write_bytes(model[: len(model) // 2])
+    with pytest.raises(ArtifactError, match=r"model\.onnx: sha256 does not match"):
+        Engine.load(copy)
+
+
+def test_a_modified_graph_is_refused_before_onnxruntime_parses_it(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the weights' bytes are hashed while onnxruntime loads: the graph it parses is checked first."""
+    import onnxruntime
+
+    copy = tmp_path / "a"
+    shutil.copytree(artifact, copy)
+    model = (copy / "model.onnx").read_bytes()
+    (copy / "model.onnx").write_bytes(model + b"\x32\x02hi")  # a doc_string field: still a valid model
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        pytest.fail("onnxruntime opened a graph whose hash does not match")
+
+    monkeypatch.setattr(onnxruntime, "InferenceSession", refuse)
+    with pytest.raises(ArtifactError, match=r"model\.onnx: sha256 does not match"):
         Engine.load(copy)
 
 
