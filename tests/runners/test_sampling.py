@@ -47,9 +47,7 @@ def _chi_square(observed: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
     return statistic, int(support.sum()) - 1
 
 
-def sample(
-    logits: Any, params: SamplingParams, rng: np.random.Generator, seen: list[Any] | None = None
-) -> np.ndarray:
+def sample(logits: Any, params: SamplingParams, rng: np.random.Generator, seen: list[Any] | None = None) -> np.ndarray:
     """The decoders' sampling chain (`make_sampler`) over a batch of rows, after the repetition
     penalty as a decoder applies it: many draws in one call for the statistical checks."""
     params.validate()
