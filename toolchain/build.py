@@ -246,8 +246,10 @@ def _compile(
         with staged(output) as staging, ExitStack() as helpers:
             with _timed(seconds, "emit"):
                 emit.write_onnx(onnx_model, staging)
-                del onnx_model  # the compiled session never shares the machine with the graph's weights
-                gc.collect()
+                # the compiled session never shares the machine with the graph's weights: they
+                # are in the file now, and dropped here, without a full collection of the graph
+                _drop_weights(onnx_model)
+                del onnx_model
                 emit.copy_tokenizer(ckpt, staging)
                 emit.write_generation_config(ckpt, spec, staging)
                 if genai.drives(target, graph_io):
@@ -359,6 +361,12 @@ def _lower(
         onnx_model = to_onnx(program, io)
     del program, model
     return onnx_model, stamp.whole(spec, reason)
+
+
+def _drop_weights(model: ir.Model) -> None:
+    """Free the weights of a graph that has been written: its initializers no longer hold them."""
+    for value in model.graph.initializers.values():
+        value.const_value = None
 
 
 def _check_layer_states(io: DecoderIO, target: Target, spec: DecoderSpec) -> None:
