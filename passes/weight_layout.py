@@ -79,6 +79,11 @@ class TransposedTensor(ir.LazyTensor):
 
     def tofile(self, file: typing.BinaryIO) -> None:  # type: ignore[override]
         view = self._source.T
-        step = max(1, self.ROW_BYTES // max(1, view.shape[1] * view.itemsize))
+        step = max(1, min(view.shape[0], self.ROW_BYTES // max(1, view.shape[1] * view.itemsize)))
+        # one buffer for every slice, written as it is (no `tobytes` copy): each weight's
+        # bytes are copied once, into memory already mapped
+        buffer = np.empty((step, view.shape[1]), dtype=view.dtype)
         for start in range(0, view.shape[0], step):
-            file.write(np.ascontiguousarray(view[start : start + step]).tobytes())
+            rows = buffer[: min(step, view.shape[0] - start)]
+            np.copyto(rows, view[start : start + len(rows)])
+            file.write(rows.reshape(-1).view(np.uint8).data)  # its bytes, whatever the dtype (bfloat16 too)

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ from runners.session import OrtSession, Session
 from runners.tokenizer import TokenizerBundle
 from runners.torch_session import TorchSession
 from toolchain import checkpoint as checkpoints
-from toolchain import emit, manifest, progress, stamp
+from toolchain import emit, hashing, manifest, progress, stamp
 from toolchain import tune as tuning
 from toolchain.emit import genai
 from toolchain.emit import tensorrt as trt_engine
@@ -166,26 +166,32 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
         gate = _record_gate(_eager_session(model, spec, io), options.flags(), spec, ckpt.path)
     models = [model]  # the compilation takes the last reference: its weights can go once lowered
     del model
-    try:
-        return _compile(models, checkpoint_dir, output, options, ckpt, spec, io, gate, seconds, options.stamp)
-    except _StampedGraphRefused as e:
-        # the whole stack's graph is what stamping stands for: a stamped graph the gate refuses is rebuilt
-        log.warning("the stamped graph failed the parity gate (%s); lowering the whole stack", e)
-        with _timed(seconds, "load"):
-            models = [eager_model(ckpt, spec, getattr(torch, options.dtype))]
-        return _compile(
-            models,
-            checkpoint_dir,
-            output,
-            options,
-            ckpt,
-            spec,
-            io,
-            gate,
-            seconds,
-            False,
-            _REFUSED,
-        )
+    # the sources' hashes, on a core that export and lowering leave idle (after the reference,
+    # whose torch threads want both)
+    with hashing.Pending(ckpt.input_files()) as sources:
+        try:
+            return _compile(
+                models, checkpoint_dir, output, options, ckpt, spec, io, gate, seconds, options.stamp, sources
+            )
+        except _StampedGraphRefused as e:
+            # the whole stack's graph is what stamping stands for: a stamped graph the gate refuses is rebuilt
+            log.warning("the stamped graph failed the parity gate (%s); lowering the whole stack", e)
+            with _timed(seconds, "load"):
+                models = [eager_model(ckpt, spec, getattr(torch, options.dtype))]
+            return _compile(
+                models,
+                checkpoint_dir,
+                output,
+                options,
+                ckpt,
+                spec,
+                io,
+                gate,
+                seconds,
+                False,
+                sources,
+                _REFUSED,
+            )
 
 
 def _compile(
@@ -199,9 +205,11 @@ def _compile(
     gate: Callable[[Session], ParityReport | DistributionReport],
     seconds: dict[str, float],
     stamping: bool,
+    sources: hashing.Pending,
     reason: str = "stamping is off",
 ) -> BuildResult:
-    """Lower, run the passes, emit, verify and publish the eager model in `models` (taken)."""
+    """Lower, run the passes, emit, verify and publish the eager model in `models` (taken).
+    `sources`: the checkpoint's hashes, being computed; the artifact's are, while the gate runs."""
     target = TARGETS[options.target]
     onnx_model, lowering = _lower(models.pop(), spec, io, stamping, seconds, reason)
     log.info(lowering.summary())
@@ -235,15 +243,19 @@ def _compile(
     engine_entry: dict[str, Any] | None = None
     next_step = None
     try:
-        with staged(output) as staging:
+        with staged(output) as staging, ExitStack() as helpers:
             with _timed(seconds, "emit"):
                 emit.write_onnx(onnx_model, staging)
-                del onnx_model  # the compiled session never shares the machine with the graph's weights
-                gc.collect()
+                # the compiled session never shares the machine with the graph's weights: they
+                # are in the file now, and dropped here, without a full collection of the graph
+                _drop_weights(onnx_model)
+                del onnx_model
                 emit.copy_tokenizer(ckpt, staging)
                 emit.write_generation_config(ckpt, spec, staging)
                 if genai.drives(target, graph_io):
                     genai.write_genai_config(staging, spec, graph_io, emit.generation_config(ckpt, spec))
+            # the files are final (the gate only reads the graph): hashed while it runs
+            emitted = helpers.enter_context(hashing.Pending(staging.iterdir()))
             with _timed(seconds, "verify"), _verifiable(staging, graph_io, options.weights is None) as session:
                 report = gate(progress.CountedSession(session))
                 if lowering.stamped and not report.passed:
@@ -266,13 +278,14 @@ def _compile(
                     staging,
                     spec=spec,
                     io=graph_io,
-                    sources=ckpt.source_hashes(),
+                    sources=sources.result(),
                     flags=options.flags(),
                     passes=pass_report.to_dict(timings=False),
                     parity=report.to_dict() | {"computed_in": computed_in},
                     hub=ckpt.hub,
                     experts=experts,
                     kernels=None if tuner is None else tuning.kernels_entry(options.tune, pass_report.kernel_forms),
+                    file_hashes=emitted.result(),
                 )
                 if engine_entry is not None:
                     written = trt_engine.with_engine(written, staging, engine_entry)
@@ -348,6 +361,12 @@ def _lower(
         onnx_model = to_onnx(program, io)
     del program, model
     return onnx_model, stamp.whole(spec, reason)
+
+
+def _drop_weights(model: ir.Model) -> None:
+    """Free the weights of a graph that has been written: its initializers no longer hold them."""
+    for value in model.graph.initializers.values():
+        value.const_value = None
 
 
 def _check_layer_states(io: DecoderIO, target: Target, spec: DecoderSpec) -> None:

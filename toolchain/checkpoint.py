@@ -17,12 +17,10 @@ the file, and every failure is a `CheckpointError` naming the file and the field
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +28,7 @@ from typing import Any
 import torch
 
 from runners.errors import CheckpointError
-from toolchain import hub, progress, safetensors_check
+from toolchain import hashing, hub, progress, safetensors_check
 from toolchain.safetensors_check import short_repr
 from toolchain.spec import POSITION_EMBEDDINGS, TOKEN_EMBEDDINGS, DecoderSpec
 
@@ -45,7 +43,6 @@ PICKLE_INDEX = "pytorch_model.bin.index.json"
 TOKENIZER = "tokenizer.json"
 OPTIONAL_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
-_HASH_CHUNK = 1 << 20
 # JSON inputs are read whole; far beyond any real config, index or tokenizer file.
 MAX_JSON_BYTES = 512 << 20
 
@@ -128,7 +125,7 @@ class Checkpoint:
 
     def source_hashes(self) -> dict[str, str]:
         """File name -> sha256 of every input file, sorted by name."""
-        return {file.name: _sha256(file) for file in sorted(self.input_files(), key=lambda f: f.name)}
+        return hashing.sha256_files(self.input_files())
 
     def input_files(self) -> tuple[Path, ...]:
         """Every file the build reads: config, weights (and index), tokenizer, generation config."""
@@ -569,16 +566,3 @@ def _dtype_name(dtype: torch.dtype, file: Path, tensor: str) -> str:
 def _first_line(error: Exception) -> str:
     lines = str(error).strip().splitlines()
     return lines[0][:300] if lines else ""
-
-
-def _sha256(file: Path) -> str:
-    digest = hashlib.sha256()
-    with file.open("rb") as f:
-        for chunk in _chunks(f):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _chunks(f: Any) -> Iterable[bytes]:
-    while chunk := f.read(_HASH_CHUNK):
-        yield chunk

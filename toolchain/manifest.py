@@ -52,11 +52,19 @@ def write(
     hub: HubSnapshot | None = None,
     experts: Mapping[str, int] | None = None,
     kernels: Mapping[str, Any] | None = None,
+    file_hashes: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """`hub`: the Hugging Face cache snapshot the checkpoint was, recorded as `hub` (id and commit).
     `experts`: a mixture of experts' routed experts, experts per token and their weight bytes.
-    `kernels`: the MatMulNBits forms `kvforge build --tune` chose (`toolchain.tune.kernels_entry`)."""
-    files = {p.name: sha256_file(p) for p in sorted(directory.iterdir()) if p.name != MANIFEST}
+    `kernels`: the MatMulNBits forms `kvforge build --tune` chose (`toolchain.tune.kernels_entry`).
+    `file_hashes`: the sha256 of files of `directory` already hashed since they were written,
+    by name; every other file is hashed here."""
+    known = file_hashes or {}
+    files = {
+        p.name: known[p.name] if p.name in known else sha256_file(p)
+        for p in sorted(directory.iterdir())
+        if p.name != MANIFEST
+    }
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "target": flags["target"],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -11,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from runners.engine import Engine
+from toolchain import cli
 from toolchain.cli import main
 
 
@@ -128,3 +131,23 @@ def test_verify_takes_a_tolerance_in_place_of_the_recorded_one(
     args = ["verify", str(built_artifact("llama")), "--checkpoint", str(tiny_checkpoint("llama")), "--tolerance", "0.5"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0 and "tolerance 0.5 of each output's scale" in result.stdout
+
+
+@pytest.mark.parametrize("set_by_user", [None, "ACTIVE"])
+def test_the_command_as_a_process_sleeps_idle_openmp_threads_and_marks_its_context(
+    monkeypatch: pytest.MonkeyPatch, set_by_user: str | None
+) -> None:
+    if set_by_user is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", set_by_user)
+    calls: list[dict[str, object]] = []
+    monkeypatch.setattr(cli, "main", lambda **kwargs: calls.append(kwargs))
+    threshold = gc.get_threshold()
+    try:
+        cli.run()
+    finally:
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
+    assert os.environ["OMP_WAIT_POLICY"] == (set_by_user or "PASSIVE")
+    assert calls == [{"obj": {"own_process": True}}]
