@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import re
 import signal
 import socket
@@ -79,8 +80,17 @@ def long_request_has_no_eos(tiny_artifact: Path) -> None:
     assert len(tokens) == LONG, "the long request must run its whole budget"
 
 
+@pytest.fixture
+def slow_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Servers started after this take 5 ms more per model step (tests/serve/slow_steps): a
+    long request then runs for more than a second, however fast the machine."""
+    hook = Path(__file__).parent / "slow_steps"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("KVFORGE_TEST_STEP_S", "0.005")
+
+
 def test_disconnect_while_running_frees_the_slot(
-    launch: Callable[..., Server], tiny_artifact: Path, long_request_has_no_eos: None
+    launch: Callable[..., Server], tiny_artifact: Path, long_request_has_no_eos: None, slow_steps: None
 ) -> None:
     server = launch(tiny_artifact, "--max-num-seqs", "2")
     for stream in (True, False):
@@ -97,7 +107,7 @@ def test_disconnect_while_running_frees_the_slot(
 
 
 def test_disconnect_while_queued_leaves_the_queue(
-    launch: Callable[..., Server], tiny_artifact: Path, long_request_has_no_eos: None
+    launch: Callable[..., Server], tiny_artifact: Path, long_request_has_no_eos: None, slow_steps: None
 ) -> None:
     server = launch(tiny_artifact, "--max-num-seqs", "1")
     running = open_request(server, {"prompt": "def", "max_tokens": LONG, "temperature": 0, "stream": True})
@@ -168,7 +178,7 @@ def test_bad_requests_and_disconnects_do_not_disturb_others(launch: Callable[...
 
 
 def test_sigterm_drains_in_flight_requests(
-    launch: Callable[..., Server], tiny_artifact: Path, long_request_has_no_eos: None
+    launch: Callable[..., Server], tiny_artifact: Path, long_request_has_no_eos: None, slow_steps: None
 ) -> None:
     server = launch(tiny_artifact, "--max-num-seqs", "1")
     client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=TIMEOUT_S)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -259,8 +260,15 @@ def test_guided_decoding_json_schema_and_regex(served: tuple[ServingModel, Simpl
     assert texts[2].startswith("{")
 
 
-def test_a_cancelled_request_is_aborted_in_the_engine(served: tuple[ServingModel, SimpleNamespace]) -> None:
+def test_a_cancelled_request_is_aborted_in_the_engine(
+    served: tuple[ServingModel, SimpleNamespace], monkeypatch: pytest.MonkeyPatch
+) -> None:
     model, pb = served
+    # 5 ms more per model step, as a larger model would take: the tiny model alone generates the
+    # LONG tokens in about 25 ms, faster than the backend looks for a cancellation (every POLL_S)
+    session = model.scheduler.session
+    run = session.run
+    monkeypatch.setattr(session, "run", lambda feeds: time.sleep(0.005) or run(feeds))
     request = FakeRequest(frontend_request("def", stream=True, max_tokens=LONG))
     model.execute([request])
     assert request.sender.first.wait(TIMEOUT_S)
