@@ -682,9 +682,9 @@ def run() -> None:
     # that sleep cost a wake-up per parallel region instead, the same threads computing the same
     # results. Read when torch loads, which nothing has made it do yet; a value set is kept.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    # Tracing and lowering allocate millions of small objects that live for a stage; the
-    # collector's default (a young collection every 700 allocations, a full one every 100 of
-    # those) rescans the survivors, the whole traced state, several times a build.
+    # The imports, and a build's tracing and lowering, allocate millions of small objects that
+    # outlive a young collection; the collector's default (a young collection every 700
+    # allocations, a full one every 100 of those) rescans them all many times a build.
     gc.set_threshold(_YOUNG_COLLECTION_ALLOCATIONS, 10, 10)
     try:
         main(obj={_OWN_PROCESS: True})

@@ -1,0 +1,91 @@
+"""A whole build's wall time and peak memory beside the peers' builders, in one run.
+
+    python benchmarks/build_time.py CHECKPOINT WORKDIR [--rounds 3] [--tools kvforge genai optimum]
+
+Each round runs every tool once, one after the other (the order turns round by round, so
+no tool always runs first or last), each a fresh process under `/usr/bin/time`, each
+writing a fresh output directory under WORKDIR:
+
+- kvforge: `python -m toolchain.cli build CHECKPOINT -o OUT` (fp32, ort-cpu, the parity
+  gate included), with this interpreter; its stage times are read off its last line;
+- genai: onnxruntime-genai's model builder, `python -m onnxruntime_genai.models.builder
+  -i CHECKPOINT -o OUT -p fp32 -e cpu -c OUT.cache`;
+- optimum: `optimum-cli export onnx --model CHECKPOINT --task text-generation-with-past OUT`.
+
+The peers run from the environments `../shared/bench/setup_peers.sh` makes (under
+KVF_EVAL_ROOT, default ~/.cache/kvf-eval), as `../shared/bench/peer_one.py` runs them.
+Prints one JSON line per build (wall seconds, peak resident memory in GB, the load average
+when it started, kvforge's stages) and the medians per tool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+EVAL_ROOT = Path(os.environ.get("KVF_EVAL_ROOT", Path.home() / ".cache" / "kvf-eval"))
+REPO = Path(__file__).resolve().parent.parent
+
+
+def command(tool: str, checkpoint: str, out: Path) -> list[str]:
+    if tool == "kvforge":
+        return [sys.executable, "-m", "toolchain.cli", "build", checkpoint, "-o", str(out), "-q"]
+    if tool == "genai":
+        python = str(EVAL_ROOT / "genai" / "bin" / "python")
+        builder = [python, "-m", "onnxruntime_genai.models.builder"]
+        return [*builder, "-i", checkpoint, "-o", str(out), "-p", "fp32", "-e", "cpu", "-c", f"{out}.cache"]
+    if tool == "optimum":
+        cli = str(EVAL_ROOT / "peers" / "bin" / "optimum-cli")
+        return [cli, "export", "onnx", "--model", checkpoint, "--task", "text-generation-with-past", str(out)]
+    raise SystemExit(f"unknown tool {tool}")
+
+
+def measure(tool: str, checkpoint: str, workdir: Path) -> dict[str, float]:
+    out = workdir / f"out-{tool}"
+    for stale in (out, Path(f"{out}.cache")):
+        shutil.rmtree(stale, ignore_errors=True)
+    load = os.getloadavg()[0]
+    timed = ["/usr/bin/time", "-f", "TIME %e %M", *command(tool, checkpoint, out)]
+    environment = dict(os.environ, PYTHONPATH=str(REPO)) if tool == "kvforge" else None
+    done = subprocess.run(timed, capture_output=True, text=True, cwd=REPO, env=environment)
+    if done.returncode:
+        raise SystemExit(f"{tool} failed:\n{done.stderr[-3000:]}")
+    found = re.search(r"TIME (\S+) (\d+)", done.stderr)
+    assert found is not None
+    row = {"wall": float(found.group(1)), "peak_gb": int(found.group(2)) * 1024 / 1e9, "loadavg": round(load, 2)}
+    stages = re.search(r"built \S+ \((.*)\)", done.stderr)
+    if stages is not None:
+        row |= {name: float(s) for name, s in re.findall(r"(\w+) ([\d.]+)s", stages.group(1))}
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint")
+    parser.add_argument("workdir", type=Path)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tools", nargs="+", default=["kvforge", "genai", "optimum"])
+    args = parser.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, list[dict[str, float]]] = {tool: [] for tool in args.tools}
+    for round_ in range(args.rounds):
+        shift = round_ % len(args.tools)
+        for tool in args.tools[shift:] + args.tools[:shift]:
+            row = measure(tool, args.checkpoint, args.workdir)
+            rows[tool].append(row)
+            print(json.dumps({"round": round_ + 1, "tool": tool} | row), flush=True)
+    print("medians:")
+    for tool, measured in rows.items():
+        keys = list(measured[0])
+        print(json.dumps({"tool": tool} | {k: round(statistics.median(r[k] for r in measured), 3) for k in keys}))
+
+
+if __name__ == "__main__":
+    main()
