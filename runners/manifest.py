@@ -7,8 +7,9 @@ The runner refuses an artifact whose files do not hash to what the manifest reco
 from __future__ import annotations
 
 import hashlib
+import io
 import json
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -29,11 +30,19 @@ _MAX_MANIFEST_BYTES = 16 << 20
 
 
 def sha256_file(path: Path) -> str:
+    """The sha256 of a file's bytes, streamed in chunks of `_CHUNK` bytes."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
+        for chunk in _chunks(f):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _chunks(f: io.BufferedIOBase) -> Iterator[memoryview]:
+    """The file's bytes, read into one buffer a chunk at a time."""
+    buffer = memoryview(bytearray(_CHUNK))
+    while size := f.readinto(buffer):
+        yield buffer[:size]
 
 
 def read_json_object(path: Path, max_bytes: int = _MAX_MANIFEST_BYTES, missing_ok: bool = False) -> dict[str, Any]:

@@ -12,15 +12,13 @@ the same whoever computes them.
 
 from __future__ import annotations
 
-import hashlib
-import io
 import re
 import subprocess
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
-_CHUNK = 1 << 20
+from runners.manifest import sha256_file
 
 # The helper: the sha256 of each file named on its command line, one hex digest a line, in order.
 _HELPER = """
@@ -42,22 +40,7 @@ _DIGEST = re.compile(r"[0-9a-f]{64}")
 
 def sha256_files(paths: Iterable[Path]) -> dict[str, str]:
     """File name -> sha256 of its bytes, sorted by name."""
-    return {path.name: _sha256(path) for path in sorted(paths, key=lambda p: p.name)}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in _chunks(f):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _chunks(f: io.BufferedIOBase) -> Iterator[memoryview]:
-    """The file's bytes, read into one buffer a chunk at a time."""
-    buffer = memoryview(bytearray(_CHUNK))
-    while size := f.readinto(buffer):
-        yield buffer[:size]
+    return {path.name: sha256_file(path) for path in sorted(paths, key=lambda p: p.name)}
 
 
 class Pending:
@@ -81,7 +64,7 @@ class Pending:
         """File name -> sha256, sorted by name: the helper's, and the rest hashed here."""
         done = self._stop()
         return {
-            path.name: done[i] if i < len(done) and _DIGEST.fullmatch(done[i]) else _sha256(path)
+            path.name: done[i] if i < len(done) and _DIGEST.fullmatch(done[i]) else sha256_file(path)
             for i, path in enumerate(self._paths)
         }
 

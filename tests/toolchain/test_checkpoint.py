@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import runners.manifest as manifest_module
 from runners.errors import CheckpointError
 from toolchain import checkpoint as ckpt
-from toolchain import hashing
 from toolchain.checkpoint import Checkpoint, load
 
 CONFIG: dict[str, Any] = {
@@ -188,16 +188,16 @@ def test_source_hashes_cover_every_input(tmp_path: Path) -> None:
 
 def test_hashes_are_streamed_in_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     directory = write_dir(tmp_path / "m", weights={"w": torch.randn(1000)})
-    monkeypatch.setattr(hashing, "_CHUNK", 7)
+    monkeypatch.setattr(manifest_module, "_CHUNK", 7)
     reads: list[int] = []
-    real_chunks = hashing._chunks
+    real_chunks = manifest_module._chunks
 
     def counting(f: Any) -> Any:
         for chunk in real_chunks(f):
             reads.append(len(chunk))
             yield chunk
 
-    monkeypatch.setattr(hashing, "_chunks", counting)
+    monkeypatch.setattr(manifest_module, "_chunks", counting)
     hashes = load(directory).source_hashes()
     assert max(reads) == 7
     weights = (directory / "model.safetensors").read_bytes()
