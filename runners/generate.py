@@ -202,7 +202,6 @@ def generate_steps(
     eos_ids: Sequence[int] = (),
     pad_id: int = 0,
     done: np.ndarray | None = None,
-    prefill_chunk: int | None = None,
 ) -> Iterator[Step]:
     """Yield one `Step` per generated position until every row is done or the budget is spent.
 
@@ -210,8 +209,7 @@ def generate_steps(
     `runners.decoding.batch_decoders` for a batch under one set of parameters) and is handed
     back to it. A row is done after it chooses an eos id. The caller may also mark rows done
     by setting `done[row] = True` between steps (a stop string, a cancelled request); the
-    loop ends as soon as every row is done. The prompts are prefilled `prefill_chunk` tokens
-    per call (`prefill`), in one call when None.
+    loop ends as soon as every row is done. The prompts are prefilled in one call.
     """
     check_length(prompts, max_new_tokens, max_positions)
     if len(decoders) != len(prompts):
@@ -219,7 +217,7 @@ def generate_steps(
     ids, mask = left_pad(prompts, pad_id)
     done = np.zeros(len(prompts), dtype=bool) if done is None else done
     cache = empty_cache(session.io, len(prompts), ids.shape[1] + max_new_tokens)
-    *_, (_, logits, cache) = prefill(session, ids, mask, cache, chunk=prefill_chunk)
+    *_, (_, logits, cache) = prefill(session, ids, mask, cache)
     eos = np.asarray(list(eos_ids), dtype=np.int64)
     for step in range(max_new_tokens):
         active = ~done
