@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import llama_cpp
 import numpy as np
 from tokenizers import Tokenizer
+from window_scores import WindowScores, add_arguments
 
 
 def first_eos(checkpoint: Path) -> int:
@@ -44,21 +44,15 @@ def windows(checkpoint: Path, texts: list[str], window: int) -> np.ndarray:
     return np.asarray(stream[: count * window], dtype=np.int64).reshape(count, window)
 
 
-def perplexity(gguf: Path, rows: np.ndarray) -> tuple[float, int]:
+def score(gguf: Path, rows: np.ndarray, scores: WindowScores) -> None:
     window = rows.shape[1]
     llm = llama_cpp.Llama(
         model_path=str(gguf), n_ctx=window, n_batch=window, n_ubatch=window, logits_all=True, verbose=False
     )
-    nll, predicted = 0.0, 0
     for row in rows:
         llm.reset()
         llm.eval(row.tolist())
-        logits = np.asarray(llm.scores[: window - 1], dtype=np.float64)
-        top = logits.max(axis=-1, keepdims=True)
-        log_z = top[:, 0] + np.log(np.exp(logits - top).sum(axis=-1))
-        nll += float((log_z - logits[np.arange(window - 1), row[1:]]).sum())
-        predicted += window - 1
-    return math.exp(nll / predicted), predicted
+        scores.add(np.asarray(llm.scores[: window - 1], dtype=np.float64), row)
 
 
 def main() -> None:
@@ -67,10 +61,14 @@ def main() -> None:
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("files", type=Path, nargs="+")
     parser.add_argument("--window", type=int, default=256)
+    add_arguments(parser)
     args = parser.parse_args()
     texts = [f.read_text(encoding="utf-8", errors="replace") for f in args.files]
-    value, tokens = perplexity(args.gguf, windows(args.checkpoint, texts, args.window))
-    print(f"{args.gguf}: perplexity {value:.2f} over {tokens} predicted tokens")
+    rows = windows(args.checkpoint, texts, args.window)[: args.windows]
+    vocab = llama_cpp.Llama(model_path=str(args.gguf), vocab_only=True, verbose=False).n_vocab()
+    scores = WindowScores(len(rows), args.window, vocab, args.save_logprobs, args.kl_against)
+    score(args.gguf, rows, scores)
+    print(scores.report(args.gguf))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ HELD_OUT, and the windows match `train_example.py --evaluate`.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -23,6 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.window_scores import WindowScores, add_arguments  # noqa: E402
 from runners.engine import Engine  # noqa: E402
 from runners.session import Session  # noqa: E402
 from toolchain.verify import teacher_forced_logits  # noqa: E402
@@ -37,28 +37,15 @@ def windows(encode: Callable[[str], list[int]], eos: int, texts: list[str], wind
     return np.asarray(stream[: count * window], dtype=np.int64).reshape(count, window)
 
 
-def session_perplexity(session: Session, rows: np.ndarray, batch: int) -> tuple[float, int]:
-    """(perplexity per predicted token, tokens predicted) of `session` over the windows `rows`,
-    `batch` windows per call, fewer where their logits would pass 1 GiB (a 262k vocabulary)."""
+def session_perplexity(session: Session, rows: np.ndarray, batch: int, scores: WindowScores) -> None:
+    """Score `session` over the windows `rows` into `scores`, `batch` windows per call, fewer
+    where their logits would pass 1 GiB (a 262k vocabulary)."""
     batch = max(1, min(batch, (1 << 30) // (rows.shape[1] * session.io.vocab_size * 4)))
-    nll, predicted = 0.0, 0
     for start in range(0, len(rows), batch):
         chunk = rows[start : start + batch]
         logits = teacher_forced_logits(session, chunk, prefill=1)
-        for row, ids in zip(logits, chunk):  # one window at a time in float64
-            scores = row[:-1].astype(np.float64)  # the last position predicts past the window
-            top = scores.max(axis=-1, keepdims=True)
-            log_z = top[:, 0] + np.log(np.exp(scores - top).sum(axis=-1))
-            nll += float((log_z - scores[np.arange(len(ids) - 1), ids[1:]]).sum())
-            predicted += len(ids) - 1
-    return math.exp(nll / predicted), predicted
-
-
-def perplexity(artifact: Path, texts: list[str], window: int, batch: int) -> tuple[float, int]:
-    """(perplexity per predicted token, tokens predicted) of the artifact over the texts."""
-    engine = Engine.load(artifact)
-    encode = partial(engine.tokenizer.encode, add_special_tokens=False)
-    return session_perplexity(engine.session, windows(encode, engine.eos_ids[0], texts, window), batch)
+        for row, ids in zip(logits, chunk):  # the last position predicts past the window
+            scores.add(row[:-1], ids)
 
 
 def main() -> None:
@@ -67,10 +54,15 @@ def main() -> None:
     parser.add_argument("files", type=Path, nargs="+")
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--batch", type=int, default=16)
+    add_arguments(parser)
     args = parser.parse_args()
     texts = [f.read_text(encoding="utf-8", errors="replace") for f in args.files]
-    value, tokens = perplexity(args.artifact, texts, args.window, args.batch)
-    print(f"{args.artifact}: perplexity {value:.2f} over {tokens} predicted tokens")
+    engine = Engine.load(args.artifact)
+    encode = partial(engine.tokenizer.encode, add_special_tokens=False)
+    rows = windows(encode, engine.eos_ids[0], texts, args.window)[: args.windows]
+    scores = WindowScores(len(rows), args.window, engine.session.io.vocab_size, args.save_logprobs, args.kl_against)
+    session_perplexity(engine.session, rows, args.batch, scores)
+    print(scores.report(args.artifact))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import onnx_ir as ir
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.perplexity import session_perplexity, windows  # noqa: E402
+from benchmarks.window_scores import WindowScores  # noqa: E402
 from passes import pipeline  # noqa: E402
 from passes.quantize import WeightQuantization  # noqa: E402
 from passes.targets import TARGETS  # noqa: E402
@@ -90,7 +91,11 @@ def main() -> None:
             session = OrtSession(out / "model.onnx", graph_io)
             # fp32 has the parity gate, not this one: its row shows the distribution's figures only
             r = check_distribution(expected, session, tokens, text.split()[0] if text != "fp32" else "int8")
-            held_out = f" {session_perplexity(session, rows, 16)[0]:.2f} |" if texts else ""
+            held_out = ""
+            if texts:
+                scores = WindowScores(len(rows), rows.shape[1], graph_io.vocab_size, None, None)
+                session_perplexity(session, rows, 16, scores)
+                held_out = f" {scores.perplexity:.2f} |"
             print(
                 f"| `{text}` | {r.top1_decisive:.3f} | {r.top1:.3f} | {r.kl_mean:.4f} | {r.kl_max:.2f} "
                 f"| {math.exp(r.nll_eager):.2f} → {math.exp(r.nll_compiled):.2f} | {size:.0f} MB "
