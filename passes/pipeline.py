@@ -144,7 +144,9 @@ def quantize(
     Then the token-embedding table in the target's `embedding_form`, after the LM head so that a
     tied table shares the head's quantized initializers. `choose` picks each MatMulNBits
     weight's block size and accuracy level (`toolchain.tune`); other forms ignore it."""
-    passes: list[PassBase] = [weights.make_pass(target.quantization_form(weights.bits), choose)]
+    passes: list[PassBase] = [
+        weights.make_pass(target.quantization_form(weights.bits), choose, target.quantization_form(8))
+    ]
     if moe and target.expert_quantization is not None:
         passes.append(QuantizeExperts(weights.bits, weights.block_size, target.expert_quantization, weights.symmetric))
     if target.embedding_form is not None:

@@ -224,9 +224,14 @@ class QuantizeWeights(InPlacePass):
     the projection that produces the logits, which tied-embedding models read from the
     embedding table).
 
+    `int8` holds glob patterns (and `lm_head`) of weights quantized to 8 bits when `bits` is 4,
+    in `int8_form` (a target's representation of 8-bit weights): a mixed recipe that spends
+    bits where rounding costs most, as llama.cpp's K-quant mixes do.
+
     `choose` (MatMulNBits only): picks each weight's block size and accuracy level from its
     (N, K) in place of `block_size` and `accuracy_level` (`toolchain.tune`, measured on the
-    build machine); `forms` then says what each quantized weight got.
+    build machine); `forms` then says what each quantized weight got. Weights at 8 bits in a
+    4-bit build keep the default form.
     """
 
     def __init__(
@@ -238,10 +243,17 @@ class QuantizeWeights(InPlacePass):
         keep: tuple[str, ...] = (),
         accuracy_level: int = 0,
         choose: FormChooser | None = None,
+        int8: tuple[str, ...] = (),
+        int8_form: str | None = None,
     ) -> None:
         super().__init__()
         if bits not in BITS or block_size not in BLOCK_SIZES or form not in FORMS:
             raise ValueError(f"unsupported quantization: bits={bits}, block_size={block_size}, form={form!r}")
+        if int8 and (bits != 4 or int8_form not in FORMS):
+            raise ValueError(f"8-bit weights within a {bits}-bit quantization need bits=4 and an int8_form")
+        self.int8 = ",".join(int8)
+        self._int8 = int8
+        self._int8_form = int8_form or form
         self.bits = bits
         self.block_size = block_size
         self.symmetric = symmetric
@@ -252,15 +264,18 @@ class QuantizeWeights(InPlacePass):
         self._choose = choose if form == "matmul_nbits" else None
         self.counts: Counter[str] = Counter()
         self.skipped: dict[str, str] = {}  # weight name -> why it stayed at full precision
+        self.wider: list[str] = []  # weight names quantized to 8 bits by `int8`
         # quantized initializer (codes) name -> its form, (N, K), when `choose` picked it
         self.forms: dict[str, tuple[KernelForm, tuple[int, int]]] = {}
 
     def call(self, model: ir.Model) -> PassResult:
         self.counts = Counter()
         self.skipped = {}
+        self.wider = []
         self.forms = {}
         graph = model.graph
-        head = _lm_head(graph) if LM_HEAD in self._keep else None
+        head = _lm_head(graph) if LM_HEAD in self._keep + self._int8 else None
+        kept_head = head if LM_HEAD in self._keep else None
         # a weight read by several MatMuls the same way is quantized once; read both directly and
         # through Transpose, it is two different [N, K] matrices
         quantized: dict[tuple[str, bool], tuple[ir.Value, ...]] = {}
@@ -272,20 +287,25 @@ class QuantizeWeights(InPlacePass):
                 continue
             weight, transpose = found
             name = weight.name or ""
-            reason = self._skip_reason(node, weight, head)
+            reason = self._skip_reason(node, weight, kept_head)
             if reason:
                 self.skipped[name] = reason
                 self.counts["kept" if reason.startswith("kept") else "skipped"] += 1
                 continue
             key = (name, transpose is not None)
+            bits, form = self.bits, self.form
+            if node is head and LM_HEAD in self._int8 or any(fnmatch.fnmatchcase(name, p) for p in self._int8):
+                bits, form = 8, self._int8_form
             if key not in quantized:
-                quantized[key] = self._quantized_inputs(graph, weight, transposed=key[1])
+                quantized[key] = self._quantized_inputs(graph, weight, key[1], bits, form)
+                if bits != self.bits:
+                    self.wider.append(name)
             rows, cols = weight.const_value.shape.numpy()  # type: ignore[union-attr]
-            self._replace(graph, node, quantized[key], (cols, rows) if key[1] else (rows, cols))
+            self._replace(graph, node, quantized[key], (cols, rows) if key[1] else (rows, cols), bits, form)
             self.counts["quantized"] += 1
             for stale in (transpose, weight):
                 _remove_if_unused(graph, stale)
-        if quantized and self.form == "matmul_nbits":
+        if quantized and "matmul_nbits" in (self.form, self._int8_form):
             model.opset_imports.setdefault(_MS_DOMAIN, 1)
         return PassResult(model, modified=bool(quantized))
 
@@ -299,21 +319,23 @@ class QuantizeWeights(InPlacePass):
             return f"weight dtype {tensor.dtype} is not a float"
         return ""
 
-    def _quantized_inputs(self, graph: ir.Graph, weight: ir.Value, transposed: bool) -> tuple[ir.Value, ...]:
-        """Initializers of the quantized weight, named after it."""
+    def _quantized_inputs(
+        self, graph: ir.Graph, weight: ir.Value, transposed: bool, bits: int, form: str
+    ) -> tuple[ir.Value, ...]:
+        """Initializers of the weight quantized to `bits` in `form`, named after it."""
         array = weight.const_value.numpy()  # type: ignore[union-attr]
         kernel = array if transposed else array.T  # [N, K], in the weight's dtype: widened chunk by chunk
-        per_channel = self.form == "dequantize_linear_channel"
+        per_channel = form == "dequantize_linear_channel"
         n, k = kernel.shape
-        chosen = self._choose(n, k) if self._choose is not None else None
+        chosen = self._choose(n, k) if self._choose is not None and bits == self.bits else None
         block = k if per_channel else self.block_size if chosen is None else chosen.block_size
-        q = quantize_blockwise(kernel, self.bits, block, self.symmetric)
-        base = f"{weight.name}.q{self.bits}"
+        q = quantize_blockwise(kernel, bits, block, self.symmetric)
+        base = f"{weight.name}.q{bits}"
         if base in graph.initializers:  # the same weight, already quantized as read the other way
             base += ".t"
         if chosen is not None:
             self.forms[base] = (chosen, (n, k))
-        if self.form == "matmul_nbits":
+        if form == "matmul_nbits":
             b, scales, zero_points = matmul_nbits_inputs(q)
             tensors = [ir.tensor(b), ir.tensor(scales), None if zero_points is None else ir.tensor(zero_points)]
         else:
@@ -324,10 +346,12 @@ class QuantizeWeights(InPlacePass):
             tensors = [codes, scale, zero_point]
         return tuple(register_quantized(graph, base, tensors))
 
-    def _replace(self, graph: ir.Graph, node: ir.Node, inputs: tuple[ir.Value, ...], kn: tuple[int, int]) -> None:
+    def _replace(
+        self, graph: ir.Graph, node: ir.Node, inputs: tuple[ir.Value, ...], kn: tuple[int, int], bits: int, form: str
+    ) -> None:
         x = node.inputs[0]
-        if self.form.startswith("dequantize_linear"):
-            per_channel = self.form == "dequantize_linear_channel"
+        if form.startswith("dequantize_linear"):
+            per_channel = form == "dequantize_linear_channel"
             attributes = {"axis": 1} if per_channel else {"axis": 0, "block_size": self.block_size}
             dq = ir.node("DequantizeLinear", list(inputs), attributes)
             graph.insert_before(node, dq)
@@ -336,7 +360,7 @@ class QuantizeWeights(InPlacePass):
         k, n = kn
         chosen = self.forms.get(inputs[0].name or "")
         block_size, accuracy_level = (self.block_size, self.accuracy_level) if chosen is None else astuple(chosen[0])
-        attributes = {"K": k, "N": n, "bits": self.bits, "block_size": block_size}
+        attributes = {"K": k, "N": n, "bits": bits, "block_size": block_size}
         if accuracy_level:
             attributes["accuracy_level"] = accuracy_level
         fused = ir.node("MatMulNBits", [x, *inputs], attributes, domain=_MS_DOMAIN)
@@ -430,24 +454,43 @@ class WeightQuantization:
     # integers, as onnxruntime-genai builds for the CPU; 0 (unset) takes onnxruntime's float
     # path, measured 2.5x slower at int4 and 25x slower at int8 on the 125M reference.
     accuracy_level: int = 4
+    # weights quantized to 8 bits in a 4-bit build (glob patterns; `lm_head` names the LM head)
+    int8: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.int8 and self.bits != 4:
+            raise ValueError(f"--int8 picks weights to keep at 8 bits in an int4 build; this build is int{self.bits}")
 
     @property
     def name(self) -> str:
         return f"int{self.bits}"
 
     def to_dict(self) -> dict[str, object]:
-        return {
+        recipe: dict[str, object] = {
             "bits": self.bits,
             "block_size": self.block_size,
             "symmetric": self.symmetric,
             "keep": list(self.keep),
             "accuracy_level": self.accuracy_level,
         }
+        if self.int8:  # absent otherwise, so earlier recipes keep their bytes
+            recipe["int8"] = list(self.int8)
+        return recipe
 
     @property
     def default_form(self) -> KernelForm:
         """The MatMulNBits form every weight gets unless its form is chosen (`kvforge build --tune off`)."""
         return KernelForm(self.block_size, self.accuracy_level)
 
-    def make_pass(self, form: str, choose: FormChooser | None = None) -> QuantizeWeights:
-        return QuantizeWeights(self.bits, self.block_size, self.symmetric, form, self.keep, self.accuracy_level, choose)
+    def make_pass(self, form: str, choose: FormChooser | None = None, int8_form: str | None = None) -> QuantizeWeights:
+        return QuantizeWeights(
+            self.bits,
+            self.block_size,
+            self.symmetric,
+            form,
+            self.keep,
+            self.accuracy_level,
+            choose,
+            self.int8,
+            int8_form if self.int8 else None,
+        )

@@ -120,8 +120,9 @@ class QuantizeEmbedding(QuantizeWeights):
     def from_weights(cls, weights: WeightQuantization, form: str) -> QuantizeEmbedding:
         """The lookup's counterpart of `weights.make_pass`: 8-bit codes where the form gathers
         standard types (an int4 request stores the table at 8 bits, the bytes its 4-bit codes
-        would take once widened for Gather, with a finer step)."""
-        bits = 8 if form == "gather_dequantize_linear" else weights.bits
+        would take once widened for Gather, with a finer step), or where `--int8 embeddings`
+        asks for them."""
+        bits = 8 if form == "gather_dequantize_linear" or EMBEDDINGS in weights.int8 else weights.bits
         return cls(bits, weights.block_size, weights.symmetric, form, weights.keep)
 
     def call(self, model: ir.Model) -> PassResult:

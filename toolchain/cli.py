@@ -168,6 +168,15 @@ def main(verbose: bool) -> None:
     "'embeddings' the token-embedding table.",
 )
 @click.option(
+    "--int8",
+    "int8",
+    multiple=True,
+    metavar="PATTERN",
+    help="With --weights int4: quantize weights whose name matches this glob to int8 instead (repeatable); "
+    "'lm_head' names the LM head, 'embeddings' the token-embedding table. A mixed recipe, like llama.cpp's "
+    "K-quant mixes.",
+)
+@click.option(
     "--device-memory",
     metavar="SIZE",
     default=None,
@@ -214,6 +223,7 @@ def build(
     asymmetric: bool,
     tune: str,
     keep: tuple[str, ...],
+    int8: tuple[str, ...],
     device_memory: str | None,
     batch: int,
     seq: int | None,
@@ -243,8 +253,14 @@ def build(
         # sight, every full collection while the build traces and lowers scans far fewer objects.
         gc.freeze()
     quantization = None
+    if int8 and weights != "int4":
+        raise click.BadParameter(
+            f"picks weights to keep at int8 in an int4 build; this build is {weights or 'unquantized'}: "
+            "add --weights int4, or drop --int8",
+            param_hint="--int8",
+        )
     if weights is not None:
-        quantization = WeightQuantization(int(weights[3:]), int(block_size), not asymmetric, keep)
+        quantization = WeightQuantization(int(weights[3:]), int(block_size), not asymmetric, keep, int8=int8)
     options = BuildOptions(
         force=force,
         allow_pickle=allow_pickle,

@@ -8,7 +8,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
-from passes.quantize import LM_HEAD, QuantizeWeights, quantize_blockwise
+from passes.quantize import LM_HEAD, QuantizeWeights, WeightQuantization, quantize_blockwise
 from tests.passes.fusion_testing import op_count, ort_outputs
 
 RNG = np.random.default_rng(0)
@@ -172,3 +172,62 @@ def test_unsupported_settings_are_refused() -> None:
     for bits, block, form in ((3, 32, "matmul_nbits"), (4, 48, "matmul_nbits"), (4, 32, "gguf")):
         with pytest.raises(ValueError, match="unsupported quantization"):
             QuantizeWeights(bits, block, True, form)
+
+
+def two_projections(k: int, weights: dict[str, np.ndarray]) -> ir.Model:
+    """logits = x @ up^T, then @ lm_head.weight^T: two weights, the second the LM head."""
+    (first, a), (second, b) = weights.items()
+    nodes = [
+        helper.make_node("Transpose", [first], ["t1"], perm=[1, 0]),
+        helper.make_node("MatMul", ["x", "t1"], ["h"]),
+        helper.make_node("Transpose", [second], ["t2"], perm=[1, 0]),
+        helper.make_node("MatMul", ["h", "t2"], ["logits"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, k])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [2, 3, b.shape[0]])],
+        [onnx.numpy_helper.from_array(a, first), onnx.numpy_helper.from_array(b, second)],
+    )
+    return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]))
+
+
+@pytest.mark.parametrize("int8", [("*down*",), (LM_HEAD,), ("*down*", LM_HEAD), ()])
+@pytest.mark.parametrize(
+    "form, int8_form", [("matmul_nbits", "matmul_nbits"), ("dequantize_linear", "dequantize_linear_channel")]
+)
+def test_int8_picks_weights_to_quantize_at_8_bits_in_an_int4_build(
+    int8: tuple[str, ...], form: str, int8_form: str
+) -> None:
+    """A mixed recipe: the weights `int8` names (by glob, or `lm_head`) at 8 bits in the 8-bit form,
+    the others at 4; onnxruntime computes exactly the product with each weight's own dequantization."""
+    k, hidden, vocab = 64, 96, 40
+    weights = {
+        "layer.down.weight": RNG.standard_normal((hidden, k)).astype(np.float32),
+        "head.weight": RNG.standard_normal((vocab, hidden)).astype(np.float32),
+    }
+    model = two_projections(k, weights)
+    quantize = QuantizeWeights(4, 32, True, form, int8=int8, int8_form=int8_form)
+    quantize(model)
+    wide = {"layer.down.weight": "*down*" in int8, "head.weight": LM_HEAD in int8}
+    assert sorted(quantize.wider) == sorted(name for name, w in wide.items() if w)
+    x = RNG.standard_normal((2, 3, k)).astype(np.float32)
+    want = x
+    for name, weight in weights.items():
+        bits = 8 if wide[name] else 4
+        block = weight.shape[1] if bits == 8 and int8_form == "dequantize_linear_channel" else 32
+        assert f"{name}.q{bits}" in model.graph.initializers
+        want = want @ quantize_blockwise(weight, bits, block, True).dequantize().T
+    (got,) = ort_outputs(model, {"x": x})
+    np.testing.assert_allclose(got, want, atol=2e-3, rtol=1e-4)
+    if form == "matmul_nbits":
+        bits = sorted(n.attributes.get_int("bits") for n in model.graph if n.op_type == "MatMulNBits")
+        assert bits == sorted(8 if w else 4 for w in wide.values())
+
+
+def test_int8_weights_need_a_4_bit_quantization() -> None:
+    with pytest.raises(ValueError, match="bits=4"):
+        QuantizeWeights(8, 32, True, "matmul_nbits", int8=("*",), int8_form="matmul_nbits")
+    with pytest.raises(ValueError, match="int4 build"):
+        WeightQuantization(8, int8=("*",))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -145,4 +146,46 @@ def test_asymmetric_weights_for_tensorrt_are_refused_before_any_work(
             tmp_path / "out",
             BuildOptions(target="tensorrt", weights=WeightQuantization(4, symmetric=False)),
         )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_mixed_int4_build_keeps_the_named_weights_at_int8(
+    tmp_path: Path, tiny_checkpoint: Callable[..., Path]
+) -> None:
+    """`--weights int4 --int8 ...` through the CLI: the down projections, the LM head and the table
+    at 8 bits, every other projection at 4; the gate passes and the manifest records the recipe."""
+    from click.testing import CliRunner
+
+    from toolchain.cli import main
+
+    out = tmp_path / "out"
+    mixed = ["--int8", "*down_proj*", "--int8", "lm_head", "--int8", "embeddings"]
+    result = CliRunner().invoke(
+        main, ["build", str(tiny_checkpoint("llama")), "-o", str(out), "--weights", "int4", *mixed]
+    )
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["flags"]["weights"]["int8"] == ["*down_proj*", "lm_head", "embeddings"]
+    assert manifest["parity"]["passed"]
+    graph = onnx.load(out / "model.onnx", load_external_data=False).graph
+    bits = {
+        n.input[1]: next(a.i for a in n.attribute if a.name == "bits") for n in graph.node if n.op_type == "MatMulNBits"
+    }
+    layers = manifest["spec"]["num_layers"]
+    wide = sorted(name for name, b in bits.items() if b == 8)
+    assert len(wide) == layers + 1 and all("down_proj" in name or name.startswith("lm_head") for name in wide)
+    assert sum(b == 4 for b in bits.values()) == len(bits) - layers - 1 >= 3 * layers
+    (lookup,) = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
+    assert next(a.i for a in lookup.attribute if a.name == "bits") == 8
+
+
+def test_int8_without_int4_is_refused_before_any_work(tmp_path: Path, tiny_checkpoint: Callable[..., Path]) -> None:
+    from click.testing import CliRunner
+
+    from toolchain.cli import main
+
+    for weights in ([], ["--weights", "int8"]):
+        args = ["build", str(tiny_checkpoint("llama")), "-o", str(tmp_path / "out"), *weights, "--int8", "lm_head"]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2 and "--int8" in result.output and "--weights int4" in result.output
     assert list(tmp_path.iterdir()) == []
