@@ -13,7 +13,7 @@ from toolchain.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI_DOC = ROOT / "docs" / "cli.md"
-_OPTION = re.compile(r"(?<![\w-])(--?[a-z][a-z-]*)")
+_OPTION = re.compile(r"(?<![\w-])(--?[a-z][a-z0-9-]*)")
 
 
 def _sections(text: str) -> dict[str, str]:
