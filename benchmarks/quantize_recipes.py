@@ -5,7 +5,7 @@
     python benchmarks/quantize_recipes.py CHECKPOINT RECIPE ... --text FILE [--text FILE ...]
 
 A recipe is the build's flags, e.g. "int4", "int4 --asymmetric --block-size 128",
-"int4 --keep embeddings --keep lm_head", or "fp32" (no quantization). The checkpoint is
+"int4 --keep embeddings --keep lm_head", "int4 --int8 lm_head", or "fp32" (no quantization). The checkpoint is
 lowered once; each recipe runs the target's passes on a copy of that graph and the same
 check a build runs (`check_distribution` on the gate texts). With --text, each recipe's
 perplexity over those files is measured too, on the windows `benchmarks/perplexity.py`
@@ -51,8 +51,10 @@ def recipe(text: str) -> WeightQuantization | None:
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--asymmetric", action="store_true")
     parser.add_argument("--keep", action="append", default=[])
+    parser.add_argument("--int8", action="append", default=[])
     args = parser.parse_args(shlex.split(text))
-    return WeightQuantization(int(args.weights[3:]), args.block_size, not args.asymmetric, tuple(args.keep))
+    bits, symmetric = int(args.weights[3:]), not args.asymmetric
+    return WeightQuantization(bits, args.block_size, symmetric, tuple(args.keep), int8=tuple(args.int8))
 
 
 def main() -> None:

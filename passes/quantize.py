@@ -23,8 +23,9 @@ magnitude is negative) against a positive scale per block and no zero point, whi
 block-wise DequantizeLinear requires. (onnxruntime's own quantizer maps the largest magnitude to
 -8 with a signed scale, which TensorRT rejects.) At 4 bits the scale is searched: of a few scales
 from the one that clips nothing down to 3/4 of it (`SCALE_SEARCH`), each block takes the one
-with the least squared error, which clips a block's outliers a little to give the rest finer
-steps (relative error on Gaussian weights 0.097 -> 0.087 at block 32). Asymmetric: the block's
+with the least squared error weighted by each weight's square, which clips a block's outliers a
+little to give the rest finer steps (mean KL against fp32: SmolLM2-135M 0.385 -> 0.360, the
+example model 0.0082 -> 0.0073). Asymmetric: the block's
 [min, max], widened to contain 0 so that 0 is exact, over 0 .. 2^bits - 1 with a zero point.
 
 Only MatMuls whose B is a constant 2-D float initializer (read directly `[K, N]` or through
@@ -145,22 +146,23 @@ def quantize_blockwise(
 
 
 # Scales tried per block, as fractions of the one that clips nothing: the scale that gives the
-# block the least squared error wins. Clipping a block's outliers a little buys finer steps for
-# the rest; at 4 bits that halves round-to-nearest's error on Gaussian weights.
+# block the least squared error, each weight's error weighted by its square, wins. Clipping a
+# block's outliers a little buys finer steps for the rest; the weighting (llama.cpp's choice for
+# its quantizers) keeps the large weights, which trained models rely on, close.
 SCALE_SEARCH = {4: (1.0, 0.95, 0.9, 0.85, 0.8, 0.75), 8: (1.0,)}
 
 
 def _symmetric(blocks: np.ndarray, bits: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """(scale per block, codes in -2^(bits-1) .. 2^(bits-1) - 1) of `blocks` [..., block]: every
     code is used (the most negative one for a block whose largest magnitude is negative), with
-    the scale of SCALE_SEARCH that gives the block the least squared error."""
+    the scale of SCALE_SEARCH that gives the block the least squared error weighted by w²."""
     qmax = 2 ** (bits - 1) - 1
     unclipped = np.maximum(-blocks.min(axis=-1) / (qmax + 1), blocks.max(axis=-1) / qmax)
 
     def rounded(fraction: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         scale = _stored(unclipped * fraction, dtype)
         codes = np.clip(np.rint(blocks / scale[..., None]), -qmax - 1, qmax)
-        return scale, codes, np.square(codes * scale[..., None] - blocks).sum(axis=-1)
+        return scale, codes, (np.square(codes * scale[..., None] - blocks) * np.square(blocks)).sum(axis=-1)
 
     best_scale, best_codes, best_error = rounded(SCALE_SEARCH[bits][0])
     for fraction in SCALE_SEARCH[bits][1:]:
