@@ -278,6 +278,9 @@ class QuantizeWeights(InPlacePass):
         graph = model.graph
         head = _lm_head(graph) if LM_HEAD in self._keep + self._int8 else None
         kept_head = head if LM_HEAD in self._keep else None
+        # 8 bits is a property of the weight, whichever MatMul reads it: the LM head's by name
+        found_head = _constant_weight(head) if head is not None and LM_HEAD in self._int8 else None
+        wide_head = found_head[0].name if found_head is not None else None
         # a weight read by several MatMuls the same way is quantized once; read both directly and
         # through Transpose, it is two different [N, K] matrices
         quantized: dict[tuple[str, bool], tuple[ir.Value, ...]] = {}
@@ -295,12 +298,11 @@ class QuantizeWeights(InPlacePass):
                 self.counts["kept" if reason.startswith("kept") else "skipped"] += 1
                 continue
             key = (name, transpose is not None)
-            bits, form = self.bits, self.form
-            if node is head and LM_HEAD in self._int8 or any(fnmatch.fnmatchcase(name, p) for p in self._int8):
-                bits, form = 8, self._int8_form
+            wide = name == wide_head or any(fnmatch.fnmatchcase(name, pattern) for pattern in self._int8)
+            bits, form = (8, self._int8_form) if wide else (self.bits, self.form)
             if key not in quantized:
                 quantized[key] = self._quantized_inputs(graph, weight, key[1], bits, form)
-                if bits != self.bits:
+                if wide and name not in self.wider:
                     self.wider.append(name)
             rows, cols = weight.const_value.shape.numpy()  # type: ignore[union-attr]
             self._replace(graph, node, quantized[key], (cols, rows) if key[1] else (rows, cols), bits, form)

@@ -236,3 +236,31 @@ def test_int8_weights_need_a_4_bit_quantization() -> None:
         QuantizeWeights(8, 32, True, "matmul_nbits", int8=("*",), int8_form="matmul_nbits")
     with pytest.raises(ValueError, match="int4 build"):
         WeightQuantization(8, int8=("*",))
+
+
+def test_a_weight_the_lm_head_shares_is_int8_for_every_reader() -> None:
+    """logits = (x @ W^T) @ W^T, the second MatMul the LM head: `--int8 lm_head` makes W itself 8-bit,
+    so the first reader, which is not the head, computes with the same 8-bit codes."""
+    k = 64
+    weight = RNG.standard_normal((k, k)).astype(np.float32)
+    nodes = [
+        helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+        helper.make_node("MatMul", ["x", "wt"], ["h"]),
+        helper.make_node("MatMul", ["h", "wt"], ["logits"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, k])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [2, 3, k])],
+        [onnx.numpy_helper.from_array(weight, "w")],
+    )
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]))
+    quantize = QuantizeWeights(4, 32, True, "matmul_nbits", int8=(LM_HEAD,), int8_form="matmul_nbits")
+    quantize(model)
+    assert quantize.wider == ["w"] and sorted(model.graph.initializers) == ["w.q8", "w.q8.scales"]
+    assert [n.attributes.get_int("bits") for n in model.graph if n.op_type == "MatMulNBits"] == [8, 8]
+    x = RNG.standard_normal((2, 3, k)).astype(np.float32)
+    w8 = quantize_blockwise(weight, 8, 32, True).dequantize()
+    (got,) = ort_outputs(model, {"x": x})
+    np.testing.assert_allclose(got, x @ w8.T @ w8.T, atol=2e-3, rtol=1e-4)
