@@ -158,20 +158,28 @@ def _symmetric(blocks: np.ndarray, bits: int, dtype: np.dtype) -> tuple[np.ndarr
     the scale of SCALE_SEARCH that gives the block the least squared error weighted by w²."""
     qmax = 2 ** (bits - 1) - 1
     unclipped = np.maximum(-blocks.min(axis=-1) / (qmax + 1), blocks.max(axis=-1) / qmax)
+    first, *others = SCALE_SEARCH[bits]
+    best_scale = _stored(unclipped * first, dtype)
+    if others:  # the codes are a function of the scale: compare errors, round once at the end
+        importance = np.square(blocks)
+        work = np.empty_like(blocks)
 
-    def rounded(fraction: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        scale = _stored(unclipped * fraction, dtype)
-        codes = np.clip(np.rint(blocks / scale[..., None]), -qmax - 1, qmax)
-        return scale, codes, (np.square(codes * scale[..., None] - blocks) * np.square(blocks)).sum(axis=-1)
+        def error(scale: np.ndarray) -> np.ndarray:
+            np.divide(blocks, scale[..., None], out=work)
+            np.clip(np.rint(work, out=work), -qmax - 1, qmax, out=work)
+            np.multiply(work, scale[..., None], out=work)
+            np.subtract(work, blocks, out=work)
+            np.square(work, out=work)
+            return np.multiply(work, importance, out=work).sum(axis=-1)
 
-    best_scale, best_codes, best_error = rounded(SCALE_SEARCH[bits][0])
-    for fraction in SCALE_SEARCH[bits][1:]:
-        scale, codes, error = rounded(fraction)
-        better = error < best_error
-        best_scale = np.where(better, scale, best_scale)
-        best_codes = np.where(better[..., None], codes, best_codes)
-        best_error = np.where(better, error, best_error)
-    return best_scale, best_codes
+        best_error = error(best_scale)
+        for fraction in others:
+            scale = _stored(unclipped * fraction, dtype)
+            error_now = error(scale)
+            better = error_now < best_error
+            best_scale = np.where(better, scale, best_scale)
+            best_error = np.where(better, error_now, best_error)
+    return best_scale, np.clip(np.rint(blocks / best_scale[..., None]), -qmax - 1, qmax)
 
 
 def _stored(scale: np.ndarray, dtype: np.dtype) -> np.ndarray:
