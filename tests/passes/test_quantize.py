@@ -127,6 +127,19 @@ def test_a_weight_read_twice_is_quantized_once() -> None:
     assert sorted(graph.initializers) == ["w.q4", "w.q4.scales"]
 
 
+def square_weight_model(nodes: list[onnx.NodeProto], weight: np.ndarray) -> ir.Model:
+    """`nodes` over the input x [2, 3, K] and the square initializer w [K, K], to logits [2, 3, K]."""
+    k = weight.shape[0]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, k])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [2, 3, k])],
+        [onnx.numpy_helper.from_array(weight, "w")],
+    )
+    return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]))
+
+
 def test_a_weight_read_directly_and_transposed_is_two_matrices() -> None:
     """x @ W^T + x @ W of one square initializer: each MatMul gets the quantization of what it reads."""
     k = 64
@@ -137,14 +150,7 @@ def test_a_weight_read_directly_and_transposed_is_two_matrices() -> None:
         helper.make_node("MatMul", ["x", "w"], ["b"]),
         helper.make_node("Add", ["a", "b"], ["logits"]),
     ]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, k])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [2, 3, k])],
-        [onnx.numpy_helper.from_array(weight, "w")],
-    )
-    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]))
+    model = square_weight_model(nodes, weight)
     quantize = QuantizeWeights(8, 32, True, "dequantize_linear")
     quantize(model)
     assert quantize.counts == {"quantized": 2}
@@ -248,14 +254,7 @@ def test_a_weight_the_lm_head_shares_is_int8_for_every_reader() -> None:
         helper.make_node("MatMul", ["x", "wt"], ["h"]),
         helper.make_node("MatMul", ["h", "wt"], ["logits"]),
     ]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, k])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [2, 3, k])],
-        [onnx.numpy_helper.from_array(weight, "w")],
-    )
-    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]))
+    model = square_weight_model(nodes, weight)
     quantize = QuantizeWeights(4, 32, True, "matmul_nbits", int8=(LM_HEAD,), int8_form="matmul_nbits")
     quantize(model)
     assert quantize.wider == ["w"] and sorted(model.graph.initializers) == ["w.q8", "w.q8.scales"]
