@@ -24,6 +24,7 @@ from onnxscript.rewriter import pattern
 from onnxscript.rewriter.pattern import MatchResult
 
 from passes.rewrite import FusionPass
+from passes.weight_layout import StackedRows
 
 
 def pack_qkv() -> FusionPass:
@@ -221,10 +222,14 @@ def _packed_matmul(op: Any, x: ir.Value, projections: Sequence[_Projection]) -> 
     """MatMul(x, packed weights) (+ packed bias), the weights in the layout the projections were stored in."""
     first = projections[0]
     taken = first.weight.graph.initializers if first.weight.graph is not None else {}
-    kernel = np.concatenate([p.kernel for p in projections], axis=0)  # [sum(out), in]
     transposed = all(p.transposed for p in projections)
     name = _packed_name([p.weight.name or "" for p in projections], taken)
-    weight = op.initializer(ir.tensor(kernel if transposed else kernel.T, dtype=first.weight.dtype, name=name))
+    dtype = _constant(first.weight).dtype
+    if transposed:  # [sum(out), in], stacked as written: the parts are not copied
+        weight = op.initializer(StackedRows([p.kernel for p in projections], dtype, name))
+    else:
+        kernel = np.concatenate([p.kernel for p in projections], axis=0)
+        weight = op.initializer(ir.tensor(kernel.T, dtype=dtype, name=name))
     y = op.MatMul(x, op.Transpose(weight, perm=[1, 0]) if transposed else weight)
     biases = [p.bias for p in projections if p.bias is not None]
     if not biases:

@@ -12,12 +12,15 @@ W [out, in] ─ Transpose(perm=[1, 0]) ─ MatMul(x, ·)      ==>      Wᵀ [in,
 
 The stored tensor keeps the checkpoint's name when nothing else reads W; when something does
 (a tied embedding table, which Gather reads as is), the transposed copy is named `{W}.transposed`.
-The transposed tensor is written to the artifact a few rows at a time, never copied whole.
+The transposed tensor is written to the artifact a few rows at a time, never copied whole; a
+packed weight (`StackedRows`, passes/pack_matmul.py) is transposed from its parts, so the
+packed copy is never made either.
 """
 
 from __future__ import annotations
 
 import typing
+from collections.abc import Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -40,7 +43,8 @@ class FoldWeightTransposes(InPlacePass):
             name = weight.name if only_reader else f"{weight.name}.transposed"
             if only_reader:  # the name passes to the transposed tensor, which holds the original's data
                 del graph.initializers[weight.name]
-            stored = TransposedTensor(tensor.numpy(), tensor.dtype, name)
+            parts = tensor.parts if isinstance(tensor, StackedRows) else [tensor.numpy()]
+            stored = TransposedTensor(parts, tensor.dtype, name)
             transposed = ir.Value(name=name, shape=stored.shape, type=ir.TensorType(tensor.dtype), const_value=stored)
             graph.register_initializer(transposed)
             ir.convenience.replace_all_uses_with(node.outputs[0], transposed, replace_graph_outputs=True)
@@ -62,28 +66,68 @@ class FoldWeightTransposes(InPlacePass):
         return weight if len(weight.const_value.shape) == 2 else None
 
 
+class StackedRows(ir.LazyTensor):
+    """`np.concatenate(parts)` of 2-D arrays with the same columns, without the copy: packed
+    projections (passes/pack_matmul.py) are their parts, which the graph already holds. Written
+    part by part; materialized only when something asks for its values (quantization does,
+    one weight at a time), and never kept materialized."""
+
+    def __init__(self, parts: Sequence[np.ndarray], dtype: ir.DataType, name: str) -> None:
+        columns = {part.shape[1] for part in parts}
+        if len(parts) == 0 or any(part.ndim != 2 for part in parts) or len(columns) != 1:
+            raise ValueError(f"{name}: stacked parts must be 2-D with equal columns, got {[p.shape for p in parts]}")
+        rows = sum(part.shape[0] for part in parts)
+        parts = list(parts)  # the closure holds the parts, not `self`: no cycle, freed when dropped
+        super().__init__(
+            lambda: ir.tensor(_stacked(parts)),
+            dtype=dtype,
+            shape=ir.Shape([rows, columns.pop()]),
+            name=name,
+        )
+        self.parts = parts
+
+    def tofile(self, file: typing.BinaryIO) -> None:  # type: ignore[override]
+        for part in self.parts:
+            file.write(np.ascontiguousarray(part).reshape(-1).view(np.uint8).data)
+
+
 class TransposedTensor(ir.LazyTensor):
-    """`source.T` without a transposed copy in memory: written to a file a few rows at a time
-    (the writer calls `tofile`), materialized only if something asks for its values. A copy
-    of the LM head alone is a fifth of the 125M reference's weights, and more with a large
-    vocabulary; this way the build never holds it twice."""
+    """The transpose of the rows `sources` stack (one array, or a packed weight's parts),
+    without a transposed copy in memory: written to a file a few rows at a time (the writer
+    calls `tofile`), materialized only if something asks for its values. A copy of the LM
+    head alone is a fifth of the 125M reference's weights, and more with a large vocabulary;
+    this way the build never holds it twice."""
 
     ROW_BYTES = 8 << 20  # the most one write copies
 
-    def __init__(self, source: np.ndarray, dtype: ir.DataType, name: str) -> None:
-        rows, columns = source.shape
+    def __init__(self, sources: Sequence[np.ndarray], dtype: ir.DataType, name: str) -> None:
+        columns = sum(source.shape[0] for source in sources)
+        rows = sources[0].shape[1]
+        sources = list(sources)
         super().__init__(
-            lambda: ir.tensor(np.ascontiguousarray(source.T)), dtype=dtype, shape=ir.Shape([columns, rows]), name=name
+            lambda: ir.tensor(np.ascontiguousarray(_stacked(sources).T)),
+            dtype=dtype,
+            shape=ir.Shape([rows, columns]),
+            name=name,
         )
-        self._source = source
+        self._sources = sources
 
     def tofile(self, file: typing.BinaryIO) -> None:  # type: ignore[override]
-        view = self._source.T
-        step = max(1, min(view.shape[0], self.ROW_BYTES // max(1, view.shape[1] * view.itemsize)))
+        rows, columns = self.shape.numpy()
+        itemsize = self._sources[0].itemsize
+        step = max(1, min(rows, self.ROW_BYTES // max(1, columns * itemsize)))
         # one buffer for every slice, written as it is (no `tobytes` copy): each weight's
         # bytes are copied once, into memory already mapped
-        buffer = np.empty((step, view.shape[1]), dtype=view.dtype)
-        for start in range(0, view.shape[0], step):
-            rows = buffer[: min(step, view.shape[0] - start)]
-            np.copyto(rows, view[start : start + len(rows)])
-            file.write(rows.reshape(-1).view(np.uint8).data)  # its bytes, whatever the dtype (bfloat16 too)
+        buffer = np.empty((step, columns), dtype=self._sources[0].dtype)
+        for start in range(0, rows, step):
+            block = buffer[: min(step, rows - start)]
+            column = 0
+            for source in self._sources:  # each part's transposed rows side by side
+                width = source.shape[0]
+                np.copyto(block[:, column : column + width], source.T[start : start + len(block)])
+                column += width
+            file.write(block.reshape(-1).view(np.uint8).data)  # its bytes, whatever the dtype (bfloat16 too)
+
+
+def _stacked(parts: Sequence[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)

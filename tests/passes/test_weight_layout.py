@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import typing
+import weakref
 
 import numpy as np
 import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.weight_layout import FoldWeightTransposes, TransposedTensor
+from passes.weight_layout import FoldWeightTransposes, StackedRows, TransposedTensor
 from tests.passes.fusion_testing import op_count, ort_outputs
 
 VOCAB, HIDDEN = 12, 8
@@ -82,7 +84,7 @@ def test_the_transposed_weight_is_written_in_slices_with_the_bytes_of_the_whole_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     source = np.random.default_rng(2).standard_normal((37, 5)).astype(np.float32)
-    tensor = TransposedTensor(source, ir.DataType.FLOAT, "w")
+    tensor = TransposedTensor([source], ir.DataType.FLOAT, "w")
     monkeypatch.setattr(TransposedTensor, "ROW_BYTES", 3 * 37 * 4)  # three rows of the transpose per write
     writes: list[int] = []
 
@@ -96,3 +98,42 @@ def test_the_transposed_weight_is_written_in_slices_with_the_bytes_of_the_whole_
     assert file.getvalue() == np.ascontiguousarray(source.T).tobytes() == tensor.tobytes()
     assert writes == [3 * 37 * 4, 2 * 37 * 4]
     assert tensor.shape == ir.Shape([5, 37])
+
+
+def test_a_stacked_weight_is_written_and_transposed_from_its_parts_without_the_stacked_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rng = np.random.default_rng(3)
+    parts = [rng.standard_normal((rows, 6)).astype(np.float16) for rows in (4, 2, 3)]
+    whole = np.concatenate(parts, axis=0)
+    stacked = StackedRows(parts, ir.DataType.FLOAT16, "w")
+    assert stacked.shape == ir.Shape([9, 6])
+    file = io.BytesIO()
+    stacked.tofile(file)
+    assert file.getvalue() == whole.tobytes() == stacked.tobytes()
+
+    monkeypatch.setattr(TransposedTensor, "ROW_BYTES", 4 * 9 * 2)  # four rows of the transpose per write
+    transposed = TransposedTensor(stacked.parts, ir.DataType.FLOAT16, "w")
+    file = io.BytesIO()
+    transposed.tofile(file)
+    assert transposed.shape == ir.Shape([6, 9])
+    assert file.getvalue() == np.ascontiguousarray(whole.T).tobytes() == transposed.tobytes()
+    with pytest.raises(ValueError, match="equal columns"):
+        StackedRows([parts[0], parts[1][:, :5]], ir.DataType.FLOAT16, "w")
+
+
+def test_dropping_a_lazy_weight_frees_its_parts_without_a_garbage_collection() -> None:
+    """The build drops each written weight from its graph and counts on the memory coming back
+    at once: a reference cycle would keep the parts until a full collection, which the build
+    rarely runs (a 1.5B fp16 build held 3 GB more at its gate that way)."""
+    parts = [np.ones((4, 3), dtype=np.float32), np.zeros((2, 3), dtype=np.float32)]
+    alive = [weakref.ref(part) for part in parts]
+    stacked = StackedRows(parts, ir.DataType.FLOAT, "w")
+    transposed = TransposedTensor(stacked.parts, ir.DataType.FLOAT, "w")
+    assert transposed.numpy().shape == (3, 6)
+    gc.disable()
+    try:
+        del parts, stacked, transposed
+        assert [ref() for ref in alive] == [None, None]
+    finally:
+        gc.enable()
