@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 from pathlib import Path
 from typing import Any
@@ -137,14 +138,42 @@ def _mapped_ranges(file: Path) -> list[tuple[int, int]]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc")
-def test_safetensors_tensors_own_their_memory_so_each_can_be_freed(tmp_path: Path) -> None:
-    """No mapping of the file stays behind, and no tensor shares storage with another: a weight the
-    pipeline replaces goes with its last reference (one mapping would keep every page it touched)."""
-    directory = write_dir(tmp_path / "m", weights={"big": torch.randn(256, 1024), "other": torch.randn(64, 64)})
+def test_each_safetensors_tensor_maps_only_its_own_pages_and_unmaps_with_its_last_reference(tmp_path: Path) -> None:
+    """A weight the pipeline replaces goes with its last reference: one mapping of the whole
+    file would keep every page it touched. Each tensor's mapping covers its own bytes (and at
+    most a page on either side), and no tensor shares storage with another."""
+    weights = {"big": torch.randn(256, 1024), "other": torch.randn(64, 64)}
+    directory = write_dir(tmp_path / "m", weights=weights)
+    file = (directory / "model.safetensors").resolve()
     state = load(directory).state_dict()
-    assert _mapped_ranges((directory / "model.safetensors").resolve()) == []
-    for tensor in state.values():
-        assert tensor.untyped_storage().nbytes() == tensor.nbytes
+    assert all(torch.equal(state[name], tensor) for name, tensor in weights.items())
+    ranges = sorted(_mapped_ranges(file), key=lambda r: r[1] - r[0])
+    sizes = sorted(t.nbytes for t in state.values())
+    assert len(ranges) == 2
+    for (low, high), size in zip(ranges, sizes):
+        assert size <= high - low <= size + 2 * mmap.PAGESIZE
+    assert all(t.untyped_storage().nbytes() == t.nbytes for t in state.values())
+    del state["big"]
+    assert len(_mapped_ranges(file)) == 1
+    state.clear()
+    assert _mapped_ranges(file) == []
+
+
+def test_a_tensor_at_an_offset_its_dtype_cannot_align_to_is_read_into_memory_of_its_own(tmp_path: Path) -> None:
+    """safetensors does not require aligned offsets: three bytes, then a float32 tensor at offset 3."""
+    values = torch.tensor([1.5, -2.0, 3.25], dtype=torch.float32)
+    header = {
+        "flags": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+        "weight": {"dtype": "F32", "shape": [3], "data_offsets": [3, 15]},
+    }
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    directory = write_dir(tmp_path / "m", weights={})
+    data = bytes([7, 8, 9]) + values.numpy().tobytes()
+    (directory / "model.safetensors").write_bytes(len(encoded).to_bytes(8, "little") + encoded + data)
+    state = load(directory).state_dict()
+    assert torch.equal(state["weight"], values)
+    assert state["flags"].tolist() == [7, 8, 9]
 
 
 def test_state_dict_converts_floats_to_the_build_dtype_and_leaves_integers(tmp_path: Path) -> None:

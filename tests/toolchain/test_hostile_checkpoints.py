@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runners.errors import CheckpointError, KvforgeError, ParityError, UnsupportedModelError
-from tests.toolchain.test_checkpoint import CONFIG
+from tests.toolchain.test_checkpoint import CONFIG, _mapped_ranges
 from toolchain import checkpoint as ckpt
 from toolchain import safetensors_check
 from toolchain.checkpoint import check_against_spec, check_tokenizer_fits, load
@@ -698,3 +698,36 @@ def test_nan_weight_fails_the_parity_gate_and_publishes_nothing(llama_copy: Path
         build(llama_copy, parent / "out")
     assert list(parent.iterdir()) == []  # neither the artifact nor a staging directory is left
     assert "nan" in message(exc)
+
+
+def test_a_read_error_while_mapping_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mapped weights are populated at load, so a disk's read error is an error that names the
+    file there, not a crash at the first touch of a page."""
+    c = load(write_dir(tmp_path / "m"))
+    raised = OSError(5, "Input/output error")
+
+    def failing(mapped: Any) -> None:
+        raise raised
+
+    monkeypatch.setattr(ckpt, "_populate", failing)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: cannot be read \(Input/output error\)") as exc:
+        c.state_dict()
+    assert exc.value.__cause__ is raised
+
+
+def test_weights_are_read_where_the_kernel_cannot_populate_a_mapping(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    expected = {"a": torch.arange(6.0).reshape(3, 2), "b": torch.full((4,), 2.5, dtype=torch.float16)}
+    directory = write_dir(tmp_path / "m", weights=expected)
+
+    def unsupported(mapped: Any) -> None:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(ckpt, "_populate", unsupported)
+    state = load(directory).state_dict()
+    assert state.keys() == expected.keys()
+    assert all(torch.equal(state[name], expected[name]) for name in expected)
+    assert _mapped_ranges((directory / "model.safetensors").resolve()) == []
