@@ -202,6 +202,7 @@ def generate_steps(
     eos_ids: Sequence[int] = (),
     pad_id: int = 0,
     done: np.ndarray | None = None,
+    prefilled: tuple[np.ndarray, dict[str, np.ndarray]] | None = None,
 ) -> Iterator[Step]:
     """Yield one `Step` per generated position until every row is done or the budget is spent.
 
@@ -209,15 +210,21 @@ def generate_steps(
     `runners.decoding.batch_decoders` for a batch under one set of parameters) and is handed
     back to it. A row is done after it chooses an eos id. The caller may also mark rows done
     by setting `done[row] = True` between steps (a stop string, a cancelled request); the
-    loop ends as soon as every row is done. The prompts are prefilled in one call.
+    loop ends as soon as every row is done. The prompts are prefilled in one call, or
+    `prefilled` gives that call's logits and cache where the caller has run it (`forward` on
+    the prompts left-padded with `pad_id`, into `empty_cache` for the prompt and
+    `max_new_tokens`).
     """
     check_length(prompts, max_new_tokens, max_positions)
     if len(decoders) != len(prompts):
         raise GenerationError(f"{len(prompts)} prompts need one decoder each, got {len(decoders)}")
     ids, mask = left_pad(prompts, pad_id)
     done = np.zeros(len(prompts), dtype=bool) if done is None else done
-    cache = empty_cache(session.io, len(prompts), ids.shape[1] + max_new_tokens)
-    *_, (_, logits, cache) = prefill(session, ids, mask, cache)
+    if prefilled is None:
+        cache = empty_cache(session.io, len(prompts), ids.shape[1] + max_new_tokens)
+        *_, (_, logits, cache) = prefill(session, ids, mask, cache)
+    else:
+        logits, cache = prefilled
     eos = np.asarray(list(eos_ids), dtype=np.int64)
     for step in range(max_new_tokens):
         active = ~done

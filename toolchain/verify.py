@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from runners.contract import DecoderIO
 from runners.decoding import batch_decoders
 from runners.errors import GenerationError, ParityError
 from runners.generate import Step, empty_cache, forward, generate_steps, left_pad
@@ -177,9 +178,9 @@ class ReferenceRun:
 
 def record_reference(reference: Session, *, max_positions: int, decode_steps: int = 8, seed: int = 0) -> ReferenceRun:
     prompts = _prompts(reference.io.vocab_size, seed)
-    ids, mask = left_pad(prompts, pad_id=0)
-    logits, cache = forward(reference, ids, mask, empty_cache(reference.io, len(prompts), ids.shape[1]))
-    run = ReferenceRun(prompts, logits, cache, [])
+    logits, cache = _prefill(reference, prompts, decode_steps)
+    # the recorded cache is a copy: the decode below goes on from the prefill's own
+    run = ReferenceRun(prompts, logits, {name: array.copy() for name, array in cache.items()}, [])
     try:
         for step in generate_steps(
             reference,
@@ -187,6 +188,7 @@ def record_reference(reference: Session, *, max_positions: int, decode_steps: in
             max_new_tokens=decode_steps,
             max_positions=max_positions,
             decoders=batch_decoders(SamplingParams(temperature=0.0), prompts),
+            prefilled=(logits, cache),
         ):
             run.steps.append(step)
     except GenerationError as e:
@@ -221,20 +223,38 @@ def compare_with_reference(
     `tolerance` replaces the table's number for `dtype`."""
     tol = TOLERANCES[dtype] if tolerance is None else Tolerance(tolerance)
     report = ParityReport(dtype, tol)
-    report.prefill = list(_prefill_errors(reference, candidate, tol))
+    new_tokens = max(len(reference.steps), 1)
+    prefilled = _prefill(candidate, reference.prompts, new_tokens)
+    report.prefill = list(_prefill_errors(reference, candidate.io, prefilled, tol))
     if all(e.within for e in report.prefill):  # decoding from a wrong prefill only repeats the failure
-        _decode(report, reference, candidate, max_positions)
+        _decode(report, reference, candidate, max_positions, prefilled, new_tokens)
     return report
 
 
-def _decode(report: ParityReport, reference: ReferenceRun, candidate: Session, max_positions: int) -> None:
-    """Greedy decode through the runner's loop; stop at the first token that differs from the eager model's."""
+def _prefill(session: Session, prompts: list[list[int]], new_tokens: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The gate's prompts in one step, into a cache with room for `new_tokens` more: compared
+    as it is, then decoded from (`generate_steps`' `prefilled`)."""
+    ids, mask = left_pad(prompts, pad_id=0)
+    return forward(session, ids, mask, empty_cache(session.io, len(prompts), ids.shape[1] + new_tokens))
+
+
+def _decode(
+    report: ParityReport,
+    reference: ReferenceRun,
+    candidate: Session,
+    max_positions: int,
+    prefilled: tuple[np.ndarray, dict[str, np.ndarray]],
+    new_tokens: int,
+) -> None:
+    """Greedy decode through the runner's loop from the compared prefill; stop at the first
+    token that differs from the eager model's."""
     steps = generate_steps(
         candidate,
         reference.prompts,
-        max_new_tokens=max(len(reference.steps), 1),
+        max_new_tokens=new_tokens,
         max_positions=max_positions,
         decoders=batch_decoders(SamplingParams(temperature=0.0), reference.prompts),
+        prefilled=prefilled,
     )
     try:
         for index, (ref_step, cand_step) in enumerate(zip(reference.steps, steps)):
@@ -276,14 +296,15 @@ def _prompts(vocab_size: int, seed: int) -> list[list[int]]:
     return [rng.integers(0, vocab_size, size=n).tolist() for n in _PROMPT_LENGTHS]
 
 
-def _prefill_errors(reference: ReferenceRun, candidate: Session, tol: Tolerance) -> Iterable[OutputError]:
-    io = candidate.io
-    ids, mask = left_pad(reference.prompts, pad_id=0)
-    total = ids.shape[1]
+def _prefill_errors(
+    reference: ReferenceRun, io: DecoderIO, prefilled: tuple[np.ndarray, dict[str, np.ndarray]], tol: Tolerance
+) -> Iterable[OutputError]:
+    _, mask = left_pad(reference.prompts, pad_id=0)
+    total = mask.shape[1]
     ref_logits, ref_cache = reference.prefill_logits, reference.prefill_cache
-    cand_logits, cand_cache = forward(candidate, ids, mask, empty_cache(io, len(reference.prompts), total))
+    cand_logits, cand_cache = prefilled
     real = mask.astype(bool)  # [batch, seq]; pad positions are never read, so not compared
-    if candidate.io.logits_positions == "last":
+    if io.logits_positions == "last":
         yield compare("logits (last position)", ref_logits[:, -1:], cand_logits, tol, rows=True)
     else:
         yield compare("logits", ref_logits[real], cand_logits[real], tol, rows=True)

@@ -73,6 +73,16 @@ def test_identical_sessions_pass_with_all_decode_steps() -> None:
     assert report.passed and report.decode_steps == 8 and report.first_diverging_step is None
 
 
+def test_each_side_prefills_once_and_decodes_from_the_prefill_it_compared() -> None:
+    """The compared prefill is the one decoding continues from: one step per new token after
+    it, on the eager side and on the compiled one (at 1.5B each step is about 0.7 s)."""
+    reference, candidate = FakeSession(), FakeSession()
+    report = check_parity(reference, candidate, max_positions=64, decode_steps=8)
+    assert report.passed and report.decode_steps == 8
+    # the eighth token is chosen from the seventh step's logits: prefill + 7 decode steps
+    assert (reference.calls, candidate.calls) == (8, 8)
+
+
 def test_a_shifted_logit_is_reported_with_the_first_diverging_step() -> None:
     report = check_parity(FakeSession(), FakeSession(shift=6.0), max_positions=64, decode_steps=8)
     assert not report.passed
