@@ -9,9 +9,10 @@ norms at 1), so making it needs about one shard of memory, not the model's. The 
 `--tokenizer`'s (its ids index the 128k table whatever its own vocabulary). Random weights
 make random text: this checkpoint measures the build's time and memory, not a model.
 
-With `--int4-grid`, every matrix holds whole multiples of 2^-8 in -7 .. 7 with a ±7 in each
+With `--int4-grid`, every matrix holds whole multiples of 2^-8 in -7 .. 7 with a +7 in each
 block of 32 along its rows: symmetric int4 in blocks of 32 (kvforge's default `--weights
-int4`) represents it exactly, so an int4 build's gate measures the pipeline rather than the
+int4`, codes -8 .. 7, the scale max(-min / 8, max / 7) searched downwards from there)
+represents it exactly, so an int4 build's gate measures the pipeline rather than the
 rounding of random weights (whose nearly flat next-token distributions round-to-nearest
 int4 moves beyond the gate's bounds, as the 1.5B checkpoint in docs/performance.md shows).
 """
@@ -60,11 +61,12 @@ def tensors(layers: int) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def on_int4_grid(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    """Codes uniform in -7 .. 7 times 2^-8 (std 0.017), the first of every 32 along a row ±7, so that
-    each block's largest magnitude is 7 steps and its symmetric scale is exactly 2^-8."""
+    """Codes uniform in -7 .. 7 times 2^-8 (std 0.017), the first of every 32 along a row +7, so that
+    each block's symmetric scale is exactly 2^-8: max / 7 = 2^-8 >= -min / 8 (a block whose
+    largest magnitude were a -7 would get the scale 7/8 of that, off the grid), and it rounds
+    with no error, which no smaller scale the search tries can beat."""
     codes = torch.randint(-7, 8, shape, generator=generator, dtype=torch.int8)
-    signs = torch.randint(0, 2, codes[..., ::32].shape, generator=generator, dtype=torch.int8) * 2 - 1
-    codes[..., ::32] = 7 * signs
+    codes[..., ::32] = 7
     return codes.to(torch.bfloat16) / 256
 
 

@@ -36,8 +36,10 @@ counted as skipped, with the reason, in `skipped`.
 from __future__ import annotations
 
 import fnmatch
+import os
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple, dataclass
 
 import ml_dtypes
@@ -116,7 +118,9 @@ def quantize_blockwise(
     `block_size` is quantized as if filled up with zeros.
 
     Rows are quantized `rows_per_chunk` at a time, so the float32 temporaries stay small next
-    to the weight however large it is (an LM head of 150k rows)."""
+    to the weight however large it is (an LM head of 150k rows), the chunks spread over the
+    usable CPUs (numpy's arithmetic runs outside the GIL). Each chunk's result depends on its
+    rows only, so the codes are the same however many threads ran them."""
     if bits not in BITS or block_size < 2 or weight.ndim != 2:
         raise ValueError(f"cannot quantize a {weight.shape} weight to {bits} bits in blocks of {block_size}")
     n, k = weight.shape
@@ -125,7 +129,8 @@ def quantize_blockwise(
     codes = np.empty((n, k), np.int8 if symmetric else np.uint8)
     scales = np.empty((n, count), np.float32)
     zero_points = None if symmetric else np.empty((n, count), np.uint8)
-    for start in range(0, n, rows_per_chunk):
+
+    def quantize_rows(start: int) -> None:
         rows = slice(start, min(start + rows_per_chunk, n))
         chunk_weight = weight[rows].astype(np.float32)
         if pad:
@@ -142,7 +147,25 @@ def quantize_blockwise(
             chunk = np.clip(np.rint(blocks / scale[..., None]) + zero[..., None], 0, top)
         codes[rows] = chunk.reshape(-1, k + pad)[:, :k]
         scales[rows] = scale
+
+    starts = range(0, n, rows_per_chunk)
+    threads = min(len(starts), QUANTIZE_THREADS or _usable_cpus())
+    if threads > 1:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(quantize_rows, starts))  # list: a chunk's exception is raised here
+    else:
+        for start in starts:
+            quantize_rows(start)
     return QuantizedWeight(codes, scales.astype(weight.dtype), zero_points, bits, block_size)
+
+
+# Threads that quantize a weight's chunks; 0: one per usable CPU.
+QUANTIZE_THREADS = 0
+
+
+def _usable_cpus() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)  # a container's cpuset narrows it
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 # Scales tried per block, as fractions of the one that clips nothing: the scale that gives the

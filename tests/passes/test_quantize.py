@@ -8,11 +8,31 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
+import passes.quantize as quantize_module
 from passes.quantize import LM_HEAD, QuantizeWeights, WeightQuantization, quantize_blockwise
 from tests.passes.fusion_testing import op_count, ort_outputs
 
 RNG = np.random.default_rng(0)
 CASES = [(bits, symmetric) for bits in (4, 8) for symmetric in (True, False)]
+
+
+@pytest.mark.parametrize("bits, symmetric", CASES)
+def test_chunks_quantized_on_threads_give_the_codes_of_one_thread(
+    bits: int, symmetric: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rebuilds stay byte-identical whatever the machine's CPU count."""
+    weight = RNG.standard_normal((70, 96)).astype(np.float16)  # 9 chunks of 8 rows, the last short
+    results = []
+    for threads in (1, 3):
+        monkeypatch.setattr(quantize_module, "QUANTIZE_THREADS", threads)
+        results.append(quantize_blockwise(weight, bits, 32, symmetric, rows_per_chunk=8))
+    one, several = results
+    assert np.array_equal(one.codes, several.codes) and np.array_equal(one.scales, several.scales)
+    assert (one.zero_points is None) == symmetric
+    if not symmetric:
+        assert np.array_equal(one.zero_points, several.zero_points)  # type: ignore[arg-type]
+    whole = quantize_blockwise(weight, bits, 32, symmetric, rows_per_chunk=70)  # one chunk: no threads
+    assert np.array_equal(whole.codes, several.codes) and np.array_equal(whole.scales, several.scales)
 
 
 @pytest.mark.parametrize("bits, symmetric", CASES)
@@ -263,3 +283,15 @@ def test_a_weight_the_lm_head_shares_is_int8_for_every_reader() -> None:
     w8 = quantize_blockwise(weight, 8, 32, True).dequantize()
     (got,) = ort_outputs(model, {"x": x})
     np.testing.assert_allclose(got, x @ w8.T @ w8.T, atol=2e-3, rtol=1e-4)
+
+
+def test_the_8b_benchmarks_int4_grid_is_what_int4_reproduces_exactly() -> None:
+    """`benchmarks/make_8b.py --int4-grid` makes weights whose int4 build measures the pipeline,
+    not rounding: the quantizer, scale search included, must give them back with no error."""
+    import torch
+
+    from benchmarks.make_8b import on_int4_grid
+
+    weight = on_int4_grid((64, 256), torch.Generator().manual_seed(0)).to(torch.float16).numpy()
+    q = quantize_blockwise(weight, 4, 32, True)
+    assert np.array_equal(q.dequantize(), weight.astype(np.float32))
