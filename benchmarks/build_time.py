@@ -1,6 +1,7 @@
 """A whole build's wall time and peak memory beside the peers' builders, in one run.
 
     python benchmarks/build_time.py CHECKPOINT WORKDIR [--rounds 3] [--tools kvforge genai optimum]
+                                    [kvforge@SOURCE_TREE ...]
 
 Each round runs every tool once, one after the other (the order turns round by round, so
 no tool always runs first or last), each a fresh process under `/usr/bin/time`, each
@@ -8,6 +9,8 @@ writing a fresh output directory under WORKDIR:
 
 - kvforge: `python -m toolchain.cli build CHECKPOINT -o OUT` (fp32, ort-cpu, the parity
   gate included), with this interpreter; its stage times are read off its last line;
+  `kvforge@DIR` runs the same from another source tree (a worktree of an earlier commit),
+  for a before-and-after in the same rounds;
 - genai: onnxruntime-genai's model builder, `python -m onnxruntime_genai.models.builder
   -i CHECKPOINT -o OUT -p fp32 -e cpu -c OUT.cache`;
 - optimum: `optimum-cli export onnx --model CHECKPOINT --task text-generation-with-past OUT`.
@@ -35,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def command(tool: str, checkpoint: str, out: Path) -> list[str]:
-    if tool == "kvforge":
+    if tool.split("@")[0] == "kvforge":
         return [sys.executable, "-m", "toolchain.cli", "build", checkpoint, "-o", str(out), "-q"]
     if tool == "genai":
         python = str(EVAL_ROOT / "genai" / "bin" / "python")
@@ -48,13 +51,15 @@ def command(tool: str, checkpoint: str, out: Path) -> list[str]:
 
 
 def measure(tool: str, checkpoint: str, workdir: Path) -> dict[str, float]:
-    out = workdir / f"out-{tool}"
+    out = workdir / f"out-{re.sub(r'[^A-Za-z0-9]+', '-', tool)}"
     for stale in (out, Path(f"{out}.cache")):
         shutil.rmtree(stale, ignore_errors=True)
     load = os.getloadavg()[0]
     timed = ["/usr/bin/time", "-f", "TIME %e %M", *command(tool, checkpoint, out)]
-    environment = dict(os.environ, PYTHONPATH=str(REPO)) if tool == "kvforge" else None
-    done = subprocess.run(timed, capture_output=True, text=True, cwd=REPO, env=environment)
+    name, _, tree = tool.partition("@")
+    source = Path(tree) if tree else REPO
+    environment = dict(os.environ, PYTHONPATH=str(source)) if name == "kvforge" else None
+    done = subprocess.run(timed, capture_output=True, text=True, cwd=source, env=environment)
     if done.returncode:
         raise SystemExit(f"{tool} failed:\n{done.stderr[-3000:]}")
     found = re.search(r"TIME (\S+) (\d+)", done.stderr)
