@@ -4,7 +4,10 @@ equal to the whole stack's graph on onnxruntime; families it cannot prove fall b
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,7 @@ import torch
 
 from runners.contract import DecoderIO
 from tests.tiny import make_checkpoint
+from toolchain import build as build_module
 from toolchain import checkpoint as checkpoints
 from toolchain import stamp
 from toolchain.build import BuildOptions, build, read_spec
@@ -160,7 +164,25 @@ def test_stamped_graph_refused_by_the_gate_is_rebuilt_from_the_whole_stack(
         return real(tensor * 1.5, name)
 
     monkeypatch.setattr(stamp, "_torch_tensor", wrong)
+    # the refused attempt's gate session (and the graph behind it) is gone before the reload
+    sessions: list[weakref.ref[Any]] = []
+    alive_at_each_load: list[list[bool]] = []
+    real_verifiable, real_eager_model = build_module._verifiable, build_module.eager_model
+
+    @contextmanager
+    def recorded(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        with real_verifiable(*args, **kwargs) as session:
+            sessions.append(weakref.ref(session))
+            yield session
+
+    def loading(*args: Any, **kwargs: Any) -> Any:
+        alive_at_each_load.append([ref() is not None for ref in sessions])
+        return real_eager_model(*args, **kwargs)
+
+    monkeypatch.setattr(build_module, "_verifiable", recorded)
+    monkeypatch.setattr(build_module, "eager_model", loading)
     result = build(llama6, tmp_path / "out")
     assert result.lowering is not None and not result.lowering.stamped
     assert result.lowering.reason == "the stamped graph failed the parity gate"
     assert result.parity.passed
+    assert alive_at_each_load == [[], [False]]
