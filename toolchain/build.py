@@ -177,7 +177,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
             refused = str(e)
         # Out of the handler, the exception's traceback is gone, and with it the frames that held the
         # refused graph, its weights and the gate's onnxruntime session: freed before the checkpoint is
-        # loaded again (a 1.5B int4 build peaked 1.4 GB higher while they stayed).
+        # loaded again (docs/performance.md has what holding them cost).
         gc.collect()
         # the whole stack's graph is what stamping stands for: a stamped graph the gate refuses is rebuilt
         log.warning("the stamped graph failed the parity gate (%s); lowering the whole stack", refused)

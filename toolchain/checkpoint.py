@@ -530,9 +530,8 @@ def _tensor_bytes(f: io.BufferedReader, offset: int, length: int, itemsize: int)
 
 def _mapped(f: io.BufferedReader, offset: int, length: int) -> torch.Tensor | None:
     """The bytes in a private copy-on-write mapping of just their pages: the page cache's own
-    memory, where a read would fault in and fill as much new memory (a 3 GB checkpoint read
-    0.6 s warm, 3 to 9 s on a machine whose free memory is slow to touch; mapped and populated,
-    0.05 s). The mapping goes with the tensor's last reference, so a weight that a later stage
+    memory, where a read would fault in and fill as much new memory (docs/performance.md has
+    the load times either way). The mapping goes with the tensor's last reference, so a weight that a later stage
     replaces (packed, quantized) or converts to the build dtype leaves nothing behind, where
     one mapping of the whole file would keep every page it touched.
 

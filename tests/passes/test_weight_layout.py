@@ -125,7 +125,7 @@ def test_a_stacked_weight_is_written_and_transposed_from_its_parts_without_the_s
 def test_dropping_a_lazy_weight_frees_its_parts_without_a_garbage_collection() -> None:
     """The build drops each written weight from its graph and counts on the memory coming back
     at once: a reference cycle would keep the parts until a full collection, which the build
-    rarely runs (a 1.5B fp16 build held 3 GB more at its gate that way)."""
+    rarely runs (a 1.5B fp16 build held its weights twice at its gate that way)."""
     parts = [np.ones((4, 3), dtype=np.float32), np.zeros((2, 3), dtype=np.float32)]
     alive = [weakref.ref(part) for part in parts]
     stacked = StackedRows(parts, ir.DataType.FLOAT, "w")
