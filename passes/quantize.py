@@ -36,6 +36,7 @@ counted as skipped, with the reason, in `skipped`.
 from __future__ import annotations
 
 import fnmatch
+import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,8 +46,6 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
-
-from runners.session import usable_cpus
 
 BITS = (4, 8)
 BLOCK_SIZES = (32, 64, 128)
@@ -150,7 +149,7 @@ def quantize_blockwise(
         scales[rows] = scale
 
     starts = range(0, n, rows_per_chunk)
-    threads = min(len(starts), QUANTIZE_THREADS or usable_cpus())
+    threads = min(len(starts), QUANTIZE_THREADS or _usable_cpus())
     if threads > 1:
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(quantize_rows, starts))  # list: a chunk's exception is raised here
@@ -162,6 +161,14 @@ def quantize_blockwise(
 
 # Threads that quantize a weight's chunks; 0: one per usable CPU.
 QUANTIZE_THREADS = 0
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, which a container's cpuset narrows).
+
+    `runners.session.usable_cpus` counts the same way; passes import nothing of the runners."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 # Scales tried per block, as fractions of the one that clips nothing: the scale that gives the
