@@ -1,14 +1,24 @@
 """`kvforge build --tune`: each quantized weight's MatMulNBits form, chosen by measuring.
 
 For every distinct weight shape (N, K) of the graph, each candidate form (block size along K,
-`accuracy_level`) is timed on this machine in a session of one `MatMulNBits` node over random
-data of that shape, with as many threads as a runner takes (`runners.session.usable_cpus`):
-M = 1 (a decode step) and, under `full`, also M = PREFILL_ROWS (a prefill chunk). The candidate
-with the lowest score (the geometric mean over those M of its median time relative to the
-default form's) is chosen only when it beats the default form by MARGIN; otherwise the weight
-keeps the default form (`--block-size`, accuracy level 4), so noise does not flip a choice.
+`accuracy_level`) is timed on this machine over random data of that shape, with as many threads
+as a runner takes (`runners.session.usable_cpus`): M = 1 (a decode step) and, under `full`, also
+M = PREFILL_ROWS (a prefill chunk). A decode step streams every weight from memory once, so at
+M = 1 the session holds enough copies of the weight, each its own `MatMulNBits` node, to pass
+twice the last-level cache (`stream_copies`), and a run of all of them is timed: one node run
+again and again would compute from the cache, and its timings ranked the forms otherwise than
+decode does. A prefill chunk is bound by its arithmetic, and is timed on one node.
 
-Timings are kept in a cache file (`cache_path`: KVFORGE_TUNE_CACHE, else
+Each candidate is timed beside the default form (`--block-size`, accuracy level 4): both
+sessions are made, and their runs alternate, so that a slower moment of a shared machine
+falls on both (timed one after the other, the same form's time relative to the default moved
+from 0.61 to 1.64 between two runs). A candidate's ratio at one M is the median over the
+alternations of its time over the default's just before it; its score is the geometric mean
+of its ratios over the M. The candidate with the lowest score is chosen only when it beats the
+default form by MARGIN; otherwise the weight keeps the default form, so noise does not flip a
+choice.
+
+The ratios are kept in a cache file (`cache_path`: KVFORGE_TUNE_CACHE, else
 $XDG_CACHE_HOME/kvforge/tune.json, else ~/.cache/kvforge/tune.json), keyed by the CPU model,
 the number of usable cores and the onnxruntime version; a shape measured once on a machine is
 never timed again there. The artifact records only the chosen forms (the manifest's `kernels`)
@@ -34,6 +44,8 @@ from typing import TYPE_CHECKING, Any
 from runners.errors import ArtifactError
 
 if TYPE_CHECKING:  # the CLI reads MODES without loading the graph passes
+    import onnxruntime as ort
+
     from passes.quantize import KernelForm, WeightQuantization
 
 log = logging.getLogger(__name__)
@@ -43,14 +55,21 @@ DEFAULT_MODE = "off"  # deterministic without any cache: the same bytes on every
 MARGIN = 0.05  # a candidate replaces the default form only when at least this much faster
 PREFILL_ROWS = 128  # M of the prefill timing under `full`
 CACHE_ENV = "KVFORGE_TUNE_CACHE"
-CACHE_VERSION = 1
-# Timing of one candidate: runs before timing, then timed runs (the median is kept)
+# 1: each form's median seconds, one node run again and again (its weight in the cache), the
+# forms timed one after the other
+CACHE_VERSION = 2
+# Timing of a candidate beside the default: runs of each before timing, then alternations
 WARMUP_RUNS = 3
 TIMED_RUNS = 15
 MIN_SAMPLE_S = 1e-3  # a timed sample repeats runs until it lasts at least this long (at most 64 runs)
+# A decode timing streams at least this many bytes of weight copies per run (twice the
+# last-level cache where the OS reports it: `stream_bytes`), in at most MAX_COPIES nodes
+STREAM_BYTES = 64 << 20
+MAX_COPIES = 256
 
-# (bits, symmetric, N, K, M, form) -> seconds per run, one sample per timed run
-Timer = Callable[[int, bool, int, int, int, "KernelForm"], Sequence[float]]
+# (bits, symmetric, N, K, M, default form, candidate) -> the candidate's time over the
+# default's, one ratio per alternation
+Timer = Callable[[int, bool, int, int, int, "KernelForm", "KernelForm"], Sequence[float]]
 
 
 def candidates(mode: str, weights: WeightQuantization) -> tuple[KernelForm, ...]:
@@ -150,17 +169,21 @@ class TimingCache:
             log.warning("%s: cannot write the tuning cache (%s); the timings are not kept", self.path, e)
 
 
-def measurement_key(bits: int, symmetric: bool, n: int, k: int, m: int, form: KernelForm) -> str:
+def measurement_key(bits: int, symmetric: bool, n: int, k: int, m: int, default: KernelForm, form: KernelForm) -> str:
     zero = "sym" if symmetric else "asym"
-    return f"int{bits} {zero} N={n} K={k} M={m} block={form.block_size} accuracy={form.accuracy_level}"
+    return f"int{bits} {zero} N={n} K={k} M={m} {_key(form)} over {_key(default)}"
+
+
+def _key(form: KernelForm) -> str:
+    return f"block={form.block_size} accuracy={form.accuracy_level}"
 
 
 @dataclass
 class Tuner:
     """The `choose` of `passes.quantize.QuantizeWeights`: (N, K) -> the form to write it in.
 
-    `timer` times one candidate (`time_matmul_nbits` by default; tests pass a fake one);
-    `timed` counts the measurements made (not taken from the cache)."""
+    `timer` times a candidate beside the default form (`time_against_default` by default;
+    tests pass a fake one); `timed` counts the measurements made (not taken from the cache)."""
 
     mode: str
     weights: WeightQuantization
@@ -183,11 +206,10 @@ class Tuner:
 
     def _choose(self, n: int, k: int) -> KernelForm:
         forms = candidates(self.mode, self.weights)
-        medians = {form: [self._median(n, k, m, form) for m in rows(self.mode)] for form in forms}
         default = forms[0]
-        scores = {
-            form: math.exp(statistics.fmean(math.log(t / d) for t, d in zip(times, medians[default])))
-            for form, times in medians.items()
+        scores = {default: 1.0} | {
+            form: math.exp(statistics.fmean(math.log(self._ratio(n, k, m, default, form)) for m in rows(self.mode)))
+            for form in forms[1:]
         }
         best = min(forms, key=lambda form: scores[form])  # the first of equal scores: the default, or the earlier
         chosen = best if scores[best] < 1 - self.margin else default
@@ -201,17 +223,16 @@ class Tuner:
         )
         return chosen
 
-    def _median(self, n: int, k: int, m: int, form: KernelForm) -> float:
-        key = measurement_key(self.weights.bits, self.weights.symmetric, n, k, m, form)
+    def _ratio(self, n: int, k: int, m: int, default: KernelForm, form: KernelForm) -> float:
+        key = measurement_key(self.weights.bits, self.weights.symmetric, n, k, m, default, form)
         cached = self.cache.get(key)
         if cached is not None:
             return cached
-        timer = self.timer or time_matmul_nbits
-        samples = timer(self.weights.bits, self.weights.symmetric, n, k, m, form)
-        median = float(statistics.median(samples))
+        timer = self.timer or time_against_default
+        ratio = float(statistics.median(timer(self.weights.bits, self.weights.symmetric, n, k, m, default, form)))
         self.timed += 1
-        self.cache.put(key, median)
-        return median
+        self.cache.put(key, ratio)
+        return ratio
 
 
 def _describe(form: KernelForm) -> str:
@@ -239,9 +260,68 @@ def kernels_entry(mode: str, forms: Mapping[str, tuple[KernelForm, tuple[int, in
     }
 
 
-def time_matmul_nbits(bits: int, symmetric: bool, n: int, k: int, m: int, form: KernelForm) -> list[float]:
-    """Seconds per run of one MatMulNBits node, [m, K] x the weight [K, N] quantized in `form`,
-    on random data, in a session with a runner's threads; TIMED_RUNS samples after WARMUP_RUNS."""
+def stream_bytes() -> int:
+    """Bytes a decode timing streams per run: twice the last-level cache the OS reports for
+    CPU 0 (Linux sysfs), at least STREAM_BYTES."""
+    caches = Path("/sys/devices/system/cpu/cpu0/cache")
+    largest = 0
+    for size in caches.glob("index*/size"):
+        try:
+            text = size.read_text().strip()
+            largest = max(largest, int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]])
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return max(STREAM_BYTES, 2 * largest)
+
+
+def stream_copies(weight_bytes: int, target: int | None = None) -> int:
+    """Copies of a weight of `weight_bytes` that one decode timing runs: enough to stream
+    `target` bytes (default `stream_bytes()`), at most MAX_COPIES."""
+    target = stream_bytes() if target is None else target
+    return max(1, min(MAX_COPIES, -(-target // max(weight_bytes, 1))))
+
+
+def time_against_default(
+    bits: int, symmetric: bool, n: int, k: int, m: int, default: KernelForm, form: KernelForm
+) -> list[float]:
+    """The time per MatMulNBits node of `form` over the default form's, [m, K] x the weight
+    [K, N] on random data, each in a session with a runner's threads: one ratio per each of
+    TIMED_RUNS alternations (which of the two runs first alternates too), after WARMUP_RUNS
+    runs of each. A sample repeats a session's run until it lasts MIN_SAMPLE_S."""
+    import numpy as np
+
+    feeds = {"A": np.random.default_rng(1).standard_normal((m, k), dtype=np.float32)}
+    timed = [_matmul_nbits_session(bits, symmetric, n, k, m, f) for f in (default, form)]
+    repeats = []
+    for session, _ in timed:
+        for _ in range(WARMUP_RUNS):
+            session.run(None, feeds)
+        start = time.perf_counter()
+        session.run(None, feeds)
+        repeats.append(max(1, min(64, int(MIN_SAMPLE_S / max(time.perf_counter() - start, 1e-7)))))
+
+    def per_node(which: int) -> float:
+        session, copies = timed[which]
+        start = time.perf_counter()
+        for _ in range(repeats[which]):
+            session.run(None, feeds)
+        return (time.perf_counter() - start) / repeats[which] / copies
+
+    ratios = []
+    for alternation in range(TIMED_RUNS):
+        order = (0, 1) if alternation % 2 == 0 else (1, 0)
+        seconds = {which: per_node(which) for which in order}
+        ratios.append(seconds[1] / seconds[0])
+    return ratios
+
+
+def _matmul_nbits_session(
+    bits: int, symmetric: bool, n: int, k: int, m: int, form: KernelForm
+) -> tuple[ort.InferenceSession, int]:
+    """A session of MatMulNBits nodes [m, K] x a random [K, N] weight quantized in `form`, and
+    how many nodes it has: at m = 1 `stream_copies` copies of the weight, each its own node
+    and initializers (onnxruntime prepacks each apart), as a decode step streams its weights
+    from memory; at larger m one."""
     import numpy as np
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
@@ -249,25 +329,23 @@ def time_matmul_nbits(bits: int, symmetric: bool, n: int, k: int, m: int, form: 
     from passes.quantize import matmul_nbits_inputs, quantize_blockwise
     from runners.session import usable_cpus
 
-    rng = np.random.default_rng(0)
-    weight = rng.standard_normal((n, k), dtype=np.float32) * 0.02
-    q = quantize_blockwise(weight, bits, form.block_size, symmetric)
-    b, scales, zero_points = matmul_nbits_inputs(q)
-    initializers = [numpy_helper.from_array(b, "B"), numpy_helper.from_array(scales.astype(np.float32), "scales")]
-    inputs = ["A", "B", "scales"]
+    weight = np.random.default_rng(0).standard_normal((n, k), dtype=np.float32) * 0.02
+    b, scales, zero_points = matmul_nbits_inputs(quantize_blockwise(weight, bits, form.block_size, symmetric))
+    tensors = {"B": b, "scales": scales.astype(np.float32)}
     if zero_points is not None:
-        initializers.append(numpy_helper.from_array(zero_points, "zero_points"))
-        inputs.append("zero_points")
+        tensors["zero_points"] = zero_points
+    copies = stream_copies(sum(t.nbytes for t in tensors.values())) if m == 1 else 1
     attributes: dict[str, Any] = {"K": k, "N": n, "bits": bits, "block_size": form.block_size}
     if form.accuracy_level:
         attributes["accuracy_level"] = form.accuracy_level
-    node = helper.make_node("MatMulNBits", inputs, ["Y"], domain="com.microsoft", **attributes)
+    initializers, nodes, outputs = [], [], []
+    for copy in range(copies):
+        names = [f"{name}{copy}" for name in tensors]
+        initializers += [numpy_helper.from_array(t, name) for t, name in zip(tensors.values(), names)]
+        nodes.append(helper.make_node("MatMulNBits", ["A", *names], [f"Y{copy}"], domain="com.microsoft", **attributes))
+        outputs.append(helper.make_tensor_value_info(f"Y{copy}", TensorProto.FLOAT, [m, n]))
     graph = helper.make_graph(
-        [node],
-        "tune",
-        [helper.make_tensor_value_info("A", TensorProto.FLOAT, [m, k])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [m, n])],
-        initializers,
+        nodes, "tune", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [m, k])], outputs, initializers
     )
     model = helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
@@ -275,18 +353,4 @@ def time_matmul_nbits(bits: int, symmetric: bool, n: int, k: int, m: int, form: 
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.intra_op_num_threads = usable_cpus()
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    feeds = {"A": rng.standard_normal((m, k), dtype=np.float32)}
-    for _ in range(WARMUP_RUNS):
-        session.run(None, feeds)
-    # runs repeated within each sample, so a sample lasts long enough to time
-    start = time.perf_counter()
-    session.run(None, feeds)
-    repeats = max(1, min(64, int(MIN_SAMPLE_S / max(time.perf_counter() - start, 1e-7))))
-    samples = []
-    for _ in range(TIMED_RUNS):
-        start = time.perf_counter()
-        for _ in range(repeats):
-            session.run(None, feeds)
-        samples.append((time.perf_counter() - start) / repeats)
-    return samples
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]), copies

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
 
@@ -25,16 +26,24 @@ DEFAULT = KernelForm(32, 4)
 
 
 class FakeTimer:
-    """Seconds per run by form (1.0 for a form not listed), with a record of what it timed."""
+    """Seconds per run by form (1.0 for a form not listed); each timing of a candidate beside
+    the default gives their ratio with outliers. Records what it timed: (bits, symmetric, N,
+    K, M, candidate)."""
 
     def __init__(self, seconds: dict[KernelForm, float]) -> None:
         self.seconds = seconds
         self.calls: list[tuple[int, bool, int, int, int, KernelForm]] = []
 
-    def __call__(self, bits: int, symmetric: bool, n: int, k: int, m: int, form: KernelForm) -> Sequence[float]:
+    def __call__(
+        self, bits: int, symmetric: bool, n: int, k: int, m: int, default: KernelForm, form: KernelForm
+    ) -> Sequence[float]:
+        assert default == DEFAULT
         self.calls.append((bits, symmetric, n, k, m, form))
-        base = self.seconds.get(form, 1.0)
-        return [base * 1.5, base, base * 0.99, base, base * 40]  # median: base, whatever the outliers
+        ratio = self.ratio(m, form) / self.ratio(m, default)
+        return [ratio * 1.5, ratio, ratio * 0.99, ratio, ratio * 40]  # median: the ratio, whatever the outliers
+
+    def ratio(self, m: int, form: KernelForm) -> float:
+        return self.seconds.get(form, 1.0)
 
 
 def make_tuner(path: Path, timer: FakeTimer, mode: str = "fast", machine: str = "cpu | 2 cores | ort") -> tune.Tuner:
@@ -45,9 +54,9 @@ def test_the_candidate_the_timer_makes_fastest_is_chosen(tmp_path: Path) -> None
     timer = FakeTimer({KernelForm(128, 4): 0.5, KernelForm(256, 4): 0.7})
     tuner = make_tuner(tmp_path / "tune.json", timer)
     assert tuner(768, 2304) == KernelForm(128, 4)
-    # fast: every block size at the default accuracy level, at M = 1
-    timed = {(call[5], call[4]) for call in timer.calls}
-    assert timed == {(KernelForm(block, 4), 1) for block in (32, 64, 128, 256)}
+    # fast: every other block size at the default accuracy level beside the default, at M = 1
+    timed = [(call[5], call[4]) for call in timer.calls]
+    assert sorted(timed) == [(KernelForm(block, 4), 1) for block in (64, 128, 256)]
     assert all(call[:4] == (4, True, 768, 2304) for call in timer.calls)
 
 
@@ -70,12 +79,11 @@ def test_full_also_times_the_prefill_and_the_float_path(tmp_path: Path) -> None:
     assert tuner(256, 256) == DEFAULT
     assert {call[4] for call in timer.calls} == {1, tune.PREFILL_ROWS}
     assert {call[5].accuracy_level for call in timer.calls} == {0, 4}
-    assert len(timer.calls) == 2 * 8  # 8 forms at 2 rows each
+    assert len(timer.calls) == 2 * 7  # 7 candidates beside the default at 2 rows each
 
     class PrefillFaster(FakeTimer):
-        def __call__(self, bits: int, symmetric: bool, n: int, k: int, m: int, form: KernelForm) -> Sequence[float]:
-            super().__call__(bits, symmetric, n, k, m, form)
-            return [0.5 if (form == KernelForm(256, 0) and m > 1) else 1.0]
+        def ratio(self, m: int, form: KernelForm) -> float:
+            return 0.5 if (form == KernelForm(256, 0) and m > 1) else 1.0
 
     assert make_tuner(tmp_path / "prefill.json", PrefillFaster({}), mode="full")(256, 256) == KernelForm(256, 0)
 
@@ -85,10 +93,10 @@ def test_timings_are_cached_per_machine_and_reused(tmp_path: Path) -> None:
     first = FakeTimer({KernelForm(256, 4): 0.5})
     tuner = make_tuner(path, first)
     assert tuner(512, 256) == tuner(512, 256) == KernelForm(256, 4)
-    assert len(first.calls) == 4 and tuner.timed == 4  # one shape, timed once
+    assert len(first.calls) == 3 and tuner.timed == 3  # one shape, timed once
     stored = json.loads(path.read_text())
     assert stored["version"] == tune.CACHE_VERSION
-    assert len(stored["machines"]["cpu | 2 cores | ort"]) == 4
+    assert len(stored["machines"]["cpu | 2 cores | ort"]) == 3
     # a second build on the same machine times nothing, and chooses the same
     again = FakeTimer({})
     tuner = make_tuner(path, again)
@@ -96,7 +104,7 @@ def test_timings_are_cached_per_machine_and_reused(tmp_path: Path) -> None:
     # another machine (CPU, cores or onnxruntime version) times afresh, and keeps the first one's
     other = FakeTimer({})
     assert make_tuner(path, other, machine="another cpu | 64 cores | ort")(512, 256) == DEFAULT
-    assert len(other.calls) == 4
+    assert len(other.calls) == 3
     assert set(json.loads(path.read_text())["machines"]) == {"cpu | 2 cores | ort", "another cpu | 64 cores | ort"}
 
 
@@ -104,7 +112,7 @@ def test_an_unreadable_cache_is_started_afresh(tmp_path: Path) -> None:
     path = tmp_path / "tune.json"
     path.write_text("{not json")
     timer = FakeTimer({})
-    assert make_tuner(path, timer)(256, 256) == DEFAULT and len(timer.calls) == 4
+    assert make_tuner(path, timer)(256, 256) == DEFAULT and len(timer.calls) == 3
     assert json.loads(path.read_text())["version"] == tune.CACHE_VERSION
 
 
@@ -116,11 +124,42 @@ def test_the_cache_path_follows_the_environment(monkeypatch: pytest.MonkeyPatch,
     assert tune.cache_path() == tmp_path / "xdg" / "kvforge" / "tune.json"
 
 
-def test_the_real_timer_runs_each_candidate_form() -> None:
-    for form in (KernelForm(32, 4), KernelForm(256, 0)):
+def test_the_real_timer_times_each_candidate_form_beside_the_default() -> None:
+    for form in (KernelForm(64, 4), KernelForm(256, 0)):
         for symmetric in (True, False):
-            samples = tune.time_matmul_nbits(4, symmetric, 64, 200, 2, form)  # K not a multiple of the block
-            assert len(samples) == tune.TIMED_RUNS and all(s > 0 for s in samples)
+            ratios = tune.time_against_default(4, symmetric, 64, 200, 2, DEFAULT, form)  # K not a multiple of the block
+            assert len(ratios) == tune.TIMED_RUNS and all(r > 0 for r in ratios)
+
+
+def test_a_decode_timing_streams_more_than_the_cache_holds() -> None:
+    assert tune.stream_bytes() >= tune.STREAM_BYTES
+    assert tune.stream_copies(1 << 20, target=64 << 20) == 64
+    assert tune.stream_copies(3 << 20, target=64 << 20) == 22  # 22 copies pass 64 MiB, 21 do not
+    assert tune.stream_copies(100, target=64 << 20) == tune.MAX_COPIES
+    assert tune.stream_copies(1 << 30, target=64 << 20) == 1
+
+
+def test_the_real_timer_copies_the_weight_for_decode_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[int] = []
+
+    def copies(weight_bytes: int, target: int | None = None) -> int:
+        asked.append(weight_bytes)
+        return 3
+
+    monkeypatch.setattr(tune, "stream_copies", copies)
+    nodes: list[int] = []
+    real_session = ort.InferenceSession
+
+    def session(model: bytes, *args: object, **kwargs: object) -> ort.InferenceSession:
+        nodes.append(len(onnx.load_from_string(model).graph.node))
+        return real_session(model, *args, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", session)
+    tune.time_against_default(4, True, 64, 256, 1, DEFAULT, KernelForm(64, 4))
+    tune.time_against_default(4, True, 64, 256, 8, DEFAULT, KernelForm(64, 4))
+    # 64 x 256 at 4 bits: 8192 bytes of codes, and 64 x 8 (block 32) or 64 x 4 float32 scales
+    assert asked == [64 * 256 // 2 + 64 * 8 * 4, 64 * 256 // 2 + 64 * 4 * 4]
+    assert nodes == [3, 3, 1, 1]
 
 
 def test_a_bad_mode_is_refused() -> None:
@@ -154,7 +193,7 @@ def test_a_tuned_build_records_its_forms_passes_the_gate_and_rebuilds_byte_ident
 ) -> None:
     # the float path at block 128 made fastest: the choice that changes the numerics most
     timer = FakeTimer({KernelForm(128, 0): 0.5})
-    monkeypatch.setattr(tune, "time_matmul_nbits", timer)
+    monkeypatch.setattr(tune, "time_against_default", timer)
     monkeypatch.setattr(tune, "machine_key", lambda: "test machine")
     cache = tmp_path / "tune.json"
     options = BuildOptions(weights=WeightQuantization(4), tune="full", tune_cache=cache)
@@ -171,7 +210,7 @@ def test_a_tuned_build_records_its_forms_passes_the_gate_and_rebuilds_byte_ident
     assert recorded == written
     assert "seconds" not in json.dumps(kernels) and str(cache) not in json.dumps(manifest)
     shapes = {(f["n"], f["k"]) for f in kernels["forms"]}
-    assert len(timer.calls) == len(shapes) * 8 * 2  # each distinct shape, 8 forms, decode and prefill
+    assert len(timer.calls) == len(shapes) * 7 * 2  # each distinct shape, 7 candidates, decode and prefill
 
     # the same cache: nothing timed, the same bytes
     timer.calls.clear()
@@ -187,7 +226,7 @@ def test_tune_off_writes_the_default_form_and_records_no_kernels(
     def no_timing(*args: object) -> list[float]:
         raise AssertionError("--tune off times nothing")
 
-    monkeypatch.setattr(tune, "time_matmul_nbits", no_timing)
+    monkeypatch.setattr(tune, "time_against_default", no_timing)
     weights = WeightQuantization(4, block_size=64)
     result = build(tiny_checkpoint("llama"), tmp_path / "out", BuildOptions(weights=weights, tune="off"))
     assert "kernels" not in result.manifest and "tune" not in result.manifest["flags"]
