@@ -137,6 +137,7 @@ class Engine:
         *,
         runtime: str = "auto",
         huge_pages: bool = True,
+        stop_spinning: bool = False,
         environment: Environment | None = None,
     ) -> Engine:
         """Open an artifact after checking every file against its manifest.
@@ -158,12 +159,19 @@ class Engine:
         `huge_pages` backs the weights onnxruntime loads on the CPU with 2 MiB pages on Linux
         (`runners.hugepages`): faster decode for a little more time at load (docs/performance.md);
         pass False when a process loads to generate a few tokens.
+
+        `stop_spinning` makes onnxruntime's CPU threads stop spinning as soon as a run ends,
+        for a session that takes turns with another in one process, such as a target model
+        with its draft (`speculative="draft:PATH"`; the draft's engine is loaded so): spinning
+        on after a run, one session's threads take the cores the other's run needs (two
+        sessions taking turns stepped at half speed on two cores). A session alone decodes
+        faster spinning.
         """
         directory = Path(directory)
         manifest = read_manifest(directory)
         hashes = FileHashes(directory, listed_files(directory, manifest))
         try:
-            engine = cls._open(directory, manifest, hashes, providers, runtime, huge_pages, environment)
+            engine = cls._open(directory, manifest, hashes, providers, runtime, huge_pages, stop_spinning, environment)
         except Exception:
             hashes.wait()  # a modified file is the error to report, whatever it made fail
             raise
@@ -182,6 +190,7 @@ class Engine:
         providers: Sequence[str] | None,
         runtime: str,
         huge_pages: bool,
+        stop_spinning: bool,
         environment: Environment | None,
     ) -> Engine:
         io = read_io(directory, manifest)
@@ -199,7 +208,16 @@ class Engine:
             else choose(runtime, manifest, environment or Environment.detect(), str(directory))
         )
         engine = cls(
-            open_session(directory, manifest, io, choice, huge_pages=huge_pages, providers=providers, hashes=hashes),
+            open_session(
+                directory,
+                manifest,
+                io,
+                choice,
+                huge_pages=huge_pages,
+                stop_spinning=stop_spinning,
+                providers=providers,
+                hashes=hashes,
+            ),
             TokenizerBundle.load(directory),
             max_positions=max_positions,
             eos_ids=settings.eos_ids,
@@ -414,7 +432,7 @@ class Engine:
             return Speculation(k)
         path = kind.removeprefix("draft:")
         if path not in self._drafts:
-            draft = Engine.load(path, huge_pages=False)
+            draft = Engine.load(path, huge_pages=False, stop_spinning=True)
             check_same_vocabulary(
                 self.tokenizer.tokenizer.get_vocab(with_added_tokens=True),
                 draft.tokenizer.tokenizer.get_vocab(with_added_tokens=True),

@@ -124,6 +124,7 @@ def open_session(
     choice: Choice,
     *,
     huge_pages: bool = False,
+    stop_spinning: bool = False,
     providers: Sequence[str] | None = None,
     hashes: FileHashes | None = None,
 ) -> Session:
@@ -146,4 +147,5 @@ def open_session(
         data_files=set(files),
         huge_pages=huge_pages and choice.runtime == "ort",  # pages for host memory: the CPU's weights
         hashes=hashes,
+        stop_spinning=stop_spinning,
     )

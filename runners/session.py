@@ -80,6 +80,7 @@ class OrtSession:
         prepack: bool = True,
         huge_pages: bool = False,
         hashes: FileHashes | None = None,
+        stop_spinning: bool = False,
     ) -> None:
         """`weights_cast_per_run` is for a graph whose weights are read through Casts
         (`passes.widen`): onnxruntime then leaves the graph as it is (constant folding would
@@ -100,7 +101,11 @@ class OrtSession:
         `hashes`, where given, are the artifact's sha256 checks running in threads: every file
         but the external data must have matched before onnxruntime opens the model, so that
         what it parses is checked; the weights' bytes are hashed while it loads them, and the
-        caller drops the session if they do not match."""
+        caller drops the session if they do not match.
+
+        `stop_spinning` stops the CPU threads spinning when a run ends (onnxruntime's
+        `session.force_spinning_stop`), for a session that takes turns with another in the
+        process (`Engine.load`)."""
         import onnxruntime as ort
 
         if io.kv_dtype == "bfloat16":
@@ -118,6 +123,8 @@ class OrtSession:
         options.intra_op_num_threads = usable_cpus()
         if not prepack:
             options.add_session_config_entry("session.disable_prepacking", "1")
+        if stop_spinning:
+            options.add_session_config_entry("session.force_spinning_stop", "1")
         if weights_cast_per_run:
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
             options.execution_order = ort.ExecutionOrder.PRIORITY_BASED

@@ -102,6 +102,12 @@ def parse_speculative(value: str | None, draft_tokens: int | None) -> tuple[str 
     return value, k
 
 
+def takes_turns(speculative: str | None) -> bool:
+    """Whether `speculative` runs a draft model's session in turn with the target's, so that
+    both are loaded with `stop_spinning` (`Engine.load`)."""
+    return isinstance(speculative, str) and speculative.startswith(DRAFT_PREFIX)
+
+
 @dataclass
 class SpeculationStats:
     """What speculation did over one request: verify steps, tokens drafted, drafts accepted."""

@@ -391,8 +391,9 @@ def generate(
 ) -> None:
     """Generate from ARTIFACT. One prompt streams to stdout; several run as one batch."""
     from runners.engine import Engine
+    from runners.speculative import takes_turns
 
-    engine = Engine.load(artifact, runtime=runtime)
+    engine = Engine.load(artifact, runtime=runtime, stop_spinning=takes_turns(speculative))
     sampling["json_schema"] = json_schema.read_text() if json_schema else None
     sampling["grammar"] = grammar.read_text() if grammar else None
     sampling["regex"] = regex

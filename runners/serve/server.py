@@ -53,7 +53,7 @@ from runners.serve.scheduler import (
     Unavailable,
     choice_requests,
 )
-from runners.speculative import parse_speculative
+from runners.speculative import parse_speculative, takes_turns
 
 logger = logging.getLogger(__name__)
 
@@ -446,7 +446,7 @@ def serve(
     try:
         host, port = server.server_address[:2]
         announce(f"listening on http://{_url_host(str(host))}:{port}, loading {artifact}")
-        engine = Engine.load(artifact, runtime=options.runtime)
+        engine = Engine.load(artifact, runtime=options.runtime, stop_spinning=takes_turns(options.speculative))
         try:
             speculation = engine.speculation(options.speculative, options.draft_tokens)
         except KvforgeError as error:

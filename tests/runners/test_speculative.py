@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from runners.decoding import BatchDraws, RowDraws
 from runners.engine import Completion, Engine
 from runners.errors import GenerationError
-from runners.speculative import PromptLookup, parse_speculative
+from runners.speculative import PromptLookup, parse_speculative, takes_turns
 from tests.runners.test_decoding import SCHEMA, check_schema
 
 pytestmark = pytest.mark.slow
@@ -224,6 +224,43 @@ def test_cli_generate_speculative_prints_the_same_text_and_its_stats(engine: Eng
     assert "verify steps" in spec.stderr and "tokens/step" in spec.stderr and "acceptance" in spec.stderr
     bad = CliRunner().invoke(main, [*base, "--speculative", "lookup"])
     assert bad.exit_code != 0 and "prompt-lookup" in bad.output
+
+
+def stops_spinning(session: object) -> bool:
+    """Whether an OrtSession's threads stop spinning when a run ends (force_spinning_stop)."""
+    options = session._session.get_session_options()  # type: ignore[attr-defined]
+    try:
+        return bool(options.get_session_config_entry("session.force_spinning_stop") == "1")
+    except RuntimeError:  # onnxruntime raises for a key that was never set
+        return False
+
+
+def test_a_draft_and_its_target_stop_spinning_between_their_turns(
+    engine: Engine, other_draft: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert takes_turns(f"draft:{other_draft}") and not takes_turns("prompt-lookup") and not takes_turns(None)
+    assert not stops_spinning(engine.session)  # alone, a session spins: faster decode
+    speculation = engine.speculation(f"draft:{other_draft}", 4)
+    assert speculation is not None and speculation.draft is not None
+    assert stops_spinning(speculation.draft.session)
+
+    # the CLI loads the target of a draft the same way, and only then
+    from toolchain import cli
+
+    loaded: list[bool] = []
+    real_load = Engine.load
+
+    def load(*args: object, **kwargs: object) -> Engine:
+        loaded.append(bool(kwargs.get("stop_spinning")))
+        return real_load(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Engine, "load", load)
+    assert engine.directory is not None
+    base = ["generate", str(engine.directory), PROMPTS[1], "--max-new-tokens", "4", "--temperature", "0"]
+    for extra in ([], ["--speculative", f"draft:{other_draft}"]):
+        result = CliRunner().invoke(cli.main, [*base, *extra])
+        assert result.exit_code == 0, result.output
+    assert loaded[0] is False and loaded[1:] == [True, True]  # plain; then the target and its draft
 
 
 def test_example_model_edit_prompt_accepts_and_equals_plain(example_all: Engine) -> None:

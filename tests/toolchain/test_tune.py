@@ -139,7 +139,7 @@ def test_a_decode_timing_streams_more_than_the_cache_holds() -> None:
     assert tune.stream_copies(1 << 30, target=64 << 20) == 1
 
 
-def test_the_real_timer_copies_the_weight_for_decode_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_real_timer_copies_the_weight_for_decode_only_and_stops_spinning(monkeypatch: pytest.MonkeyPatch) -> None:
     asked: list[int] = []
 
     def copies(weight_bytes: int, target: int | None = None) -> int:
@@ -150,9 +150,11 @@ def test_the_real_timer_copies_the_weight_for_decode_only(monkeypatch: pytest.Mo
     nodes: list[int] = []
     real_session = ort.InferenceSession
 
-    def session(model: bytes, *args: object, **kwargs: object) -> ort.InferenceSession:
+    def session(model: bytes, options: ort.SessionOptions, **kwargs: object) -> ort.InferenceSession:
         nodes.append(len(onnx.load_from_string(model).graph.node))
-        return real_session(model, *args, **kwargs)
+        # the two sessions alternate: neither's threads may spin on into the other's run
+        assert options.get_session_config_entry("session.force_spinning_stop") == "1"
+        return real_session(model, options, **kwargs)
 
     monkeypatch.setattr(ort, "InferenceSession", session)
     tune.time_against_default(4, True, 64, 256, 1, DEFAULT, KernelForm(64, 4))
