@@ -163,9 +163,8 @@ class Engine:
         `stop_spinning` makes onnxruntime's CPU threads stop spinning as soon as a run ends,
         for a session that takes turns with another in one process, such as a target model
         with its draft (`speculative="draft:PATH"`; the draft's engine is loaded so): spinning
-        on after a run, one session's threads take the cores the other's run needs (two
-        sessions taking turns stepped at half speed on two cores). A session alone decodes
-        faster spinning.
+        on after a run, one session's threads take the cores the other's run needs
+        (docs/performance.md, Speculative decoding). A session alone decodes faster spinning.
         """
         directory = Path(directory)
         manifest = read_manifest(directory)

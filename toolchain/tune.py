@@ -11,11 +11,11 @@ decode does. A prefill chunk is bound by its arithmetic, and is timed on one nod
 
 Each candidate is timed beside the default form (`--block-size`, accuracy level 4): both
 sessions are made, and their runs alternate, so that a slower moment of a shared machine
-falls on both (timed one after the other, the same form's time relative to the default moved
-from 0.61 to 1.64 between two runs). Each session's threads stop spinning when its run ends,
-so that they do not take a core from the other's run. A candidate's ratio at one M is the median over the
-alternations of its time over the default's just before it; its score is the geometric mean
-of its ratios over the M. The candidate with the lowest score is chosen only when it beats the
+falls on both (forms timed one after the other ranked differently from one run to the next;
+docs/performance.md). Each session's threads stop spinning when its run ends, so that they
+do not take a core from the other's run. A candidate's ratio at one M is the median over the
+alternations of its time over the default's beside it; its score is the geometric mean of its
+ratios over the M. The candidate with the lowest score is chosen only when it beats the
 default form by MARGIN; otherwise the weight keeps the default form, so noise does not flip a
 choice.
 
@@ -355,6 +355,6 @@ def _matmul_nbits_session(
     options.log_severity_level = 3
     options.intra_op_num_threads = usable_cpus()
     # The two sessions' runs alternate: each one's threads stop spinning when its run ends,
-    # or they take a core from the other's run (the same form then timed up to 3.5x slower)
+    # or they take a core from the other's run
     options.add_session_config_entry("session.force_spinning_stop", "1")
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]), copies
