@@ -49,13 +49,10 @@ def prompt_ids(checkpoint: Path, length: int) -> list[int]:
 
 
 def measure_kvforge(artifact: Path, ids: list[int]) -> dict[str, object]:
-    from runners.engine import Engine
-
-    engine = Engine.load(artifact)
-    engine.eos_ids = ()  # every generation runs its full length
+    generate = kvforge_generator(artifact)
 
     def run(n: int) -> list[int]:
-        return engine.generate_tokens([ids], max_new_tokens=n, temperature=0)[0]
+        return generate(ids, n)
 
     run(2)
     seconds: dict[int, float] = {}
@@ -104,7 +101,7 @@ def kvforge_generator(artifact: Path) -> Callable[[list[int], int], list[int]]:
     from runners.engine import Engine
 
     engine = Engine.load(artifact)
-    engine.eos_ids = ()
+    engine.eos_ids = ()  # every generation runs its full length
     return lambda ids, n: engine.generate_tokens([ids], max_new_tokens=n, temperature=0)[0]
 
 

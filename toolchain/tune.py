@@ -29,6 +29,7 @@ default, is byte-identical on any machine, cache or none.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -261,6 +262,7 @@ def kernels_entry(mode: str, forms: Mapping[str, tuple[KernelForm, tuple[int, in
     }
 
 
+@functools.cache
 def stream_bytes() -> int:
     """Bytes a decode timing streams per run: twice the last-level cache the OS reports for
     CPU 0 (Linux sysfs), at least STREAM_BYTES."""
