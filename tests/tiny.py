@@ -104,7 +104,7 @@ GENERIC_CONFIGS: dict[str, dict[str, Any]] = {
         query_pre_attn_scalar=16,
     ),
     "cohere": dict(LLAMA_LIKE, logit_scale=0.5),  # parallel block, logit scale
-    "falcon": dict(_NO_GQA, new_decoder_architecture=True, num_kv_heads=2),  # caches every query head
+    "falcon": dict(_NO_GQA, new_decoder_architecture=True, num_kv_heads=2),  # parallel attention, grouped KV heads
     "bloom": dict(_NO_GQA, n_layer=2, n_head=4),  # ALiBi
     "gpt_bigcode": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, multi_query=True),  # one KV head
     "qwen3_moe": dict(  # MoE, softmax top-k

@@ -83,8 +83,10 @@ def cache_layout(fields: dict[str, Any], spec: DecoderSpec) -> DecoderSpec:
     model on the meta device (no weights, no memory), and the shapes its cache then holds.
 
     Families cache differently from what their config says: multi-query models one head,
-    falcon's new architecture every query head, multi-head latent attention a compressed
-    latent and a rotary part of different sizes. Reading the cache is exact for all of them.
+    multi-head latent attention a compressed latent and a rotary part of different sizes, and
+    a family's layout can change between transformers releases (falcon's new architecture
+    cached every query head before 5.25, its KV heads since). Reading the cache is exact for
+    all of them.
     """
     from transformers import DynamicCache
 
