@@ -64,6 +64,36 @@ def test_int8_builds_and_passes_the_distribution_gate(real_artifact: Callable[..
     assert parity["top1_decisive"] >= 0.97 and parity["kl_mean"] <= 0.01
 
 
+@MODELS
+def test_the_int4_recipe_the_gate_advises_passes_it_smaller_than_int8(
+    real_checkpoint: Callable[[str], Path], real_artifact: Callable[..., Path], tmp_path: Path, name: str
+) -> None:
+    """The recipe an int4 build that fails its gate is told to build instead, run as the message
+    gives it, passes the gate with fewer bytes than int8 (plain int4 fails on both models:
+    docs/performance.md)."""
+    import shlex
+
+    from click.testing import CliRunner
+
+    from toolchain.cli import main
+    from toolchain.verify import _ADVICE, INT4_PASSING_RECIPE
+
+    assert INT4_PASSING_RECIPE in _ADVICE["int4"]
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        main, ["build", str(real_checkpoint(name)), "-o", str(out), *shlex.split(INT4_PASSING_RECIPE)]
+    )
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["parity"]["passed"] and manifest["parity"]["precision"] == "int4"
+    assert manifest["flags"]["weights"]["bits"] == 4 and manifest["flags"]["weights"]["int8"]
+
+    def weights(artifact: Path) -> int:
+        return sum(f.stat().st_size for f in artifact.glob("model.onnx*"))
+
+    assert weights(out) < 0.85 * weights(real_artifact(name, "int8"))
+
+
 @dataclass
 class Reference:
     prompt_ids: list[int]
