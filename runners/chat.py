@@ -14,6 +14,8 @@ The environment mirrors transformers' (trim_blocks, lstrip_blocks, loop controls
 ``raise_exception``, a ``tojson`` that does not escape HTML, ``strftime_now`` and the
 ``{% generation %}`` block) so that templates written for transformers render the
 same prompt here.
+
+`Conversation` keeps a multi-turn chat (`kvforge chat`) within a model's context.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import json
 import math
 import operator
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
+from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
 from typing import Any, NoReturn
@@ -307,3 +310,50 @@ def _tojson(
 def _strftime_now(format_string: str) -> str:
     """Templates (Llama 3.x) stamp the current date into the system prompt."""
     return datetime.now().strftime(format_string)
+
+
+@dataclass
+class Conversation:
+    """A multi-turn chat whose prompt stays within `limit` tokens.
+
+    `count` gives the length in tokens of the prompt a list of messages renders to (the chat
+    template's, ending with the assistant's header). Asking drops the oldest turns (a user
+    message with the reply to it) until the prompt fits; the system message is always kept.
+    """
+
+    count: Callable[[Sequence[Mapping[str, str]]], int]
+    limit: int
+    system: str | None = None
+    turns: list[dict[str, str]] = field(default_factory=list)
+
+    def messages(self) -> list[dict[str, str]]:
+        opening = [] if self.system is None else [{"role": "system", "content": self.system}]
+        return opening + self.turns
+
+    def ask(self, text: str) -> tuple[list[dict[str, str]], int]:
+        """The messages to answer `text` from, and how many earlier turns were dropped to fit them.
+
+        A message that does not fit even alone is refused (GenerationError), and the
+        conversation is left as it was.
+        """
+        kept = list(self.turns)
+        self.turns.append({"role": "user", "content": text})
+        dropped = 0
+        while (length := self.count(self.messages())) > self.limit:
+            if len(self.turns) == 1:
+                self.turns = kept
+                raise GenerationError(
+                    f"the message makes a prompt of {length} tokens, past the {self.limit} this chat leaves for "
+                    "it within the model's context; send a shorter one, or lower --max-new-tokens"
+                )
+            del self.turns[: 2 if self.turns[1]["role"] == "assistant" else 1]
+            dropped += 1
+        return self.messages(), dropped
+
+    def answer(self, text: str) -> None:
+        """Record the assistant's reply to the last message."""
+        self.turns.append({"role": "assistant", "content": text})
+
+    def reset(self) -> None:
+        """Forget every turn; the system message stays."""
+        self.turns.clear()

@@ -238,11 +238,16 @@ class Engine:
         params.validate()
         return params
 
-    def budget(self, max_new_tokens: int | None) -> int:
-        """The number of new tokens to allow: the artifact's default when None."""
+    def budget(self, max_new_tokens: int | None, prompts: Sequence[Sequence[int]] = ()) -> int:
+        """The number of new tokens to allow: the artifact's default when None, cut to what the
+        context leaves after the longest of `prompts` (as the server does); a budget asked for
+        is kept, and one that does not fit is refused by `check_length`."""
         budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 1:
             raise GenerationError(f"max_new_tokens must be an integer >= 1 (None for the default), got {budget!r}")
+        left = self.max_positions - max((len(p) for p in prompts), default=0)
+        if max_new_tokens is None and left >= 1:
+            return min(int(budget), left)
         return int(budget)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
@@ -254,12 +259,19 @@ class Engine:
                 "prompt is empty; pass some text (for unconditional generation, call generate_tokens with [bos_id])"
             )
         if chat:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-        else:
-            ids = self.tokenizer.encode(prompt)
+            return self.encode_chat([{"role": "user", "content": prompt}])
+        ids = self.tokenizer.encode(prompt)
         if not ids:
             raise GenerationError(f"prompt {_preview(prompt)} encodes to no tokens; pass text the tokenizer keeps")
+        return ids
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of a conversation (`{"role": ..., "content": ...}` messages) rendered with the
+        artifact's chat template, ending with the header of the assistant's turn."""
+        text = self.tokenizer.apply_chat_template(messages)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise GenerationError(f"chat prompt {_preview(text)} encodes to no tokens; pass text the tokenizer keeps")
         return ids
 
     def compile_grammar(
@@ -308,7 +320,7 @@ class Engine:
 
     def stream(
         self,
-        prompt: str,
+        prompt: str | Sequence[Mapping[str, str]],
         *,
         max_new_tokens: int | None = None,
         stop: Sequence[str] = (),
@@ -321,7 +333,9 @@ class Engine:
         draft_tokens: int | None = None,
         **sampling: Any,
     ) -> TextStream:
-        """Stream the generated text (not the prompt) as it is produced.
+        """Stream the generated text (not the prompt) as it is produced. `prompt` is text, or a
+        conversation (a list of `{"role": ..., "content": ...}` messages) that the artifact's chat
+        template renders, as `chat=True` renders one user message.
 
         `logprobs` = k fills the stream's `logprobs` with each token's log-probability under
         the model (before temperature, top-k/top-p and masks) and its k most likely
@@ -337,8 +351,8 @@ class Engine:
         """
         speculation = self.speculation(speculative, draft_tokens)
         params = self.sampling(**sampling)
-        budget = self.budget(max_new_tokens)
-        ids = self.encode(prompt, chat)
+        ids = self.encode(prompt, chat) if isinstance(prompt, str) else self.encode_chat(prompt)
+        budget = self.budget(max_new_tokens, [ids])
         check_length([ids], budget, self.max_positions)
         detok = self.tokenizer.detokenizer(stop, context_ids=ids)  # refuses bad stop strings now
         compiled = self.compile_grammar(json_schema=json_schema, regex=regex, grammar=grammar)
@@ -450,8 +464,8 @@ class Engine:
     ) -> list[list[int]]:
         """Token ids in, new token ids out (an eos id ends a row and is included), as one batch."""
         params = self.sampling(**sampling)
-        budget = self.budget(max_new_tokens)
         batch = [self._checked_ids(row, p) for row, p in enumerate(prompts)]
+        budget = self.budget(max_new_tokens, batch)
         check_length(batch, budget, self.max_positions)
         rows: list[list[int]] = [[] for _ in batch]
         done = np.zeros(len(batch), dtype=bool)
@@ -499,8 +513,8 @@ class Engine:
         batch = [prompts] if isinstance(prompts, str) else list(prompts)
         speculation = self.speculation(speculative, draft_tokens)
         params = self.sampling(**sampling)
-        budget = self.budget(max_new_tokens)
         encoded = [self._encode_row(row, p, chat, single) for row, p in enumerate(batch)]
+        budget = self.budget(max_new_tokens, encoded)
         check_length(encoded, budget, self.max_positions)
         detoks = [self.tokenizer.detokenizer(stop, context_ids=ids) for ids in encoded]
         compiled = self.compile_grammar(json_schema=json_schema, regex=regex, grammar=grammar)

@@ -47,7 +47,7 @@ from toolchain.emit import tensorrt as trt_engine
 from toolchain.export import DecoderWrapper, cache_layout, eager_model, export_decoder, layer_windows
 from toolchain.footprint import footprint, format_bytes
 from toolchain.lower import OPSET, apply_contract, to_onnx
-from toolchain.publish import check_output, publish, staged
+from toolchain.publish import check_output, check_writable, publish, staged
 from toolchain.spec import DecoderSpec
 from toolchain.verify import (
     DistributionReport,
@@ -148,6 +148,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
         raise ArtifactError(f"logits must be one of {', '.join(pipeline.LOGITS_POSITIONS)}, got {options.logits!r}")
     _check_tune(options)
     check_output(output, options.force)
+    check_writable(output)
     _return_freed_memory()
     seconds: dict[str, float] = {}
     ckpt = checkpoints.load(checkpoint_dir, allow_pickle=options.allow_pickle, revision=options.revision)

@@ -1,6 +1,11 @@
-"""The `kvforge` command line: build, generate, verify, inspect.
+"""The `kvforge` command line: build, generate, chat, verify, inspect, bench, serve.
 
-Every KvforgeError is printed as one line on stderr, with exit status 2 and no traceback.
+Every KvforgeError is printed as one line on stderr, with no traceback, and exits 2 (bad input),
+or 3 where the verification gate refused the artifact; Ctrl-C exits 130 with one line, nothing
+published. With --json, a command prints one JSON object on stdout, its error included.
+
+Importing this module loads click and a few small modules of ours: the heavy libraries (torch,
+transformers, onnx, onnxruntime) load inside a command, once its arguments are checked.
 """
 
 from __future__ import annotations
@@ -12,15 +17,15 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
 from passes.targets import DEFAULT_TARGET, TARGETS
-from runners.errors import KvforgeError
+from runners.errors import ArtifactError, CheckpointError, KvforgeError, ParityError
 from toolchain import tune as tuning
 
 # A checkpoint directory, or a Hub id (ORG/NAME) resolved in the local Hugging Face cache: a string,
@@ -30,17 +35,74 @@ _REVISION = click.option(
     "--revision", default=None, help="With a Hub id: the branch, tag or commit to use from the cache. Default: main."
 )
 
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2
+EXIT_GATE_REFUSED = 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a process Ctrl-C ended
+
 
 def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """One line on stderr and the documented exit status for every failure the user can act on;
+    with --json (`as_json`), the same error as one JSON object on stdout."""
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        as_json = bool(kwargs.get("as_json"))
         try:
             return fn(*args, **kwargs)
         except KvforgeError as e:
-            click.echo(f"kvforge: error: {e}", err=True)
-            sys.exit(2)
+            code = EXIT_GATE_REFUSED if isinstance(e, ParityError) else EXIT_BAD_INPUT
+            _fail(str(e), code, as_json, kind="gate" if code == EXIT_GATE_REFUSED else "input")
+        except KeyboardInterrupt:
+            click.echo(file=sys.stderr)  # end the line ^C was typed on
+            _fail(_interrupted_note(fn.__name__), EXIT_INTERRUPTED, as_json, kind="interrupted", prefix="kvforge: ")
 
     return wrapper
+
+
+def _interrupted_note(command: str) -> str:
+    return "interrupted; nothing was published" if command in ("build", "export_triton") else "interrupted"
+
+
+def _fail(message: str, code: int, as_json: bool, *, kind: str, prefix: str = "kvforge: error: ") -> NoReturn:
+    click.echo(f"{prefix}{message}", err=True)
+    if as_json:
+        _emit_json({"ok": False, "exit_code": code, "error": {"kind": kind, "message": message}})
+    sys.exit(code)
+
+
+def _emit_json(data: Mapping[str, Any]) -> None:
+    click.echo(json.dumps(data, indent=2, ensure_ascii=False, default=str))
+
+
+def _json_option(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return click.option(
+        "--json", "as_json", is_flag=True, help=f"Print {what} as one JSON object on stdout (an error too)."
+    )
+
+
+def _require_artifact(path: Path) -> None:
+    """Refuse at once, and say why, a path that is no artifact: a checkpoint is told to be built."""
+    from runners.manifest import MANIFEST
+
+    if (path / MANIFEST).is_file() or not path.is_dir():
+        return  # an artifact, or what the loader explains (a missing directory)
+    if (path / "config.json").is_file():
+        raise ArtifactError(
+            f"{path}: this is a checkpoint, not an artifact: build it with `kvforge build {path} -o OUT`, then pass OUT"
+        )
+
+
+def _require_checkpoint_path(checkpoint: str, revision: str | None) -> None:
+    """Refuse a checkpoint that is not there before the libraries that would read it load."""
+    from toolchain import hub
+
+    located = hub.locate(checkpoint, revision)  # an id missing from the cache is refused here
+    if not os.path.lexists(located):
+        raise CheckpointError(
+            f"{located}: no such directory; expected a local checkpoint directory, or a Hub id ORG/NAME in the "
+            "local Hugging Face cache"
+        )
 
 
 def _engine_options(queue_note: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -97,7 +159,8 @@ def _tolerance_option(default: str) -> Callable[[Callable[..., Any]], Callable[.
     )
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kvforge", prog_name="kvforge", message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", is_flag=True, help="Log each stage to stderr.")
 def main(verbose: bool) -> None:
     """kvforge: compile Hugging Face decoder-only models to verified ONNX artifacts and run them."""
@@ -210,6 +273,7 @@ def main(verbose: bool) -> None:
     help="Export and lower every layer (default: each distinct layer kind once, the stack stamped out from it).",
 )
 @_tolerance_option("the compute dtype's")
+@_json_option("the artifact's paths, hashes, gate figures and stage times")
 @_guarded
 def build(
     checkpoint: str,
@@ -236,12 +300,20 @@ def build(
     whole_stack: bool,
     tolerance: float | None,
     logits: str,
+    as_json: bool,
 ) -> None:
     """Export CHECKPOINT, lower it to ONNX, verify it against the eager model, publish it to -o.
 
     CHECKPOINT is a checkpoint directory, or a Hub id (ORG/NAME) already in the local Hugging Face
     cache (HF_HUB_CACHE, else HF_HOME/hub); nothing is downloaded.
     """
+    from toolchain.publish import check_output, check_writable
+
+    # what can be refused without torch is refused before it loads
+    _require_checkpoint_path(checkpoint, revision)
+    check_output(Path(os.path.abspath(output)), force)
+    check_writable(Path(os.path.abspath(output)))
+
     from passes.quantize import WeightQuantization
     from toolchain import progress
     from toolchain.build import DTYPES, BuildOptions
@@ -279,8 +351,8 @@ def build(
         tune=tune,
     )
     verbose = bool(click.get_current_context().find_root().params.get("verbose"))
-    reporter = progress.Lines(sys.stderr) if verbose and not quiet else progress.for_stream(sys.stderr, quiet)
-    with progress.reporting(reporter):  # -v logs lines of its own, which a redrawn line would overwrite
+    # -v logs a line as each stage starts and ends: a progress display would say it all again
+    with progress.reporting(progress.for_stream(sys.stderr, quiet or verbose)):
         result = run_build(checkpoint, output, options)
     if report:
         click.echo(result.passes.summary(), err=True)
@@ -293,6 +365,29 @@ def build(
     click.echo(result.parity.summary(), err=True)
     if result.next_step:
         click.echo(result.next_step, err=True)
+    if as_json:
+        _emit_json(_build_json(result))
+
+
+def _build_json(result: Any) -> dict[str, Any]:
+    """`build --json`: what CI keeps of a build (docs/cli.md lists the fields)."""
+    from runners.manifest import MANIFEST
+
+    manifest = result.manifest
+    return {
+        "ok": True,
+        "exit_code": EXIT_OK,
+        "output": str(result.output),
+        "manifest": str(result.output / MANIFEST),
+        "target": manifest.get("target"),
+        "flags": manifest.get("flags"),
+        "files": manifest.get("files"),
+        "sources": manifest.get("sources"),
+        "gate": result.parity.to_dict() | {"summary": result.parity.summary()},
+        "lowering": None if result.lowering is None else result.lowering.summary(),
+        "seconds": result.seconds,
+        "next_step": result.next_step,
+    }
 
 
 @main.command("build-engine")
@@ -336,16 +431,46 @@ def build_engine(artifact: Path, **engine: Any) -> None:
     )
 
 
+def _sampling_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The sampling knobs, shared by `generate` and `chat`."""
+    options = [
+        click.option(
+            "--temperature", type=float, default=None, help="0 is greedy. Default: the artifact's generation config."
+        ),
+        click.option("--top-k", type=int, default=None, help="Keep the k most likely tokens (0: off)."),
+        click.option(
+            "--top-p", type=float, default=None, help="Keep the smallest set of tokens with this total probability."
+        ),
+        click.option(
+            "--min-p", type=float, default=None, help="Drop tokens below this fraction of the top probability."
+        ),
+        click.option("--repetition-penalty", type=float, default=None, help="Penalize tokens already seen (1: off)."),
+        click.option("--seed", type=int, default=None, help="Same seed, same text."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+_MAX_NEW_TOKENS_HELP = (
+    "Default: the artifact's, else 128, cut to what the context leaves after the prompt (a budget given "
+    "that does not fit is refused)."
+)
+
+
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.argument("prompts", nargs=-1, required=True)
-@click.option("--max-new-tokens", type=click.IntRange(1), default=None, help="Default: the artifact's, else 128.")
-@click.option("--temperature", type=float, default=None, help="0 is greedy. Default: the artifact's generation config.")
-@click.option("--top-k", type=int, default=None, help="Keep the k most likely tokens (0: off).")
-@click.option("--top-p", type=float, default=None, help="Keep the smallest set of tokens with this total probability.")
-@click.option("--min-p", type=float, default=None, help="Drop tokens below this fraction of the top probability.")
-@click.option("--repetition-penalty", type=float, default=None, help="Penalize tokens already seen (1: off).")
-@click.option("--seed", type=int, default=None, help="Same seed, same text.")
+@click.argument("prompts", nargs=-1)
+@click.option(
+    "-f",
+    "--file",
+    "prompt_file",
+    type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
+    default=None,
+    help="Read the prompt from this file (UTF-8, as is); - reads standard input.",
+)
+@click.option("--max-new-tokens", type=click.IntRange(1), default=None, help=_MAX_NEW_TOKENS_HELP)
+@_sampling_options
 @click.option("--stop", multiple=True, help="Stop before this string (repeatable); it is not printed.")
 @click.option("--chat", is_flag=True, help="Format the prompt with the tokenizer's chat template.")
 @_runtime_option(_RUNTIME_HELP)
@@ -378,6 +503,7 @@ def build_engine(artifact: Path, **engine: Any) -> None:
 def generate(
     artifact: Path,
     prompts: tuple[str, ...],
+    prompt_file: Path | None,
     max_new_tokens: int | None,
     stop: tuple[str, ...],
     chat: bool,
@@ -389,7 +515,12 @@ def generate(
     draft_tokens: int | None,
     **sampling: Any,
 ) -> None:
-    """Generate from ARTIFACT. One prompt streams to stdout; several run as one batch."""
+    """Generate from ARTIFACT. One prompt streams to stdout; several run as one batch.
+
+    A PROMPT of - is read from standard input; -f FILE reads one from FILE.
+    """
+    prompts = _read_prompts(prompts, prompt_file)
+    _require_artifact(artifact)
     from runners.engine import Engine
     from runners.speculative import takes_turns
 
@@ -424,6 +555,98 @@ def generate(
     )
 
 
+def _read_prompts(prompts: tuple[str, ...], prompt_file: Path | None) -> tuple[str, ...]:
+    """The prompts given, `-` (standard input, read once at most) and -f FILE read as they are."""
+    stdin = [p == "-" for p in prompts] + ([str(prompt_file) == "-"] if prompt_file is not None else [])
+    if sum(stdin) > 1:
+        raise click.UsageError("standard input (-) can give one prompt only")
+    read = [sys.stdin.read() if p == "-" else p for p in prompts]
+    if prompt_file is not None:
+        read.append(sys.stdin.read() if str(prompt_file) == "-" else _read_text(prompt_file))
+    if not read:
+        raise click.UsageError("give a PROMPT, -f FILE, or - to read the prompt from standard input")
+    return tuple(read)
+
+
+def _read_text(file: Path) -> str:
+    try:
+        return file.read_text(encoding="utf-8")
+    except FileNotFoundError as e:
+        raise ArtifactError(f"{file}: no such file; pass the file that holds the prompt") from e
+    except UnicodeDecodeError as e:
+        raise ArtifactError(f"{file}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from e
+    except OSError as e:
+        raise ArtifactError(f"{file}: cannot be read ({e.strerror or e}); check its permissions") from e
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--system", default=None, help="A system message that opens the conversation (and survives /reset).")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=None, help="Per reply. " + _MAX_NEW_TOKENS_HELP)
+@_sampling_options
+@_runtime_option(_RUNTIME_HELP)
+@_guarded
+def chat(artifact: Path, system: str | None, max_new_tokens: int | None, runtime: str, **sampling: Any) -> None:
+    """Talk with ARTIFACT: each line you type is a message, the reply streams back, formatted with
+    the artifact's chat template. /reset forgets the conversation; /exit (or Ctrl-D) ends it."""
+    _require_artifact(artifact)
+    from runners.chat import Conversation
+    from runners.engine import Engine
+
+    engine = Engine.load(artifact, runtime=runtime)
+    engine.sampling(**sampling)  # a bad value is refused before the first message
+    # the prompt leaves the reply its budget: the one asked for, else the default up to half the context
+    reserve = max_new_tokens or min(engine.max_new_tokens, engine.max_positions // 2)
+    conversation = Conversation(
+        lambda messages: len(engine.encode_chat(messages)), engine.max_positions - reserve, system
+    )
+    conversation.count(conversation.messages() + [{"role": "user", "content": "?"}])  # a template, or why not
+    click.echo(f"kvforge chat: {artifact} ({engine.max_positions} tokens of context); /reset, /exit", err=True)
+    while (line := _read_message()) is not None:
+        text = line.strip()
+        if text == "/exit":
+            break
+        if text == "/reset":
+            conversation.reset()
+            click.echo("[conversation reset]", err=True)
+            continue
+        if not text:
+            continue
+        try:
+            messages, dropped = conversation.ask(text)
+        except KvforgeError as e:  # one message's trouble does not end the conversation
+            click.echo(f"kvforge: error: {e}", err=True)
+            continue
+        if dropped:
+            click.echo(f"[dropped the {dropped} oldest turn(s) to stay within the context]", err=True)
+        conversation.answer(_reply(engine, messages, max_new_tokens, sampling))
+
+
+def _reply(engine: Any, messages: list[dict[str, str]], max_new_tokens: int | None, sampling: dict[str, Any]) -> str:
+    """Stream the reply to `messages`; Ctrl-C ends the reply (what came of it is kept), not the chat."""
+    reply: list[str] = []
+    try:
+        for chunk in engine.stream(messages, max_new_tokens=max_new_tokens, **sampling):
+            reply.append(chunk)
+            click.echo(chunk, nl=False)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        click.echo(" [reply interrupted]", nl=False, err=True)
+    except KvforgeError as e:
+        click.echo(f"kvforge: error: {e}", err=True)
+    click.echo()
+    return "".join(reply)
+
+
+def _read_message() -> str | None:
+    """The next line typed (with line editing on a terminal); None at the end of input."""
+    try:
+        return input("> " if sys.stdin.isatty() else "")
+    except EOFError:
+        click.echo(file=sys.stderr)
+        return None
+
+
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option(
@@ -444,7 +667,7 @@ def generate(
     type=click.IntRange(1),
     help="Rounds, each running every configuration once; medians over rounds are reported.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+@_json_option("the results")
 @_runtime_option(_RUNTIME_HELP)
 @_guarded
 def bench(
@@ -457,6 +680,7 @@ def bench(
     runtime: str,
 ) -> None:
     """First token, decode tokens/s and its fraction of the memory-bandwidth roofline for ARTIFACT."""
+    _require_artifact(artifact)
     from runners.bench import bench as run_bench
     from runners.bench import format_results, peak_memory_bytes, ratios
 
@@ -470,13 +694,16 @@ def bench(
     )
     if as_json:
         data = {
+            "ok": True,
+            "exit_code": EXIT_OK,
+            "artifact": str(artifact.resolve()),
             "bandwidth_bytes_per_s": bandwidth,
             "peak_memory_bytes": peak_memory_bytes(),
             "results": [r.to_dict() for r in results],
             "ratios": [asdict(r) for r in ratios(results)],
             "skipped": skipped,
         }
-        click.echo(json.dumps(data, indent=2))
+        _emit_json(data)
     else:
         click.echo(format_results(results, skipped, bandwidth))
 
@@ -541,6 +768,7 @@ def serve(
     runtime: str,
 ) -> None:
     """Serve ARTIFACT over an OpenAI-compatible HTTP API with continuous batching."""
+    _require_artifact(artifact)
     from runners.serve import ServeOptions
     from runners.serve import serve as run_serve
     from runners.serve.prefix_cache import parse_bytes
@@ -654,17 +882,37 @@ def _triton_kind(runtime: str, kind: str, context: click.Context) -> str:
 )
 @_runtime_option("The session the check runs ARTIFACT in; " + _RUNTIME_HELP)
 @_tolerance_option("the one ARTIFACT was built with, else the compute dtype's")
+@_json_option("the gate's figures")
 @_guarded
 def verify(
-    artifact: Path, checkpoint: str, revision: str | None, allow_pickle: bool, runtime: str, tolerance: float | None
+    artifact: Path,
+    checkpoint: str,
+    revision: str | None,
+    allow_pickle: bool,
+    runtime: str,
+    tolerance: float | None,
+    as_json: bool,
 ) -> None:
     """Re-run the parity check of ARTIFACT against the eager model of CHECKPOINT."""
+    _require_artifact(artifact)
+    _require_checkpoint_path(checkpoint, revision)
     from toolchain.build import verify as run_verify
 
     report = run_verify(
         artifact, checkpoint, allow_pickle=allow_pickle, revision=revision, runtime=runtime, tolerance=tolerance
     )
-    click.echo(report.summary())
+    if as_json:
+        _emit_json(
+            {
+                "ok": True,
+                "exit_code": EXIT_OK,
+                "artifact": str(artifact.resolve()),
+                "checkpoint": checkpoint,
+                "gate": report.to_dict() | {"summary": report.summary()},
+            }
+        )
+    else:
+        click.echo(report.summary())
 
 
 @main.command()
@@ -675,9 +923,13 @@ def verify(
 @click.option(
     "--allow-pickle", is_flag=True, help="Accept pytorch_model.bin (read with torch.load(weights_only=True))."
 )
+@_json_option("the figures")
 @_guarded
-def inspect(checkpoint: str, revision: str | None, batch: int, seq: int | None, allow_pickle: bool) -> None:
+def inspect(
+    checkpoint: str, revision: str | None, batch: int, seq: int | None, allow_pickle: bool, as_json: bool
+) -> None:
     """Parameters, weight bytes per precision and KV-cache bytes of CHECKPOINT (a directory or a cached Hub id)."""
+    _require_checkpoint_path(checkpoint, revision)
     from toolchain import checkpoint as checkpoints
     from toolchain.export import cache_layout, layer_windows
     from toolchain.footprint import footprint, format_footprint
@@ -688,7 +940,19 @@ def inspect(checkpoint: str, revision: str | None, batch: int, seq: int | None, 
     # the KV cache as the default target keeps it: sliding layers bounded by their windows
     windows = layer_windows(ckpt.config, spec) if TARGETS[DEFAULT_TARGET].bounded_windows else None
     fp = footprint(ckpt, spec, batch=batch, seq=seq or spec.max_positions, layer_windows=windows)
-    click.echo(format_footprint(fp, spec))
+    if as_json:
+        _emit_json(
+            {
+                "ok": True,
+                "exit_code": EXIT_OK,
+                "checkpoint": str(ckpt.path),
+                "model_type": spec.model_type,
+                "parameters": sum(fp.parameters_by_dtype.values()),
+                "footprint": asdict(fp),
+            }
+        )
+    else:
+        click.echo(format_footprint(fp, spec))
 
 
 def run() -> None:

@@ -67,6 +67,23 @@ def check_output(output: Path, force: bool, marker: str = MANIFEST) -> None:
         raise ArtifactError(f"{output}: exists and {what}; refusing to replace it, choose another -o")
 
 
+def check_writable(output: Path) -> None:
+    """Refuse, before any work, an output whose directory cannot be written: a directory is
+    made and removed where the staging directory will go (or in the nearest ancestor that
+    exists, where the missing ones will be made), so every reason the system has is caught."""
+    parent = output.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ArtifactError(f"{output}: {parent} is not a directory; choose another -o")
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=parent, prefix=f".{output.name}.probe-"))
+    except OSError as e:
+        raise ArtifactError(
+            f"{output}: cannot write in {parent} ({e.strerror or e}); choose another -o, or fix its permissions"
+        ) from e
+
+
 @contextmanager
 def staged(output: Path, marker: str = MANIFEST) -> Iterator[Path]:
     """A locked, empty staging directory beside `output`; removed if the block fails."""

@@ -1,0 +1,75 @@
+"""How long `kvforge` takes to answer when it has nothing heavy to do.
+
+    python benchmarks/cli_startup.py [--runs 7] [--json]
+
+Each command runs `--runs` times in a fresh process (`python -m toolchain.cli`, the console
+script's code), timed from the start of the process to its exit; the table gives the median
+and the fastest run. The commands: `--version`, `--help`, `build --help`, a checkpoint
+directory that does not exist, an `-o` that cannot be written (/proc/nope, refused before any
+export), a checkpoint passed to `generate`, and, for scale, `python -c pass` and
+`python -c "import torch"` (what every command paid before the heavy imports moved into the
+commands). Run it from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "model"  # a checkpoint directory kept in the repository
+
+
+def cases(scratch: Path) -> dict[str, tuple[list[str], int]]:
+    """Name -> (argv after the interpreter, the exit status it must have)."""
+    cli = [sys.executable, "-m", "toolchain.cli"]
+    return {
+        "python -c pass": ([sys.executable, "-c", "pass"], 0),
+        "python -c 'import torch'": ([sys.executable, "-c", "import torch"], 0),
+        "kvforge --version": ([*cli, "--version"], 0),
+        "kvforge --help": ([*cli, "--help"], 0),
+        "kvforge build --help": ([*cli, "build", "--help"], 0),
+        "kvforge build missing-dir -o x": ([*cli, "build", str(scratch / "missing-dir"), "-o", str(scratch / "x")], 2),
+        "kvforge build CKPT -o /proc/nope": ([*cli, "build", str(EXAMPLE), "-o", "/proc/nope"], 2),
+        "kvforge generate CKPT hi": ([*cli, "generate", str(EXAMPLE), "hi"], 2),
+    }
+
+
+def time_once(argv: list[str], expected: int) -> float:
+    start = time.perf_counter()
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=False)
+    seconds = time.perf_counter() - start
+    if done.returncode != expected:
+        raise SystemExit(f"{' '.join(argv)}: exit {done.returncode}, expected {expected}: {done.stderr.strip()}")
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--json", action="store_true", help="Print the results as JSON.")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        measured = cases(Path(scratch))
+        times: dict[str, list[float]] = {name: [] for name in measured}
+        for _ in range(args.runs):  # rounds, so that a slow moment of a shared machine falls on every case
+            for name, (argv, expected) in measured.items():
+                times[name].append(time_once(argv, expected))
+    results = {name: {"median_s": statistics.median(t), "min_s": min(t), "runs": len(t)} for name, t in times.items()}
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    width = max(map(len, results))
+    print(f"{'command':<{width}}  median   fastest")
+    for name, r in results.items():
+        print(f"{name:<{width}}  {r['median_s']:5.2f} s  {r['min_s']:5.2f} s")
+
+
+if __name__ == "__main__":
+    main()
