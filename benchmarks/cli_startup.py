@@ -1,6 +1,6 @@
 """How long `kvforge` takes to answer when it has nothing heavy to do.
 
-    python benchmarks/cli_startup.py [--runs 7] [--json]
+    python benchmarks/cli_startup.py [--runs 7] [--root CHECKOUT] [--json]
 
 Each command runs `--runs` times in a fresh process (`python -m toolchain.cli`, the console
 script's code), timed from the start of the process to its exit; the table gives the median
@@ -8,13 +8,15 @@ and the fastest run. The commands: `--version`, `--help`, `build --help`, a chec
 directory that does not exist, an `-o` that cannot be written (/proc/nope, refused before any
 export), a checkpoint passed to `generate`, and, for scale, `python -c pass` and
 `python -c "import torch"` (what every command paid before the heavy imports moved into the
-commands). Run it from the repository root.
+commands). `--root` times the kvforge of another checkout (an older commit, to compare); the
+checkpoint used is this checkout's examples/model either way.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -41,9 +43,10 @@ def cases(scratch: Path) -> dict[str, tuple[list[str], int]]:
     }
 
 
-def time_once(argv: list[str], expected: int) -> float:
+def time_once(argv: list[str], expected: int, root: Path) -> float:
     start = time.perf_counter()
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=False)
+    env = os.environ | {"PYTHONPATH": str(root)}
+    done = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - start
     if done.returncode != expected:
         raise SystemExit(f"{' '.join(argv)}: exit {done.returncode}, expected {expected}: {done.stderr.strip()}")
@@ -53,6 +56,7 @@ def time_once(argv: list[str], expected: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--root", type=Path, default=ROOT, help="The checkout whose kvforge is timed.")
     parser.add_argument("--json", action="store_true", help="Print the results as JSON.")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
@@ -60,7 +64,7 @@ def main() -> None:
         times: dict[str, list[float]] = {name: [] for name in measured}
         for _ in range(args.runs):  # rounds, so that a slow moment of a shared machine falls on every case
             for name, (argv, expected) in measured.items():
-                times[name].append(time_once(argv, expected))
+                times[name].append(time_once(argv, expected, args.root.resolve()))
     results = {name: {"median_s": statistics.median(t), "min_s": min(t), "runs": len(t)} for name, t in times.items()}
     if args.json:
         print(json.dumps(results, indent=2))

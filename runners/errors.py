@@ -1,10 +1,12 @@
 """The one exception root of kvforge and the failures every layer can raise.
 
 Messages name the file, field, tensor or value at fault and say what to do; the CLI
-prints them as one line and exits with status 2.
+prints them as one line and exits with status 2 (3 where a verification gate refused).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class KvforgeError(Exception):
@@ -24,7 +26,15 @@ class ExportError(KvforgeError):
 
 
 class ParityError(KvforgeError):
-    """The compiled model does not match the eager model within tolerance."""
+    """The compiled model does not match the eager model within tolerance.
+
+    `report` holds the refusing gate's figures (its report's `to_dict()`); None where the gate
+    could not run (its inputs were refused).
+    """
+
+    def __init__(self, message: str, report: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.report = report
 
 
 class ArtifactError(KvforgeError):

@@ -336,7 +336,8 @@ def _require_parity(report: ParityReport | DistributionReport, where: str, mode:
             raise
         raise ParityError(
             f"{e}; the kernel forms --tune {mode} chose (larger blocks, or a different accuracy level) "
-            "cost this accuracy: build with --tune off"
+            "cost this accuracy: build with --tune off",
+            e.report,
         ) from e
 
 

@@ -15,6 +15,7 @@ import gc
 import json
 import logging
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Callable, Mapping
@@ -51,8 +52,10 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except KvforgeError as e:
-            code = EXIT_GATE_REFUSED if isinstance(e, ParityError) else EXIT_BAD_INPUT
-            _fail(str(e), code, as_json, kind="gate" if code == EXIT_GATE_REFUSED else "input")
+            gate = e.report if isinstance(e, ParityError) else None  # None: the gate did not run
+            if gate is None:
+                _fail(str(e), EXIT_BAD_INPUT, as_json, kind="input")
+            _fail(str(e), EXIT_GATE_REFUSED, as_json, kind="gate", gate=gate)
         except KeyboardInterrupt:
             click.echo(file=sys.stderr)  # end the line ^C was typed on
             _fail(_interrupted_note(fn.__name__), EXIT_INTERRUPTED, as_json, kind="interrupted", prefix="kvforge: ")
@@ -64,10 +67,19 @@ def _interrupted_note(command: str) -> str:
     return "interrupted; nothing was published" if command in ("build", "export_triton") else "interrupted"
 
 
-def _fail(message: str, code: int, as_json: bool, *, kind: str, prefix: str = "kvforge: error: ") -> NoReturn:
+def _fail(
+    message: str,
+    code: int,
+    as_json: bool,
+    *,
+    kind: str,
+    prefix: str = "kvforge: error: ",
+    gate: Mapping[str, Any] | None = None,
+) -> NoReturn:
     click.echo(f"{prefix}{message}", err=True)
     if as_json:
-        _emit_json({"ok": False, "exit_code": code, "error": {"kind": kind, "message": message}})
+        data: dict[str, Any] = {"ok": False, "exit_code": code, "error": {"kind": kind, "message": message}}
+        _emit_json(data | ({} if gate is None else {"gate": gate}))
     sys.exit(code)
 
 
@@ -593,7 +605,13 @@ def chat(artifact: Path, system: str | None, max_new_tokens: int | None, runtime
     from runners.chat import Conversation
     from runners.engine import Engine
 
-    engine = Engine.load(artifact, runtime=runtime)
+    # Loaded with SIGINT blocked, which the threads it starts (onnxruntime's, the hashing's) inherit:
+    # Ctrl-C then reaches the main thread, and wakes it from waiting for a line in input().
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        engine = Engine.load(artifact, runtime=runtime)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     engine.sampling(**sampling)  # a bad value is refused before the first message
     # the prompt leaves the reply its budget: the one asked for, else the default up to half the context
     reserve = max_new_tokens or min(engine.max_new_tokens, engine.max_positions // 2)

@@ -288,7 +288,9 @@ def _near_tie(logits: np.ndarray, expected: np.ndarray, picked: np.ndarray, tol:
 
 def require_parity(report: ParityReport | DistributionReport, where: str) -> None:
     if not report.passed:
-        raise ParityError(f"{where}: compiled model does not match the eager model: {report.failures()}")
+        raise ParityError(
+            f"{where}: compiled model does not match the eager model: {report.failures()}", report.to_dict()
+        )
 
 
 def _prompts(vocab_size: int, seed: int) -> list[list[int]]:

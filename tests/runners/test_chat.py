@@ -332,3 +332,41 @@ def test_renders_like_transformers(name: str, add_generation_prompt: bool) -> No
         add_generation_prompt=add_generation_prompt,
     )
     assert ours == expected
+
+
+def _words(messages: list[dict[str, str]]) -> int:
+    """A prompt's length in this test's units: one per word of every message, one per message header."""
+    return sum(1 + len(m["content"].split()) for m in messages)
+
+
+def test_a_conversation_drops_its_oldest_turns_to_fit_and_keeps_the_system_message() -> None:
+    from runners.chat import Conversation
+
+    talk = Conversation(_words, limit=12, system="be brief")  # the system message costs 3
+    messages, dropped = talk.ask("one two")
+    assert dropped == 0 and messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "one two"},
+    ]
+    talk.answer("three four five")
+    messages, dropped = talk.ask("six")  # 3 + 3 + 4 + 2 = 12: fits exactly
+    assert dropped == 0 and len(messages) == 4
+    talk.answer("seven eight")
+    messages, dropped = talk.ask("nine ten")  # 12 + 3 + 3 = 18: the first turn goes, then 3 + 2 + 3 + 3 = 11
+    assert dropped == 1
+    assert [m["content"] for m in messages] == ["be brief", "six", "seven eight", "nine ten"]
+    assert _words(messages) <= 12
+
+
+def test_a_message_too_long_alone_is_refused_and_the_conversation_is_kept() -> None:
+    from runners.chat import Conversation
+
+    talk = Conversation(_words, limit=8)
+    talk.ask("a b")
+    talk.answer("c")
+    before = talk.messages()
+    with pytest.raises(GenerationError, match="a prompt of 9 tokens, past the 8 this chat leaves"):
+        talk.ask("w " * 8)
+    assert talk.messages() == before
+    talk.reset()
+    assert talk.messages() == [] and talk.ask("d")[0] == [{"role": "user", "content": "d"}]

@@ -91,6 +91,9 @@ def test_a_refused_gate_exits_3_with_its_figures_in_json_and_publishes_nothing(
     data = json.loads(result.stdout)
     assert data["ok"] is False and data["exit_code"] == EXIT_GATE_REFUSED and data["error"]["kind"] == "gate"
     assert "compiled model does not match the eager model" in data["error"]["message"]
+    gate = data["gate"]  # the figures that refused it
+    assert gate["passed"] is False and gate["tolerance"]["relative"] == 1e-12
+    assert any(not e["within"] and e["error"] > 1e-12 for e in gate["prefill"] + gate["decode"])
     assert result.stderr.strip().splitlines()[-1] == f"kvforge: error: {data['error']['message']}"
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
@@ -200,7 +203,7 @@ def test_the_default_budget_is_cut_to_the_context_left_and_a_given_one_is_not(
     assert result.returncode == 0, result.stderr
     assert "[143 prompt tokens, 113 new tokens" in result.stderr  # 256 - 143, not refused for 143 + 128
     result = kvforge("generate", str(artifact), prompt, "--max-new-tokens", "128")
-    assert result.returncode == EXIT_BAD_INPUT and "143 + max_new_tokens 128 = 271 exceeds" in result.stderr
+    assert result.returncode == EXIT_BAD_INPUT and "143 tokens + max_new_tokens 128 = 271 exceeds" in result.stderr
 
 
 class Terminal:
