@@ -619,6 +619,11 @@ def chat(artifact: Path, system: str | None, max_new_tokens: int | None, runtime
         lambda messages: len(engine.encode_chat(messages)), engine.max_positions - reserve, system
     )
     conversation.count(conversation.messages() + [{"role": "user", "content": "?"}])  # a template, or why not
+    if sys.stdin.isatty():
+        try:
+            import readline  # noqa: F401 - loaded, it gives input() line editing and history
+        except ImportError:  # not on every platform
+            pass
     click.echo(f"kvforge chat: {artifact} ({engine.max_positions} tokens of context); /reset, /exit", err=True)
     while (line := _read_message()) is not None:
         text = line.strip()

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import pty
+import re
 import select
 import signal
 import subprocess
@@ -226,7 +227,8 @@ class Terminal:
                     break
         assert marker in self.seen, f"no {marker!r} in {self.seen!r}"
         text, _, self.seen = self.seen.partition(marker)
-        return text.decode("utf-8", "replace").replace("\r\n", "\n")
+        # line editing's terminal modes (bracketed paste) switched on and off around each line
+        return re.sub(r"\x1b\[\?[0-9]+[hl]", "", text.decode("utf-8", "replace")).replace("\r\n", "\n")
 
     def type(self, line: str) -> None:
         os.write(self.master, line.encode() + b"\n")
