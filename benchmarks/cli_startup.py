@@ -48,8 +48,9 @@ def time_once(argv: list[str], expected: int, root: Path) -> float:
     env = os.environ | {"PYTHONPATH": str(root)}
     done = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - start
-    if done.returncode != expected:
-        raise SystemExit(f"{' '.join(argv)}: exit {done.returncode}, expected {expected}: {done.stderr.strip()}")
+    if done.returncode != expected:  # an older checkout may lack an option: said, and timed all the same
+        last = (done.stderr.strip().splitlines() or [""])[-1]
+        print(f"{' '.join(argv[1:])}: exit {done.returncode}, expected {expected}: {last}", file=sys.stderr)
     return seconds
 
 
