@@ -351,7 +351,8 @@ class Engine:
         """
         speculation = self.speculation(speculative, draft_tokens)
         params = self.sampling(**sampling)
-        ids = self.encode(prompt, chat) if isinstance(prompt, str) else self.encode_chat(prompt)
+        conversation = isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes, bytearray))
+        ids = self.encode_chat(prompt) if conversation else self.encode(prompt, chat)  # type: ignore[arg-type]
         budget = self.budget(max_new_tokens, [ids])
         check_length([ids], budget, self.max_positions)
         detok = self.tokenizer.detokenizer(stop, context_ids=ids)  # refuses bad stop strings now
