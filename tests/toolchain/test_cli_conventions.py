@@ -275,3 +275,22 @@ def test_chat_drops_the_oldest_turns_to_stay_within_the_context(built_artifact: 
     chat.process.send_signal(signal.SIGINT)  # at the prompt: the chat ends
     chat.read_until(b"kvforge: interrupted\r\n")
     assert chat.process.wait(timeout=60) == EXIT_INTERRUPTED
+
+
+def test_shell_completion_as_documented_completes_commands_and_choices() -> None:
+    script = Path(sys.executable).parent / "kvforge"  # the console script: completion keys on its name
+    if not script.exists():
+        pytest.skip("kvforge is not installed as a console script beside this interpreter")
+    env = os.environ | {"PYTHONPATH": str(ROOT), "_KVFORGE_COMPLETE": "bash_complete"}
+
+    def complete(words: str) -> list[str]:
+        cword = str(len(words.split()) - (0 if words.endswith(" ") else 1))
+        done = subprocess.run(
+            [str(script)], env=env | {"COMP_WORDS": words, "COMP_CWORD": cword}, capture_output=True, text=True
+        )
+        return done.stdout.split()
+
+    assert complete("kvforge bu") == ["plain,build", "plain,build-engine"]
+    assert complete("kvforge build ck --dtype ") == ["plain,fp32", "plain,fp16", "plain,bf16"]
+    source = subprocess.run([str(script)], env=env | {"_KVFORGE_COMPLETE": "bash_source"}, capture_output=True)
+    assert b"_kvforge_completion()" in source.stdout
