@@ -294,3 +294,21 @@ def test_shell_completion_as_documented_completes_commands_and_choices() -> None
     assert complete("kvforge build ck --dtype ") == ["plain,fp32", "plain,fp16", "plain,bf16"]
     source = subprocess.run([str(script)], env=env | {"_KVFORGE_COMPLETE": "bash_source"}, capture_output=True)
     assert b"_kvforge_completion()" in source.stdout
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "chat"])
+def test_ctrl_c_in_a_command_that_runs_an_artifact_exits_130_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, command: str
+) -> None:
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "load", interrupted)
+    monkeypatch.setattr("runners.bench.bench", interrupted)
+    (tmp_path / "manifest.json").write_text("{}")  # what tells an artifact from a checkpoint
+    args = {"generate": [str(tmp_path), "hi"], "bench": [str(tmp_path), "--json"], "chat": [str(tmp_path)]}[command]
+    result = CliRunner().invoke(main, [command, *args])
+    assert result.exit_code == EXIT_INTERRUPTED
+    assert result.stderr.strip().splitlines() == ["kvforge: interrupted"] and "Aborted" not in result.output
+    if command == "bench":
+        assert json.loads(result.stdout)["error"] == {"kind": "interrupted", "message": "interrupted"}
