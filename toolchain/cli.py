@@ -432,6 +432,7 @@ def _build_json(result: Any) -> dict[str, Any]:
 @_guarded
 def build_engine(artifact: Path, **engine: Any) -> None:
     """Build the TensorRT engine of ARTIFACT (a --target tensorrt artifact) on this GPU machine."""
+    _require_artifact(artifact)
     from toolchain.emit.tensorrt import EngineOptions, add_engine
 
     written = add_engine(artifact, EngineOptions(**engine))
@@ -854,6 +855,7 @@ def serve(
 @_guarded
 def export_triton(artifact: Path, output: Path, name: str | None, runtime: str, **options: Any) -> None:
     """Write a Triton Inference Server model repository that serves ARTIFACT with kvforge's engine."""
+    _require_artifact(artifact)
     from toolchain.triton import TritonOptions
     from toolchain.triton import export_triton as run_export
 
