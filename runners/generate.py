@@ -251,8 +251,7 @@ def choose_tokens(
     for row in map(int, np.flatnonzero(active)):
         decoder = decoders[row]
         try:
-            tokens[row], entries[row] = decoder.choose(last[row])
-            decoder.accept(int(tokens[row]))
+            tokens[row], entries[row] = decoder.take(last[row])
         except Exception as error:
             if on_error is None:
                 raise
