@@ -83,11 +83,12 @@ def main() -> None:
         print("|---" * (8 + bool(texts)) + "|")
         for text in args.recipes:
             graph = ir.load(lowered)
-            pipeline.run(graph, args.target, TARGETS[args.target].expected_fusions(spec.num_layers), recipe(text))
+            target = TARGETS[args.target]
+            pipeline.run(graph, target, target.expected_fusions(spec.num_layers), recipe(text))
             out = Path(scratch) / "variant"
             out.mkdir(exist_ok=True)
             emit.write_onnx(graph, out)
-            graph_io = _graph_contract(graph, io, TARGETS[args.target])
+            graph_io = _graph_contract(graph, io, target)
             del graph
             size = sum(f.stat().st_size for f in out.glob("model.onnx*")) / 1e6
             session = OrtSession(out / "model.onnx", graph_io)

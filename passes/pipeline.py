@@ -36,7 +36,7 @@ from passes.quantize import FormChooser, KernelForm, QuantizeWeights, WeightQuan
 from passes.quantize_embedding import QuantizeEmbedding
 from passes.quantize_experts import QuantizeExperts
 from passes.rewrite import FusionPass
-from passes.targets import TARGETS, Target
+from passes.targets import Target
 from passes.tensorrt import tensorrt_form
 from passes.tensorrt_check import RequireTensorRT
 from passes.weight_layout import FoldWeightTransposes
@@ -258,7 +258,7 @@ def histogram(model: ir.Model) -> dict[str, int]:
 
 
 def phases(
-    target: str,
+    target: Target,
     weights: WeightQuantization | None = None,
     capacity: int | None = None,
     dtype: str = "float32",
@@ -271,21 +271,18 @@ def phases(
     (the LM head on the last position only) or "all" (every position). `moe`: the model has
     routed experts (the passes for them are left out of a dense model's pipeline). `choose`:
     each MatMulNBits weight's form (`quantize`)."""
-    if target not in TARGETS:
-        raise KeyError(f"no pass pipeline for target {target!r}; known: {', '.join(TARGETS)}")
     if logits not in LOGITS_POSITIONS:
         raise ValueError(f"logits must be one of {', '.join(LOGITS_POSITIONS)}, got {logits!r}")
     settings = {"capacity": capacity, "dtype": dtype, "logits": logits, "moe": moe}
-    record = TARGETS[target]
-    result = [(phase, _make(make_passes, settings)) for phase, make_passes in (PHASES[p] for p in record.phases)]
+    result = [(phase, _make(make_passes, settings)) for phase, make_passes in (PHASES[p] for p in target.phases)]
     if weights is not None:
-        result.insert(len(result) - 1, ("quantize", quantize(record, weights, moe, choose)))
+        result.insert(len(result) - 1, ("quantize", quantize(target, weights, moe, choose)))
     return result
 
 
 def run(
     model: ir.Model,
-    target: str,
+    target: Target,
     expected: Mapping[str, int] | None = None,
     weights: WeightQuantization | None = None,
     capacity: int | None = None,
@@ -295,7 +292,8 @@ def run(
     moe: bool = False,
     choose: FormChooser | None = None,
 ) -> PassReport:
-    """Run the target's pipeline on `model` in place and report what each pass did.
+    """Run the pipeline of `target` (its record, `passes.targets`) on `model` in place and report
+    what each pass did.
 
     `expected` maps fusion pass names to how often they should fire for this model; a
     fusion that falls short is explained (closest match, failed constraint) in `missed`.
@@ -307,7 +305,7 @@ def run(
     `choose` picks each MatMulNBits weight's block size and accuracy level (`report.kernel_forms`).
     """
     expected = dict(expected or {})
-    report = PassReport(target, histogram_before=histogram(model))
+    report = PassReport(target.name, histogram_before=histogram(model))
     pipeline = phases(target, weights, capacity, dtype, logits, moe, choose)
     total = sum(len(passes) for _, passes in pipeline)
     for phase, passes in pipeline:

@@ -80,7 +80,7 @@ class BuildOptions:
     force: bool = False
     allow_pickle: bool = False
     decode_steps: int = 8
-    target: str = DEFAULT_TARGET
+    target: Target = TARGETS[DEFAULT_TARGET]  # the CLI parses --target into its record
     dtype: str = "float32"  # one of DTYPES' values
     weights: WeightQuantization | None = None  # None: weights stay in the compute dtype
     capacity: int | None = None  # a fixed-capacity target's KV-cache length S_max (None: the model's context)
@@ -108,7 +108,7 @@ class BuildOptions:
         """What determines the artifact's bytes (not `force`, which only says where they may go)."""
         return (
             {
-                "target": self.target,
+                "target": self.target.name,
                 "dtype": self.dtype,
                 "opset": OPSET,
                 "allow_pickle": self.allow_pickle,
@@ -116,7 +116,7 @@ class BuildOptions:
                 "weights": None if self.weights is None else self.weights.to_dict(),
                 "tolerance": self.tolerance,
             }
-            | ({"capacity": self.capacity} if TARGETS[self.target].fixed_capacity else {})
+            | ({"capacity": self.capacity} if self.target.fixed_capacity else {})
             | (
                 {"logits": self.logits} if self.logits != "last" else {}  # absent by default: older manifests unchanged
             )
@@ -139,8 +139,11 @@ class BuildResult:
 def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = BuildOptions()) -> BuildResult:
     """Build `checkpoint_dir` (a directory, or a Hub id in the local cache) into `output`."""
     output = Path(os.path.abspath(output))
-    if options.target not in TARGETS:
-        raise ArtifactError(f"unknown target {options.target!r}; choose one of {', '.join(TARGETS)}")
+    if not isinstance(options.target, Target):
+        raise ArtifactError(
+            f"unknown target {options.target!r}: BuildOptions.target takes a record of passes.targets.TARGETS "
+            f"({', '.join(TARGETS)}), e.g. TARGETS[{DEFAULT_TARGET!r}]"
+        )
     if options.dtype not in DTYPES.values():
         raise ArtifactError(f"unknown dtype {options.dtype!r}; choose one of {', '.join(DTYPES.values())}")
     _check_tolerance(options.tolerance, options.weights is not None)
@@ -153,7 +156,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     ckpt = checkpoints.load(checkpoint_dir, allow_pickle=options.allow_pickle, revision=options.revision)
     spec = read_spec(ckpt)
     io = DecoderIO.for_spec(spec, kv_dtype=options.dtype)
-    target = TARGETS[options.target]
+    target = options.target
     _check_layer_states(io, target, spec)
     if target.bounded_windows:
         io = replace(io, layer_windows=layer_windows(ckpt.config, spec))
@@ -215,7 +218,7 @@ def _compile(
 ) -> BuildResult:
     """Lower, run the passes, emit, verify and publish the eager model in `models` (taken).
     `sources`: the checkpoint's hashes, being computed; the artifact's are, while the gate runs."""
-    target = TARGETS[options.target]
+    target = options.target
     onnx_model, lowering = _lower(models.pop(), spec, io, stamping, seconds, reason)
     log.info(lowering.summary())
     # The graph's initializers now hold the weights; the eager model's references would keep
@@ -231,7 +234,7 @@ def _compile(
         try:
             pass_report = pipeline.run(
                 onnx_model,
-                options.target,
+                target,
                 target.expected_fusions(spec.attention_layers, moe_layers),
                 options.weights,
                 capacity=options.capacity,
@@ -318,10 +321,10 @@ def _check_tune(options: BuildOptions) -> None:
             f"--tune {options.tune} chooses the kernel form of quantized weights; add --weights int8|int4, "
             "or drop --tune"
         )
-    if not TARGETS[options.target].kernel_tuning:
+    if not options.target.kernel_tuning:
         able = ", ".join(name for name, t in TARGETS.items() if t.kernel_tuning)
         raise ArtifactError(
-            f"--tune {options.tune}: --target {options.target} writes no kernel-specific forms to choose from "
+            f"--tune {options.tune}: --target {options.target.name} writes no kernel-specific forms to choose from "
             f"(kernel tuning is for --target {able}); drop --tune"
         )
 
@@ -544,7 +547,7 @@ def _check_fits(ckpt: checkpoints.Checkpoint, spec: DecoderSpec, options: BuildO
     assert options.device_memory is not None
     seq = options.memory_seq or spec.max_positions
     half = options.dtype != "float32"  # fp16 and bf16 take the same bytes
-    windows = layer_windows(ckpt.config, spec) if TARGETS[options.target].bounded_windows else None
+    windows = layer_windows(ckpt.config, spec) if options.target.bounded_windows else None
     fp = footprint(
         ckpt, spec, batch=options.memory_batch, seq=seq, compute_bytes=2 if half else 4, layer_windows=windows
     )
@@ -565,7 +568,7 @@ def _check_fits(ckpt: checkpoints.Checkpoint, spec: DecoderSpec, options: BuildO
 def _target_options(options: BuildOptions, spec: DecoderSpec) -> BuildOptions:
     """The settings the target's record calls for, resolved and checked before any work: a
     fixed capacity (default: the model's context), symmetric-only weights."""
-    target = TARGETS[options.target]
+    target = options.target
     if target.symmetric_only and options.weights is not None and not options.weights.symmetric:
         raise ArtifactError(
             f"--target {target.name} takes symmetric weight quantization only (its runtime requires a zero "

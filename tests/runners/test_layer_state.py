@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from passes.targets import TARGETS
 from runners.bench import kv_bytes_per_step
 from runners.contract import DecoderIO, LayerState
 from runners.engine import Engine
@@ -223,4 +224,4 @@ def test_targets_without_state_support_are_refused(tiny_checkpoint: Callable[...
     from toolchain.build import BuildOptions, build
 
     with pytest.raises(ArtifactError, match="conv layers keep a fixed-size state.*--target ort-cpu"):
-        build(tiny_checkpoint("lfm2"), tmp_path / "out", BuildOptions(target="tensorrt"))
+        build(tiny_checkpoint("lfm2"), tmp_path / "out", BuildOptions(target=TARGETS["tensorrt"]))

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from passes.targets import TARGETS
 from toolchain.emit import tensorrt as engine_build
 
 _MISSING = engine_build.unavailable()
@@ -30,7 +31,7 @@ def engine_artifact(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pyte
     from toolchain.build import BuildOptions, build
 
     out = tmp_path_factory.mktemp("trt-engine") / "out"
-    build(tiny_checkpoint("llama"), out, BuildOptions(target="tensorrt", capacity=128))
+    build(tiny_checkpoint("llama"), out, BuildOptions(target=TARGETS["tensorrt"], capacity=128))
     options = engine_build.EngineOptions(
         max_batch=4, max_prefill=8, timing_cache_dir=tmp_path_factory.mktemp("timing-cache")
     )
