@@ -17,7 +17,7 @@ from torch.export import Dim, ExportedProgram
 
 from runners.contract import STATE_KINDS, DecoderIO, LayerState
 from runners.errors import CheckpointError, ExportError
-from toolchain.checkpoint import Checkpoint
+from toolchain.checkpoint import Checkpoint, check_against_spec
 from toolchain.recurrence import traceable_kernels
 from toolchain.spec import DecoderSpec
 
@@ -389,3 +389,11 @@ def export_decoder(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO) -> 
             f"torch.export failed for {spec.model_type}: {type(e).__name__}: {_first_line(e)}; "
             "this architecture/transformers version combination is not traceable, please report it"
         ) from e
+
+
+def read_spec(ckpt: Checkpoint) -> DecoderSpec:
+    """The checkpoint's spec, checked against its weights, with the KV cache's layout read
+    off the modeling code."""
+    spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
+    check_against_spec(ckpt, spec)
+    return cache_layout(ckpt.config, spec)
