@@ -19,7 +19,7 @@ from runners.contract import STATE_KINDS, DecoderIO, LayerState
 from runners.errors import CheckpointError, ExportError
 from toolchain.checkpoint import Checkpoint, check_against_spec
 from toolchain.recurrence import traceable_kernels
-from toolchain.spec import DecoderSpec
+from toolchain.spec import SDPA_IGNORED_FIELDS, DecoderSpec
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,8 @@ def _attention_implementation(config: Any, model_class: Any) -> str:
     transformers' SDPA path ignores attention-logit softcapping, so softcapped models
     (gemma2) keep the eager path, whose plain MatMul/Softmax ops are exact; so do models
     whose class has no SDPA path (attention sinks, ALiBi in some families)."""
-    if getattr(config, "attn_logit_softcapping", None) or not getattr(model_class, "_supports_sdpa", False):
+    ignored = any(getattr(config, field, None) for field in SDPA_IGNORED_FIELDS)
+    if ignored or not getattr(model_class, "_supports_sdpa", False):
         return "eager"
     return "sdpa"
 

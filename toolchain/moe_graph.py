@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from toolchain.spec import DecoderSpec
+from toolchain.spec import EXPERTS, DecoderSpec
 
 
 def expert_stacks(model: ir.Model, spec: DecoderSpec) -> dict[str, ir.TensorProtocol]:
@@ -15,7 +15,7 @@ def expert_stacks(model: ir.Model, spec: DecoderSpec) -> dict[str, ir.TensorProt
     return {
         name: value.const_value
         for name, value in model.graph.initializers.items()
-        if ".experts." in name
+        if EXPERTS in name
         and value.const_value is not None
         and len(value.const_value.shape) >= 2
         and value.const_value.shape[0] == spec.num_experts
@@ -25,7 +25,7 @@ def expert_stacks(model: ir.Model, spec: DecoderSpec) -> dict[str, ir.TensorProt
 def moe_layers(model: ir.Model, spec: DecoderSpec) -> int:
     """How many layers route to experts: the distinct modules (`model.layers.3.mlp`) whose
     `experts` hold stacked weights, as exported (layers that stay dense hold none)."""
-    return len({name.split(".experts.", 1)[0] for name in expert_stacks(model, spec)})
+    return len({name.split(EXPERTS, 1)[0] for name in expert_stacks(model, spec)})
 
 
 def experts(model: ir.Model, spec: DecoderSpec) -> dict[str, int] | None:
