@@ -108,9 +108,8 @@ def pack() -> list[PassBase]:
     """Projections that read the same input become one MatMul over concatenated weights.
 
     Every target: GPU runtimes save a kernel launch per packed projection, and on
-    onnxruntime's CPU kernels the 125M reference decodes faster packed, measured side by
-    side: fp32 1.06x (about neutral: the bytes read are the same), int8 1.03x, int4 1.05x
-    (MatMulNBits quantizes its input once for q/k/v instead of three times).
+    onnxruntime's CPU kernels the reference decodes faster packed (MatMulNBits quantizes its
+    input once for q/k/v instead of three times; docs/performance.md has the figures).
     """
     return [pack_qkv(), pack_gate_up()]
 
@@ -120,9 +119,9 @@ def lower_ort(moe: bool) -> list[PassBase]:
     in a mixture of experts (`moe`), the gather-form experts block becomes com.microsoft MoE
     (passes/fuse_moe.py), which reads each token's selected experts' weights in place.
 
-    Not here: `fuse_norm.norm_lowering_ort` (residual Add + norm as SkipSimplifiedLayerNormalization /
-    SkipLayerNormalization). onnxruntime's CPU Skip kernels measured slower than the standard
-    Add + RMSNormalization / LayerNormalization they replace (fuse_norm's docstring has the numbers).
+    Not here: residual Add + norm as SkipSimplifiedLayerNormalization / SkipLayerNormalization.
+    onnxruntime's CPU Skip kernels measured slower than the standard Add + RMSNormalization /
+    LayerNormalization they would replace (docs/performance.md, "Kernel choices behind the passes").
     """
     moe_passes: list[PassBase] = [moe_lowering_ort()] if moe else []
     return [PastLengthFromMask(), attention_lowering_ort(), gelu_lowering_ort(), *moe_passes]

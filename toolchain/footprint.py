@@ -284,10 +284,6 @@ def _kind_label(kind: str, windows: tuple[int | None, ...]) -> str:
     return f"{sum(w is not None for w in windows)} sliding layers (window {sizes})"
 
 
-def _experts_note(fp: Footprint, spec: DecoderSpec) -> str:
-    return f"; {spec.num_experts} experts, {spec.experts_per_token} per token: {fp.active_parameters:,} active"
-
-
 def _precision_label(precision: str) -> str:
     return precision if precision not in _BITS else f"{precision} (block {QUANT_BLOCK}, fp32 scales and rest)"
 

@@ -19,8 +19,8 @@ _RETURNED_BLOCK_BYTES = 128 << 10
 
 def return_freed_memory() -> None:
     """Make the C allocator hand freed weight-sized blocks back to the system at once, so the
-    build's peak is what it holds, not what it once held (glibc; elsewhere nothing changes).
-    Measured on the 125M reference build: peak 1.117 -> 1.049 GB."""
+    build's peak is what it holds, not what it once held (glibc; elsewhere nothing changes;
+    docs/performance.md, "Memory-bounded builds", has what it saves)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):

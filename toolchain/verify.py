@@ -196,21 +196,6 @@ def record_reference(reference: Session, *, max_positions: int, decode_steps: in
     return run
 
 
-def check_parity(
-    reference: Session,
-    candidate: Session,
-    *,
-    max_positions: int,
-    dtype: str = "float32",
-    decode_steps: int = 8,
-    seed: int = 0,
-    tolerance: float | None = None,
-) -> ParityReport:
-    """Compare `candidate` (the compiled graph) with `reference` (the eager model)."""
-    recorded = record_reference(reference, max_positions=max_positions, decode_steps=decode_steps, seed=seed)
-    return compare_with_reference(recorded, candidate, max_positions=max_positions, dtype=dtype, tolerance=tolerance)
-
-
 def compare_with_reference(
     reference: ReferenceRun,
     candidate: Session,

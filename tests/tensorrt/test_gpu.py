@@ -57,13 +57,14 @@ def test_engine_matches_the_eager_model(engine_artifact: Path, tiny_checkpoint: 
     from toolchain import checkpoint as checkpoints
     from toolchain.export import DecoderWrapper, eager_model
     from toolchain.spec import DecoderSpec
-    from toolchain.verify import check_parity
+    from toolchain.verify import compare_with_reference, record_reference
 
     ckpt = checkpoints.load(tiny_checkpoint("llama"))
     spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
     reference = TorchSession(DecoderWrapper(eager_model(ckpt, spec), spec.num_layers), DecoderIO.for_spec(spec))
     candidate = TrtSession(engine_artifact, mirror_cache=True)
-    report = check_parity(reference, candidate, max_positions=128, dtype="float32", decode_steps=8)
+    recorded = record_reference(reference, max_positions=128, decode_steps=8)
+    report = compare_with_reference(recorded, candidate, max_positions=128, dtype="float32")
     assert report.passed, report.failures()
 
 
