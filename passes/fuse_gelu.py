@@ -23,17 +23,16 @@ import math
 from typing import TYPE_CHECKING, Literal
 
 import onnx_ir as ir
-from onnxscript.rewriter import pattern
+from onnxscript.rewriter import MatchContext, pattern
 from onnxscript.rewriter.ort_fusions import bias_gelu
 from onnxscript.rewriter.pattern import MatchResult, OpsetPatternBuilder
 
 from passes.fuse_norm import is_vector_over_last_axis
 from passes.rewrite import FusionPass
 
-if TYPE_CHECKING:  # onnxscript exports these only from private modules: annotations only, never at run time
-    from onnxscript.rewriter._basics import MatchContext
-    from onnxscript.rewriter._context import TapeBuilder
-    from onnxscript.rewriter._pattern_ir import ValuePattern
+if TYPE_CHECKING:  # annotations only, from private modules where onnxscript exports no public name:
+    from onnxscript.rewriter._context import TapeBuilder  # the public RewriterContext declares no op methods
+    from onnxscript.rewriter._pattern_ir import ValuePattern  # a pattern's values: no public name
 
 _SQRT_2 = math.sqrt(2.0)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)

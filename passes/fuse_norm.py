@@ -16,13 +16,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import onnx_ir as ir
+from onnxscript.rewriter import MatchContext
 from onnxscript.rewriter.pattern import MatchResult
+
+# onnxscript's RMSNorm rule, which RMSNormFusion extends, is exported from no public module
 from onnxscript.rewriter.rules.fusion import _rms_normalization
 
 from passes.rewrite import FusionPass
 
-if TYPE_CHECKING:  # onnxscript exports these only from private modules: annotations only, never at run time
-    from onnxscript.rewriter._basics import MatchContext
+if TYPE_CHECKING:  # annotations only: the public RewriterContext declares no op methods
     from onnxscript.rewriter._context import TapeBuilder
 
 Dims = tuple[int | str, ...]

@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import onnx_ir as ir
-from onnx_ir.passes import PassBase, common
-from onnxscript.optimizer._constant_folding import FoldConstantsPass
+from onnx_ir.passes import InPlacePass, PassBase, PassResult, common
+from onnxscript.optimizer import fold_constants_ir
 from onnxscript.rewriter.rules import common as rules
 
 from passes.fuse_attention import (
@@ -77,6 +77,35 @@ _SIMPLIFY_RULES = {
     "sub_0": rules.sub_0_rule,
     "div_by_1": rules.div_by_1_rule,
 }
+
+
+class FoldConstantsPass(InPlacePass):
+    """onnxscript's constant folding (`onnxscript.optimizer.fold_constants_ir`, whose pass class
+    is not public) as a pass of the pipeline, with its settings as attributes for the report."""
+
+    def __init__(
+        self,
+        *,
+        shape_inference: bool,
+        input_size_limit: int,
+        output_size_limit: int,
+        should_fold: Callable[[ir.Node], bool | None],
+    ) -> None:
+        super().__init__()
+        self.shape_inference = shape_inference
+        self.input_size_limit = input_size_limit
+        self.output_size_limit = output_size_limit
+        self.should_fold = should_fold
+
+    def call(self, model: ir.Model) -> PassResult:
+        result = fold_constants_ir(
+            model,
+            onnx_shape_inference=self.shape_inference,
+            input_size_limit=self.input_size_limit,
+            output_size_limit=self.output_size_limit,
+            should_fold=self.should_fold,
+        )
+        return PassResult(model, result.modified)
 
 
 def canonicalize() -> list[PassBase]:
