@@ -46,6 +46,7 @@ from typing import Protocol
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from runners.cache import device_of
 from runners.contract import DecoderIO
 from runners.decoding import Decoder, TokenLogprob, end_of_row
 from runners.errors import GenerationError
@@ -159,7 +160,7 @@ class RowCache:
     def __init__(self, session: Session, capacity: int) -> None:
         self.session = session
         self.length = 0
-        self.kv = empty_cache(session.io, 1, capacity)
+        self.kv = empty_cache(session.io, 1, capacity, device_of(session))
 
     def run(self, ids: Sequence[int]) -> np.ndarray:
         """Feed `ids` after the valid positions; the logits [1, positions, vocab]."""
@@ -179,13 +180,7 @@ class RowCache:
             return
         if drop > ROLLBACK:
             raise ValueError(f"cannot take back {drop} positions: a bounded layer keeps {ROLLBACK} beyond its window")
-        io, kv = self.session.io, dict(self.kv)
-        for name, a in kv.items():
-            if io.window_of(name) is not None:  # its own array: its last positions are the newest
-                kv[name] = np.ascontiguousarray(a[:, :, : a.shape[2] - drop])
-            elif not io.shared_kv:
-                kv[name] = np.ascontiguousarray(a[:, :, :length])
-        self.kv, self.length = kv, length
+        self.kv, self.length = self.kv.drop_last(drop, length), length
 
 
 class DraftModel:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from runners.cache import Cache, device_of
 from runners.contract import DecoderIO
 from runners.decoding import batch_decoders
 from runners.errors import GenerationError, ParityError
@@ -169,7 +170,7 @@ def record_reference(reference: Session, *, max_positions: int, decode_steps: in
     prompts = _prompts(reference.io.vocab_size, seed)
     logits, cache = _prefill(reference, prompts, decode_steps)
     # the recorded cache is a copy: the decode below goes on from the prefill's own
-    run = ReferenceRun(prompts, logits, {name: array.copy() for name, array in cache.items()}, [])
+    run = ReferenceRun(prompts, logits, {name: array.copy() for name, array in cache.host().items()}, [])
     try:
         for step in generate_steps(
             reference,
@@ -199,17 +200,18 @@ def compare_with_reference(
     report = ParityReport(dtype, tol)
     new_tokens = max(len(reference.steps), 1)
     prefilled = _prefill(candidate, reference.prompts, new_tokens)
-    report.prefill = list(_prefill_errors(reference, candidate.io, prefilled, tol))
+    report.prefill = list(_prefill_errors(reference, candidate.io, (prefilled[0], prefilled[1].host()), tol))
     if all(e.within for e in report.prefill):  # decoding from a wrong prefill only repeats the failure
         _decode(report, reference, candidate, max_positions, prefilled, new_tokens)
     return report
 
 
-def _prefill(session: Session, prompts: list[list[int]], new_tokens: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def _prefill(session: Session, prompts: list[list[int]], new_tokens: int) -> tuple[np.ndarray, Cache]:
     """The gate's prompts in one step, into a cache with room for `new_tokens` more: compared
     as it is, then decoded from (`generate_steps`' `prefilled`)."""
     ids, mask = left_pad(prompts, pad_id=0)
-    return forward(session, ids, mask, empty_cache(session.io, len(prompts), ids.shape[1] + new_tokens))
+    cache = empty_cache(session.io, len(prompts), ids.shape[1] + new_tokens, device_of(session))
+    return forward(session, ids, mask, cache)
 
 
 def _decode(
@@ -217,7 +219,7 @@ def _decode(
     reference: ReferenceRun,
     candidate: Session,
     max_positions: int,
-    prefilled: tuple[np.ndarray, dict[str, np.ndarray]],
+    prefilled: tuple[np.ndarray, Cache],
     new_tokens: int,
 ) -> None:
     """Greedy decode through the runner's loop from the compared prefill; stop at the first
@@ -457,7 +459,8 @@ def teacher_forced_logits(session: Session, ids: np.ndarray, prefill: int) -> np
     as generation feeds them. Works whatever positions the session's logits cover."""
     batch, length = ids.shape
     mask = np.ones_like(ids)
-    logits, cache = forward(session, ids[:, :prefill], mask[:, :prefill], empty_cache(session.io, batch, length))
+    cache = empty_cache(session.io, batch, length, device_of(session))
+    logits, cache = forward(session, ids[:, :prefill], mask[:, :prefill], cache)
     steps = [logits[:, -1]]
     for column in range(prefill, length):
         logits, cache = forward(session, ids[:, column : column + 1], mask[:, : column + 1], cache)
