@@ -41,23 +41,12 @@ class Tolerance:
 
 
 # One table for every comparison the gate makes (prefill logits, present tensors, each decode
-# step's logits, near ties), keyed by the compute dtype of the graph. Why each number:
-#
-# - float32, 2e-4: the rounding of a correct graph, measured on SmolLM2-135M (30 layers, a
-#   49k vocabulary), is at most 4e-5 of a row's deviation for the logits and 3.3e-5 of a
-#   present tensor's RMS; 2e-4 leaves five times that for deeper and wider models. The
-#   smallest real bug measured on that model, a rotary base 1% off, is 1.3e-3 of the logits'
-#   deviation and 3.6e-3 of a key's RMS: six times above the bound.
-# - float16, 0.1 and bfloat16, 0.3: the eager model computes in the half type while the gate
-#   runs the graph in float32 from the same weights, so the error is the eager model's own
-#   rounding, about 2^-10 and 2^-7 per operation. Measured on SmolLM2-135M: float16 at most
-#   0.039 of the scale at the last position and in decode, 0.061 over every prompt position;
-#   the bound leaves 1.6 to 2.5 times that. bfloat16 rounds eight times coarser: 0.3 keeps the
-#   old element-wise bound's reach on the tiny models, and SmolLM2-135M's own bfloat16
-#   rounding exceeds it (0.67 of a layer-11 value's scale, 1.4 of a first-position logits
-#   row's), so a bfloat16 build of that model needs --tolerance or an fp32/fp16 build. A
-#   half-precision build cannot tell a bug of that size from rounding; the float32 build of
-#   the same checkpoint can.
+# step's logits, near ties), keyed by the compute dtype of the graph. float32's bound sits above
+# a correct graph's rounding and below the smallest real bug measured; float16's and bfloat16's
+# above the eager model's own rounding in the half type (the gate runs the graph in float32
+# from the same weights), so a half-precision build cannot tell a bug of that size from
+# rounding, and the float32 build of the same checkpoint can. The measurements behind each
+# number: docs/pipeline.md, "The gate's tolerances".
 #
 # `--tolerance` overrides the number for one build (recorded in the manifest's flags).
 TOLERANCES: dict[str, Tolerance] = {
@@ -195,21 +184,6 @@ def record_reference(reference: Session, *, max_positions: int, decode_steps: in
     except GenerationError as e:
         run.error = f"the eager model: {e}"
     return run
-
-
-def check_parity(
-    reference: Session,
-    candidate: Session,
-    *,
-    max_positions: int,
-    dtype: str = "float32",
-    decode_steps: int = 8,
-    seed: int = 0,
-    tolerance: float | None = None,
-) -> ParityReport:
-    """Compare `candidate` (the compiled graph) with `reference` (the eager model)."""
-    recorded = record_reference(reference, max_positions=max_positions, decode_steps=decode_steps, seed=seed)
-    return compare_with_reference(recorded, candidate, max_positions=max_positions, dtype=dtype, tolerance=tolerance)
 
 
 def compare_with_reference(

@@ -74,6 +74,7 @@ def _tokens(artifact: Path, on_device: bool) -> list[np.ndarray]:
 
 @pytest.fixture(scope="module")
 def artifacts(built_artifact: Callable[..., Path], tiny_checkpoint: Callable[..., Path], tmp_path_factory: Any) -> Any:
+    from passes.targets import TARGETS
     from toolchain.build import BuildOptions, build
 
     made: dict[str, Path] = {}
@@ -82,7 +83,7 @@ def artifacts(built_artifact: Callable[..., Path], tiny_checkpoint: Callable[...
         if kind not in made:
             if kind == "onnx":  # the portable target: TensorScatter writes the cache
                 out = tmp_path_factory.mktemp("device-onnx") / "out"
-                made[kind] = build(tiny_checkpoint("llama"), out, BuildOptions(target="onnx")).output
+                made[kind] = build(tiny_checkpoint("llama"), out, BuildOptions(target=TARGETS["onnx"])).output
             elif kind == "fp16":
                 out = tmp_path_factory.mktemp("device-fp16") / "out"
                 made[kind] = build(tiny_checkpoint("llama"), out, BuildOptions(dtype="float16")).output
