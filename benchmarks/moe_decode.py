@@ -81,7 +81,7 @@ def main() -> None:
 
     from passes.quantize import WeightQuantization
     from runners import Engine
-    from toolchain import build as building
+    from toolchain import moe_graph
     from toolchain.build import BuildOptions, build
 
     weights = WeightQuantization(int(args.weights[3:])) if args.weights else None
@@ -96,13 +96,13 @@ def main() -> None:
             active = parameters - (EXPERTS - TOP_K) * per_expert
         out = args.workdir / f"art-{name}{suffix}"
         if not (out / "manifest.json").exists():
-            moe_layers = building._moe_layers
+            moe_layers = moe_graph.moe_layers
             if name == "moe-gather":  # no layer counted as routing to experts: no MoE passes
-                building._moe_layers = lambda model, spec: 0  # type: ignore[assignment]
+                moe_graph.moe_layers = lambda model, spec: 0  # type: ignore[assignment]
             try:
                 result = build(checkpoint, out, BuildOptions(force=True, weights=weights))
             finally:
-                building._moe_layers = moe_layers
+                moe_graph.moe_layers = moe_layers
             fired = {r.name: sum(r.fusions.values()) for r in result.passes.passes if r.fusions}
             print(f"{name}: built; fusions {fired}; missed {sorted(result.passes.missed)}", flush=True)
         print(f"{name}: {family}, {parameters / 1e6:.1f}M parameters, {active / 1e6:.1f}M active", flush=True)

@@ -37,8 +37,9 @@ from runners.session import OrtSession  # noqa: E402
 from runners.tokenizer import TokenizerBundle  # noqa: E402
 from toolchain import checkpoint as checkpoints  # noqa: E402
 from toolchain import emit  # noqa: E402
-from toolchain.build import _eager_session, _graph_contract, read_spec  # noqa: E402
+from toolchain.build import _graph_contract, read_spec  # noqa: E402
 from toolchain.export import eager_model, export_decoder  # noqa: E402
+from toolchain.gate import eager_session  # noqa: E402
 from toolchain.lower import to_onnx  # noqa: E402
 from toolchain.verify import check_distribution, gate_tokens, reference_log_probs  # noqa: E402
 
@@ -72,7 +73,7 @@ def main() -> None:
     tokens = gate_tokens(tokenizer.encode)
     texts = [f.read_text(encoding="utf-8", errors="replace") for f in args.text]
     rows = windows(partial(tokenizer.encode, add_special_tokens=False), spec.eos_token_ids[0], texts, 256)
-    expected = reference_log_probs(_eager_session(model, spec, io), tokens)
+    expected = reference_log_probs(eager_session(model, spec, io), tokens)
     with tempfile.TemporaryDirectory() as scratch:
         lowered = Path(scratch) / "lowered.onnx"
         ir.save(to_onnx(export_decoder(model, spec, io), io), lowered, external_data="lowered.onnx.data")
@@ -83,11 +84,12 @@ def main() -> None:
         print("|---" * (8 + bool(texts)) + "|")
         for text in args.recipes:
             graph = ir.load(lowered)
-            pipeline.run(graph, args.target, TARGETS[args.target].expected_fusions(spec.num_layers), recipe(text))
+            target = TARGETS[args.target]
+            pipeline.run(graph, target, target.expected_fusions(spec.num_layers), recipe(text))
             out = Path(scratch) / "variant"
             out.mkdir(exist_ok=True)
             emit.write_onnx(graph, out)
-            graph_io = _graph_contract(graph, io, TARGETS[args.target])
+            graph_io = _graph_contract(graph, io, target)
             del graph
             size = sum(f.stat().st_size for f in out.glob("model.onnx*")) / 1e6
             session = OrtSession(out / "model.onnx", graph_io)

@@ -10,29 +10,11 @@ elementwise ops, e.g. gpt2's gelu_new:
 has. `gelu_lowering_ort` ("lower-ort") folds a bias Add into onnxruntime's `BiasGelu` (gpt_neox: Add(MatMul,
 bias) -> Gelu), the one GELU contrib op that is faster than the standard op on onnxruntime CPU.
 
-Measured on onnxruntime 1.32.0 CPU (the 2-vCPU build machine, shared with other jobs; fp32, ORT graph
-optimizations off, one intra-op thread; chains of 32 ops so session overhead amortizes; the rows of a group
-run interleaved; median microseconds per op, then the median of 3 repeats):
-
-                                         [1, 1, 768]   [1, 1, 3072]   [1, 128, 3072]
-    Gelu-20, approximate="none"              1.33          3.66           675
-    com.microsoft Gelu                       1.33          3.66           676
-
-    Gelu-20, approximate="tanh"              1.05          2.51           390
-    com.microsoft FastGelu                   1.07          2.51           390
-
-                                         [1, 1, 768]   [1, 128, 768]
-    Add + Gelu-20                            1.91           251
-    com.microsoft BiasGelu                   1.67           165
-
-    Gelu-20, approximate="tanh"              1.12            69.3
-    spelled-out tanh form (8 ops)            4.75           319
-
-The contrib Gelu and FastGelu run the same speed as the standard op (every repeat within 2%), so a standard
-`Gelu` is not lowered. BiasGelu beats Add + Gelu in every repeat (12-18% at decode, 18-43% at prefill; two
-threads agree), so that fusion is made. The spelled-out tanh form costs 4x a `Gelu` as written;
-onnxruntime's own optimizer (ORT_ENABLE_ALL) re-fuses it at session start, but TensorRT and a runtime without
-that optimizer see one op only after `gelu_fusion`.
+onnxruntime's contrib `Gelu` and `FastGelu` measured no faster than the standard op on its CPU kernels, so a
+standard `Gelu` is not lowered; `BiasGelu` measured faster than Add + Gelu, so that fusion is made. The
+spelled-out tanh form costs several `Gelu`s as written; onnxruntime's own optimizer (ORT_ENABLE_ALL) re-fuses
+it at session start, but TensorRT and a runtime without that optimizer see one op only after `gelu_fusion`.
+The figures: docs/performance.md, "Kernel choices behind the passes".
 """
 
 from __future__ import annotations
@@ -41,17 +23,16 @@ import math
 from typing import TYPE_CHECKING, Literal
 
 import onnx_ir as ir
-from onnxscript.rewriter import pattern
+from onnxscript.rewriter import MatchContext, pattern
 from onnxscript.rewriter.ort_fusions import bias_gelu
 from onnxscript.rewriter.pattern import MatchResult, OpsetPatternBuilder
 
 from passes.fuse_norm import is_vector_over_last_axis
 from passes.rewrite import FusionPass
 
-if TYPE_CHECKING:  # onnxscript exports these only from private modules: annotations only, never at run time
-    from onnxscript.rewriter._basics import MatchContext
-    from onnxscript.rewriter._context import TapeBuilder
-    from onnxscript.rewriter._pattern_ir import ValuePattern
+if TYPE_CHECKING:  # annotations only, from private modules where onnxscript exports no public name:
+    from onnxscript.rewriter._context import TapeBuilder  # the public RewriterContext declares no op methods
+    from onnxscript.rewriter._pattern_ir import ValuePattern  # a pattern's values: no public name
 
 _SQRT_2 = math.sqrt(2.0)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)

@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import onnx_ir as ir
-from onnx_ir.passes import PassBase, common
-from onnxscript.optimizer._constant_folding import FoldConstantsPass
+from onnx_ir.passes import InPlacePass, PassBase, PassResult, common
+from onnxscript.optimizer import fold_constants_ir
 from onnxscript.rewriter.rules import common as rules
 
 from passes.fuse_attention import (
@@ -36,7 +36,7 @@ from passes.quantize import FormChooser, KernelForm, QuantizeWeights, WeightQuan
 from passes.quantize_embedding import QuantizeEmbedding
 from passes.quantize_experts import QuantizeExperts
 from passes.rewrite import FusionPass
-from passes.targets import TARGETS, Target
+from passes.targets import Target
 from passes.tensorrt import tensorrt_form
 from passes.tensorrt_check import RequireTensorRT
 from passes.weight_layout import FoldWeightTransposes
@@ -79,6 +79,35 @@ _SIMPLIFY_RULES = {
 }
 
 
+class FoldConstantsPass(InPlacePass):
+    """onnxscript's constant folding (`onnxscript.optimizer.fold_constants_ir`, whose pass class
+    is not public) as a pass of the pipeline, with its settings as attributes for the report."""
+
+    def __init__(
+        self,
+        *,
+        shape_inference: bool,
+        input_size_limit: int,
+        output_size_limit: int,
+        should_fold: Callable[[ir.Node], bool | None],
+    ) -> None:
+        super().__init__()
+        self.shape_inference = shape_inference
+        self.input_size_limit = input_size_limit
+        self.output_size_limit = output_size_limit
+        self.should_fold = should_fold
+
+    def call(self, model: ir.Model) -> PassResult:
+        result = fold_constants_ir(
+            model,
+            onnx_shape_inference=self.shape_inference,
+            input_size_limit=self.input_size_limit,
+            output_size_limit=self.output_size_limit,
+            should_fold=self.should_fold,
+        )
+        return PassResult(model, result.modified)
+
+
 def canonicalize() -> list[PassBase]:
     return [
         FoldConstantsPass(
@@ -108,9 +137,8 @@ def pack() -> list[PassBase]:
     """Projections that read the same input become one MatMul over concatenated weights.
 
     Every target: GPU runtimes save a kernel launch per packed projection, and on
-    onnxruntime's CPU kernels the 125M reference decodes faster packed, measured side by
-    side: fp32 1.06x (about neutral: the bytes read are the same), int8 1.03x, int4 1.05x
-    (MatMulNBits quantizes its input once for q/k/v instead of three times).
+    onnxruntime's CPU kernels the reference decodes faster packed (MatMulNBits quantizes its
+    input once for q/k/v instead of three times; docs/performance.md has the figures).
     """
     return [pack_qkv(), pack_gate_up()]
 
@@ -120,9 +148,9 @@ def lower_ort(moe: bool) -> list[PassBase]:
     in a mixture of experts (`moe`), the gather-form experts block becomes com.microsoft MoE
     (passes/fuse_moe.py), which reads each token's selected experts' weights in place.
 
-    Not here: `fuse_norm.norm_lowering_ort` (residual Add + norm as SkipSimplifiedLayerNormalization /
-    SkipLayerNormalization). onnxruntime's CPU Skip kernels measured slower than the standard
-    Add + RMSNormalization / LayerNormalization they replace (fuse_norm's docstring has the numbers).
+    Not here: residual Add + norm as SkipSimplifiedLayerNormalization / SkipLayerNormalization.
+    onnxruntime's CPU Skip kernels measured slower than the standard Add + RMSNormalization /
+    LayerNormalization they would replace (docs/performance.md, "Kernel choices behind the passes").
     """
     moe_passes: list[PassBase] = [moe_lowering_ort()] if moe else []
     return [PastLengthFromMask(), attention_lowering_ort(), gelu_lowering_ort(), *moe_passes]
@@ -258,7 +286,7 @@ def histogram(model: ir.Model) -> dict[str, int]:
 
 
 def phases(
-    target: str,
+    target: Target,
     weights: WeightQuantization | None = None,
     capacity: int | None = None,
     dtype: str = "float32",
@@ -271,21 +299,18 @@ def phases(
     (the LM head on the last position only) or "all" (every position). `moe`: the model has
     routed experts (the passes for them are left out of a dense model's pipeline). `choose`:
     each MatMulNBits weight's form (`quantize`)."""
-    if target not in TARGETS:
-        raise KeyError(f"no pass pipeline for target {target!r}; known: {', '.join(TARGETS)}")
     if logits not in LOGITS_POSITIONS:
         raise ValueError(f"logits must be one of {', '.join(LOGITS_POSITIONS)}, got {logits!r}")
     settings = {"capacity": capacity, "dtype": dtype, "logits": logits, "moe": moe}
-    record = TARGETS[target]
-    result = [(phase, _make(make_passes, settings)) for phase, make_passes in (PHASES[p] for p in record.phases)]
+    result = [(phase, _make(make_passes, settings)) for phase, make_passes in (PHASES[p] for p in target.phases)]
     if weights is not None:
-        result.insert(len(result) - 1, ("quantize", quantize(record, weights, moe, choose)))
+        result.insert(len(result) - 1, ("quantize", quantize(target, weights, moe, choose)))
     return result
 
 
 def run(
     model: ir.Model,
-    target: str,
+    target: Target,
     expected: Mapping[str, int] | None = None,
     weights: WeightQuantization | None = None,
     capacity: int | None = None,
@@ -295,7 +320,8 @@ def run(
     moe: bool = False,
     choose: FormChooser | None = None,
 ) -> PassReport:
-    """Run the target's pipeline on `model` in place and report what each pass did.
+    """Run the pipeline of `target` (its record, `passes.targets`) on `model` in place and report
+    what each pass did.
 
     `expected` maps fusion pass names to how often they should fire for this model; a
     fusion that falls short is explained (closest match, failed constraint) in `missed`.
@@ -307,7 +333,7 @@ def run(
     `choose` picks each MatMulNBits weight's block size and accuracy level (`report.kernel_forms`).
     """
     expected = dict(expected or {})
-    report = PassReport(target, histogram_before=histogram(model))
+    report = PassReport(target.name, histogram_before=histogram(model))
     pipeline = phases(target, weights, capacity, dtype, logits, moe, choose)
     total = sum(len(passes) for _, passes in pipeline)
     for phase, passes in pipeline:

@@ -490,7 +490,7 @@ class WeightQuantization:
     keep: tuple[str, ...] = ()
     # MatMulNBits only: 4 quantizes the activations to int8 per block and multiplies in
     # integers, as onnxruntime-genai builds for the CPU; 0 (unset) takes onnxruntime's float
-    # path, measured 2.5x slower at int4 and 25x slower at int8 on the 125M reference.
+    # path, measured several times slower (docs/performance.md, "Kernel choices behind the passes").
     accuracy_level: int = 4
     # weights quantized to 8 bits in a 4-bit build (glob patterns; `lm_head` names the LM head)
     int8: tuple[str, ...] = ()

@@ -21,9 +21,9 @@ blocks of `block_size` along H, the same rounding and scales in the table's dtyp
   codes in its `MatMulNBits`). Reading the head's initializers instead (its B through a
   Reshape to `[V, blocks·block·bits/8]`, or as they are with `quantize_axis` 2 and scales
   `[V, blocks, 1]`) would keep one quantized copy in the file, but onnxruntime then holds
-  the shared B alongside the head's prepacked copy at run time (measured on a tied 125M
-  Llama, int4: 146.6 MB after loading, against 134.4 MB with a table of its own, whose
-  rows are read from the file's memory map only as they are looked up).
+  the shared B alongside the head's prepacked copy at run time, which measured larger than a
+  table of its own, whose rows are read from the file's memory map only as they are looked
+  up (docs/performance.md, "Kernel choices behind the passes").
 
 - `gather_dequantize_linear` (the portable target, standard ops): ONNX's `Gather` takes no
   4-bit type (opset 21 added int4 to Reshape, Transpose, DequantizeLinear and a few others,
@@ -40,7 +40,7 @@ blocks of `block_size` along H, the same rounding and scales in the table's dtyp
   nothing else reads them (measured: shared, the head ran as a DequantizeLinear of its whole
   weight at every step, then a float MatMul). Dequantizing the whole table before one
   Gather would be valid ONNX too, but onnxruntime does not fold DequantizeLinear: it would
-  dequantize all V rows at every step (74 ms for a 50k x 768 int4 table on the CPU).
+  dequantize all V rows at every step.
 
 Only float tables that `Gather` looks `input_ids` up in (directly or through reshapes and
 casts) are token-embedding tables: learned position tables and rotary caches stay as they are.

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
-from onnxscript.rewriter import RewriteRule, RewriteRuleSet
-from onnxscript.rewriter._basics import MatchingTracer, MatchStatus
+from onnxscript.rewriter import MatchingTracer, MatchStatus, RewriteRule, RewriteRuleSet
 
 
 @dataclass(frozen=True)

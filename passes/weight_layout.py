@@ -3,8 +3,8 @@
 The exporter writes `Linear` as `MatMul(x, Transpose(W [out, in]))`, and the passes keep that
 form (the checkpoint's names and layout are what packing and quantization read). Left in the
 artifact, every runtime transposes each weight again at load: onnxruntime folds the Transpose
-into a copy of the weight, which on the 125M reference raised its peak memory at load by 68 MB
-and its resident memory by 50 MB. Stored as read, the weight is loaded as is.
+into a copy of the weight, which raises its peak and resident memory at load (docs/performance.md,
+"Kernel choices behind the passes"). Stored as read, the weight is loaded as is.
 
 ```
 W [out, in] ─ Transpose(perm=[1, 0]) ─ MatMul(x, ·)      ==>      Wᵀ [in, out] ─ MatMul(x, ·)

@@ -32,8 +32,8 @@ from onnx_ir.passes import InPlacePass, PassResult
 _DTYPE_ATTRIBUTES = ("to", "dtype", "output_dtype")
 # Ops whose float inputs must stay constant initializers: onnxruntime's MatMulNBits packs its
 # scales with the codes when the session loads and computes garbage from scales a Cast
-# produces (measured: errors of 25-160 against 0.1-0.9); the block-quantized lookup and
-# DequantizeLinear read scales the same way. Their scales are widened in place instead: a
+# produces (docs/performance.md, "Kernel choices behind the passes"); the block-quantized
+# lookup and DequantizeLinear read scales the same way. Their scales are widened in place instead: a
 # scale per block is a small fraction of the weights' bytes.
 _READ_AS_CONSTANTS = frozenset(
     {("com.microsoft", "MatMulNBits"), ("com.microsoft", "GatherBlockQuantized"), ("", "DequantizeLinear")}

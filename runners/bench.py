@@ -128,12 +128,12 @@ def ratios(results: Sequence[BenchResult]) -> list[Ratio]:
 def memory_bandwidth(size_bytes: int = _BANDWIDTH_BYTES, repeats: int = 5, threads: int | None = None) -> float:
     """Bytes per second the machine reads: a streaming read over a large float32 array on
     every core, the best of `repeats`. Decode reads its weights and never writes them, so
-    the roofline is a read, not a copy (which also writes: 22 GB/s where a read streamed 46
-    GB/s on the same machine). The read is a dot product of each core's part with itself,
-    BLAS's vectorized loop, one multiply-add per element: a NumPy sum is slower than the
-    memory (its pairwise float64 summation read 32 GB/s where the dot product read 46 and
-    fp32 decode streamed its weights at 40), and a roofline that a kernel beats is no
-    roofline. On a shared machine every disturbance only makes a read slower, hence the best.
+    the roofline is a read, not a copy (which also writes, and streams slower). The
+    read is a dot product of each core's part with itself, BLAS's vectorized loop, one
+    multiply-add per element: a NumPy sum is slower than the memory (slower than fp32 decode
+    streams its weights), and a roofline that a kernel beats is no roofline (the figures:
+    docs/performance.md, "The roofline reads"). On a shared machine every disturbance only
+    makes a read slower, hence the best.
 
     onnxruntime decodes with a thread per core, so a one-thread read would understate what
     the machine can stream.

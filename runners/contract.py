@@ -218,10 +218,6 @@ class DecoderIO:
     def value_dim(self) -> int:
         return self.head_dim if self.value_head_dim is None else self.value_head_dim
 
-    def kv_bytes_per_position(self) -> int:
-        """Bytes of keys plus values that one position of one row holds, over all layers."""
-        return len(self.attention_layers) * self._layer_bytes_per_position()
-
     def _layer_bytes_per_position(self) -> int:
         return self.num_kv_heads * (self.head_dim + self.value_dim) * _ITEMSIZE[self.kv_dtype]
 

@@ -185,6 +185,12 @@ class Decoder:
         for processor in self.processors:
             processor.accept(token)
 
+    def take(self, logits: npt.NDArray[np.floating]) -> tuple[int, TokenLogprob | None]:
+        """`choose` the next token and `accept` it: the row's history moves on."""
+        token, entry = self.choose(logits)
+        self.accept(token)
+        return token, entry
+
 
 class BatchDraws:
     """The uniforms plain batch sampling draws from one generator: `batch` per step, row r of

@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from runners.decoding import Decoder, TokenLogprob, batch_decoders, end_of_row
-from runners.detokenizer import StreamingDetokenizer
+from runners.decoding import Decoder, TokenLogprob, batch_decoders
 from runners.errors import ArtifactError, GenerationError
 from runners.generate import Step, check_length, generate_steps
 from runners.manifest import (
@@ -30,6 +29,7 @@ from runners.manifest import (
     read_manifest,
     read_max_positions,
 )
+from runners.request import GenerationRequest
 from runners.runtime import Choice, Environment, choose, open_session
 from runners.sampling import SamplingParams
 from runners.session import Session
@@ -310,18 +310,36 @@ class Engine:
             masks.append(self._grammars.mask(grammar))
         return Decoder(params, prompt, processors=masks, logprobs=None if logprobs is None else int(logprobs))
 
-    def _encode_row(self, row: int, prompt: str, chat: bool, single: bool) -> list[int]:
+    def _encode_row(self, row: int, prompt: str | Sequence[Mapping[str, str]], chat: bool, single: bool) -> list[int]:
+        conversation = isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes, bytearray))
         try:
-            return self.encode(prompt, chat)
+            return self.encode_chat(prompt) if conversation else self.encode(prompt, chat)  # type: ignore[arg-type]
         except GenerationError as e:
             if single:
                 raise
             raise GenerationError(f"prompts[{row}]: {e}") from e
 
-    def stream(
+    def request(self, prompt: str | Sequence[Mapping[str, str]], **options: Any) -> GenerationRequest:
+        """The request record of one prompt (`runners.request`), every value checked: what `stream`
+        runs, as the server builds one for each choice. Unset options take the artifact's defaults:
+
+        `prompt` is text, or a conversation (a list of `{"role": ..., "content": ...}` messages)
+        that the artifact's chat template renders, as `chat=True` renders one user message.
+        `max_new_tokens` bounds the new tokens (default: the artifact's budget, cut to what the
+        context leaves after the prompt); `stop` strings end the text (never part of it);
+        `chat` formats the prompt with the tokenizer's chat template. `logprobs` = k records each
+        token's log-probability under the model (before temperature, top-k/top-p and masks) and its
+        k most likely alternatives. `json_schema`, `regex` or `grammar` (Lark) constrain the text
+        to that language, and the text ends when it is complete. `sampling`: temperature, top_k,
+        top_p, min_p, repetition_penalty, seed (`SamplingParams`)."""
+        return self._requests([prompt], True, **options)[0]
+
+    def _requests(
         self,
-        prompt: str | Sequence[Mapping[str, str]],
+        prompts: Sequence[str | Sequence[Mapping[str, str]]],
+        single: bool,
         *,
+        batch: bool = False,
         max_new_tokens: int | None = None,
         stop: Sequence[str] = (),
         chat: bool = False,
@@ -329,18 +347,38 @@ class Engine:
         json_schema: Mapping[str, Any] | str | None = None,
         regex: str | None = None,
         grammar: str | None = None,
+        **sampling: Any,
+    ) -> list[GenerationRequest]:
+        """One record per prompt, each check made once. With `batch`, rows without a grammar or
+        logprobs draw from one generator (`batch_decoders`: the same seed, the same tokens whatever
+        the rows are run as)."""
+        params = self.sampling(**sampling)
+        encoded = [self._encode_row(row, p, chat, single) for row, p in enumerate(prompts)]
+        budget = self.budget(max_new_tokens, encoded)
+        check_length(encoded, budget, self.max_positions)
+        detoks = [self.tokenizer.detokenizer(stop, context_ids=ids) for ids in encoded]  # refuses bad stop strings
+        compiled = self.compile_grammar(json_schema=json_schema, regex=regex, grammar=grammar)
+        if batch and compiled is None and logprobs is None:
+            decoders = batch_decoders(params, encoded)
+        else:
+            decoders = [self.decoder(params, ids, compiled, logprobs) for ids in encoded]
+        return [
+            GenerationRequest(ids, params, budget, detok, eos_ids=self.eos_ids, decoder=decoder)
+            for ids, detok, decoder in zip(encoded, detoks, decoders)
+        ]
+
+    def stream(
+        self,
+        prompt: str | Sequence[Mapping[str, str]] | GenerationRequest,
+        *,
         speculative: str | None = None,
         draft_tokens: int | None = None,
-        **sampling: Any,
+        **options: Any,
     ) -> TextStream:
-        """Stream the generated text (not the prompt) as it is produced. `prompt` is text, or a
-        conversation (a list of `{"role": ..., "content": ...}` messages) that the artifact's chat
-        template renders, as `chat=True` renders one user message.
+        """Stream the generated text (not the prompt) as it is produced.
 
-        `logprobs` = k fills the stream's `logprobs` with each token's log-probability under
-        the model (before temperature, top-k/top-p and masks) and its k most likely
-        alternatives. `json_schema`, `regex` or `grammar` (Lark) constrain the text to that
-        language, and the text ends when it is complete.
+        `prompt` is text or a conversation with the `options` of `request`, or a record `request`
+        made, run as it is. With logprobs asked for, the stream's `logprobs` gains an entry per token of the text.
 
         `speculative` ("prompt-lookup" or "draft:PATH") generates with exact speculative
         decoding (`runners.speculative`), up to `draft_tokens` drafted tokens per target step
@@ -350,51 +388,36 @@ class Engine:
         Everything about the request is checked here, before the first chunk is asked for.
         """
         speculation = self.speculation(speculative, draft_tokens)
-        params = self.sampling(**sampling)
-        conversation = isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes, bytearray))
-        ids = self.encode_chat(prompt) if conversation else self.encode(prompt, chat)  # type: ignore[arg-type]
-        budget = self.budget(max_new_tokens, [ids])
-        check_length([ids], budget, self.max_positions)
-        detok = self.tokenizer.detokenizer(stop, context_ids=ids)  # refuses bad stop strings now
-        compiled = self.compile_grammar(json_schema=json_schema, regex=regex, grammar=grammar)
-        decoder = self.decoder(params, ids, compiled, logprobs)
-        stream = TextStream(iter(()), GenerationStats(prompt_tokens=len(ids)))
+        if isinstance(prompt, GenerationRequest):
+            if options:
+                raise GenerationError(f"a request record carries its own options; got {', '.join(sorted(options))} too")
+            request = prompt
+        else:
+            request = self.request(prompt, **options)
+        stream = TextStream(iter(()), GenerationStats(prompt_tokens=len(request.ids)), request.logprobs)
         if speculation is not None:
             stream.stats.speculation = SpeculationStats()
-        stream._chunks = self._stream_chunks(ids, budget, detok, decoder, stream, speculation)
+        stream._chunks = self._stream_chunks(request, stream.stats, speculation)
         return stream
 
     def _stream_chunks(
-        self,
-        ids: list[int],
-        budget: int,
-        detok: StreamingDetokenizer,
-        decoder: Decoder,
-        stream: TextStream,
-        speculation: Speculation | None,
+        self, request: GenerationRequest, stats: GenerationStats, speculation: Speculation | None
     ) -> Iterator[str]:
-        stats = stream.stats
         start = time.perf_counter()
-        for step in self._steps([ids], budget, decoder.params, [decoder], None, speculation, stats.speculation):
-            token = int(step.tokens[0])
-            stats.new_tokens += 1
+        decoder = request.chooser
+        for step in self._steps(
+            [request.ids], request.budget, decoder.params, [decoder], None, speculation, stats.speculation
+        ):
+            chunk = request.add(int(step.tokens[0]), step.logprobs[0] if step.logprobs else None)
+            stats.new_tokens = request.generated
             if stats.new_tokens == 1:
                 stats.first_token_s = time.perf_counter() - start
-            eos = token in self.eos_ids
-            if not eos:
-                entry = step.logprobs[0]
-                if entry is not None:
-                    stream.logprobs.append(entry)
-                chunk = detok.add(token)
-                if chunk:
-                    yield chunk
-            reason = end_of_row(
-                eos=eos, stopped=detok.stopped, finished=decoder.finished, generated=stats.new_tokens, budget=budget
-            )
-            if reason is not None:
-                stats.finish_reason = reason
+            if chunk:
+                yield chunk
+            if request.finish_reason is not None:
+                stats.finish_reason = request.finish_reason
                 break
-        tail = detok.finish()
+        tail = request.finish()
         stats.total_s = time.perf_counter() - start
         if tail:
             yield tail
@@ -489,66 +512,41 @@ class Engine:
         self,
         prompts: str | Sequence[str],
         *,
-        max_new_tokens: int | None = None,
-        stop: Sequence[str] = (),
-        chat: bool = False,
-        logprobs: int | None = None,
-        json_schema: Mapping[str, Any] | str | None = None,
-        regex: str | None = None,
-        grammar: str | None = None,
         speculative: str | None = None,
         draft_tokens: int | None = None,
-        **sampling: Any,
+        **options: Any,
     ) -> str | list[str] | Completion | list[Completion]:
         """Generate for one prompt, or for several as one left-padded batch.
 
         Returns the text (a list of texts for a list of prompts); with `logprobs` = k, a
         `Completion` per prompt instead, with the text's tokens, their log-probabilities
-        under the model and the k most likely alternatives of each. `json_schema`, `regex`
-        and `grammar` constrain every row as in `stream`, and `speculative` and `draft_tokens`
-        ask for speculative decoding as there (rows then run one after another).
+        under the model and the k most likely alternatives of each. `options` are those of
+        `request`, for every row; `speculative` and `draft_tokens` ask for speculative decoding
+        as in `stream` (rows then run one after another).
         """
         single = isinstance(prompts, str)
         if not single and (isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence)):
             raise GenerationError(f"prompts must be a string or a list of strings, got {type(prompts).__name__}")
         batch = [prompts] if isinstance(prompts, str) else list(prompts)
         speculation = self.speculation(speculative, draft_tokens)
-        params = self.sampling(**sampling)
-        encoded = [self._encode_row(row, p, chat, single) for row, p in enumerate(batch)]
-        budget = self.budget(max_new_tokens, encoded)
-        check_length(encoded, budget, self.max_positions)
-        detoks = [self.tokenizer.detokenizer(stop, context_ids=ids) for ids in encoded]
-        compiled = self.compile_grammar(json_schema=json_schema, regex=regex, grammar=grammar)
-        plain = compiled is None and logprobs is None
-        decoders = None if plain else [self.decoder(params, ids, compiled, logprobs) for ids in encoded]
-        texts = [""] * len(batch)
-        tokens: list[list[int]] = [[] for _ in batch]
-        entries: list[list[TokenLogprob]] = [[] for _ in batch]
-        reasons = ["length"] * len(batch)
+        requests = self._requests(batch, single, batch=True, **options)
         done = np.zeros(len(batch), dtype=bool)
-        for step in self._steps(encoded, budget, params, decoders, done, speculation):
-            for row in np.flatnonzero(step.active):
-                token = int(step.tokens[row])
-                eos = token in self.eos_ids
-                if not eos:
-                    texts[row] += detoks[row].add(token)
-                    tokens[row].append(token)
-                    entry = step.logprobs[row] if step.logprobs else None
-                    if entry is not None:
-                        entries[row].append(entry)
-                reason = end_of_row(
-                    eos=eos,
-                    stopped=detoks[row].stopped,
-                    finished=decoders is not None and decoders[row].finished,
-                    generated=len(tokens[row]) + eos,
-                    budget=budget,
-                )
-                if reason is not None:
-                    done[row], reasons[row] = True, reason
-        texts = [t + d.finish() for t, d in zip(texts, detoks)]
-        if logprobs is None:
+        first = requests[0]
+        steps = self._steps(
+            [r.ids for r in requests], first.budget, first.params, [r.chooser for r in requests], done, speculation
+        )
+        texts = [""] * len(batch)
+        for step in steps:
+            for row in map(int, np.flatnonzero(step.active)):
+                request = requests[row]
+                texts[row] += request.add(int(step.tokens[row]), step.logprobs[row] if step.logprobs else None)
+                done[row] = request.finished
+        texts = [text + request.finish() for text, request in zip(texts, requests)]
+        if options.get("logprobs") is None:
             return texts[0] if single else texts
-        results = [Completion(*fields) for fields in zip(texts, tokens, entries, reasons)]
+        results = [
+            Completion(text, r.tokens, r.logprobs, r.finish_reason or "length") for text, r in zip(texts, requests)
+        ]
         return results[0] if single else results
 
 

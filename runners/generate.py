@@ -10,11 +10,13 @@ bounded by a sliding window keeps only its present's last window - 1 positions.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from runners.cache import HOST, Cache, Device, device_of
 from runners.contract import DecoderIO
 from runners.decoding import Decoder, TokenLogprob
 from runners.errors import GenerationError
@@ -50,44 +52,36 @@ def position_ids(mask: np.ndarray, seq: int) -> np.ndarray:
     return np.maximum(positions[:, -seq:], 0).astype(np.int64)
 
 
-def empty_cache(io: DecoderIO, batch: int, capacity: int) -> dict[str, np.ndarray]:
-    """The cache before the first step: empty (`concat`), or `capacity` positions preallocated
-    (`shared`), enough for the prompt and every token to be generated. A graph with a fixed
-    capacity (`io.capacity`) takes buffers of exactly that length."""
-    if io.capacity is not None and io.shared_kv:
-        if capacity > io.capacity:
-            raise GenerationError(
-                f"prompt plus max_new_tokens need {capacity} cache positions, but the artifact's KV cache holds "
-                f"{io.capacity} (io.capacity in its manifest); shorten the prompt, lower --max-new-tokens, or "
-                "rebuild with a larger --capacity"
-            )
-        capacity = io.capacity
-    length = capacity if io.shared_kv else 0
-    cache = {
-        name: np.zeros(io.kv_shape(name, batch, 0 if io.window_of(name) else length), dtype=io.kv_dtype)
-        for name in io.past_names
-    }
-    return cache | empty_states(io, batch)
+def empty_cache(io: DecoderIO, batch: int, capacity: int, device: Device = HOST) -> Cache:
+    """The cache before the first step (`Cache.empty`) on `device`, with room for `capacity` positions:
+    the prompt and every token to be generated. A graph with a fixed capacity (`io.capacity`) holds
+    at most that many."""
+    if io.capacity is not None and io.shared_kv and capacity > io.capacity:
+        raise GenerationError(
+            f"prompt plus max_new_tokens need {capacity} cache positions, but the artifact's KV cache holds "
+            f"{io.capacity} (io.capacity in its manifest); shorten the prompt, lower --max-new-tokens, or "
+            "rebuild with a larger --capacity"
+        )
+    return Cache.empty(io, batch, capacity, device)
 
 
 def empty_states(io: DecoderIO, batch: int) -> dict[str, np.ndarray]:
-    """The fixed-size states (convolution, recurrent) of `batch` fresh sequences: zeros."""
+    """The fixed-size states (convolution, recurrent) of `batch` fresh sequences: zeros, on the host."""
     return {name: np.zeros(io.state_shape(name, batch), dtype=io.kv_dtype) for name in io.state_names}
 
 
 def forward(
-    session: Session, input_ids: np.ndarray, mask: np.ndarray, cache: dict[str, np.ndarray], extra: int = 0
-) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Run one step; returns the logits and the cache for the next step (a layer bounded by its
-    window keeps its present's last window - 1 positions, and `extra` more: `DecoderIO.bounded`)."""
-    io = session.io
+    session: Session, input_ids: np.ndarray, mask: np.ndarray, cache: Mapping[str, Any], extra: int = 0
+) -> tuple[np.ndarray, Cache]:
+    """Run one step; returns the logits and the cache for the next step (`Cache.after`: a layer
+    bounded by its window keeps its present's last window - 1 positions, and `extra` more), on
+    the cache's device (a plain mapping of numpy arrays: the host)."""
     feeds = {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids(mask, input_ids.shape[1])}
     feeds.update(cache)
     outputs = session.run(feeds)
-    next_cache = {
-        past: io.bounded(past, outputs[present], extra) for past, present in zip(io.cache_names, io.cache_present_names)
-    }
-    return outputs["logits"], next_cache
+    # a plain mapping is a cache its caller holds on the host: it comes back there
+    current = cache if isinstance(cache, Cache) else Cache(session.io, cache, HOST)
+    return outputs["logits"], current.after(outputs, extra)
 
 
 def check_length(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_positions: int) -> None:
@@ -167,11 +161,11 @@ def prefill(
     session: Session,
     ids: np.ndarray,
     mask: np.ndarray,
-    cache: dict[str, np.ndarray],
+    cache: Mapping[str, Any],
     *,
     chunk: int | None = None,
     start: int = 0,
-) -> Iterator[tuple[int, np.ndarray, dict[str, np.ndarray]]]:
+) -> Iterator[tuple[int, np.ndarray, Cache]]:
     """Feed columns [start, width) of a left-padded batch into `cache`, `chunk` columns per call
     (all in one call when None); yields after each call the columns fed so far, that call's
     logits and the cache after it. `start` > 0 continues a cache that already holds the first
@@ -202,7 +196,7 @@ def generate_steps(
     eos_ids: Sequence[int] = (),
     pad_id: int = 0,
     done: np.ndarray | None = None,
-    prefilled: tuple[np.ndarray, dict[str, np.ndarray]] | None = None,
+    prefilled: tuple[np.ndarray, Cache] | None = None,
 ) -> Iterator[Step]:
     """Yield one `Step` per generated position until every row is done or the budget is spent.
 
@@ -221,7 +215,7 @@ def generate_steps(
     ids, mask = left_pad(prompts, pad_id)
     done = np.zeros(len(prompts), dtype=bool) if done is None else done
     if prefilled is None:
-        cache = empty_cache(session.io, len(prompts), ids.shape[1] + max_new_tokens)
+        cache = empty_cache(session.io, len(prompts), ids.shape[1] + max_new_tokens, device_of(session))
         *_, (_, logits, cache) = prefill(session, ids, mask, cache)
     else:
         logits, cache = prefilled
@@ -257,8 +251,7 @@ def choose_tokens(
     for row in map(int, np.flatnonzero(active)):
         decoder = decoders[row]
         try:
-            tokens[row], entries[row] = decoder.choose(last[row])
-            decoder.accept(int(tokens[row]))
+            tokens[row], entries[row] = decoder.take(last[row])
         except Exception as error:
             if on_error is None:
                 raise

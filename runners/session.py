@@ -13,10 +13,11 @@ import os
 import weakref
 from collections.abc import Sequence, Set
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from runners.cache import HOST, Device, OrtDevice, on_host
 from runners.contract import DecoderIO
 from runners.errors import ArtifactError
 from runners.external_data import check_external_data
@@ -58,6 +59,7 @@ class _CacheBinding:
 
 class Session(Protocol):
     io: DecoderIO
+    device: Device  # where the session keeps its cache (`runners.cache`)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
@@ -146,6 +148,10 @@ class OrtSession:
             )
         self._output_names = expected[1]
         self._step_inputs = [name for name in expected[0] if name not in set(io.past_names)]
+        self._small_inputs = [name for name in expected[0] if name not in set(io.cache_names)]
+        # The cache lives where the session runs: host memory for the CPU provider, which reads it
+        # in place; the device's own memory for any other (a device copies host memory it is given).
+        self.device: Device = HOST if providers[0] == "CPUExecutionProvider" else OrtDevice("cuda", 0)
         self._states = tuple(zip(io.state_names, io.state_present_names))
         # Layers bounded by a window take a new past every step and return a longer present
         # (`DecoderIO.layer_windows`); only the others' buffers are bound in place.
@@ -154,7 +160,9 @@ class OrtSession:
         # The most recently used cache bindings, each kept while its buffers live (see _run_in_place).
         self._bindings: collections.OrderedDict[tuple[int, ...], _CacheBinding] = collections.OrderedDict()
 
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        if self.device is not HOST:
+            return self._run_on_device(feeds)
         if self.io.shared_kv:
             return self._run_in_place(feeds)
         outputs = self._session.run(self._output_names, feeds)
@@ -225,3 +233,55 @@ class OrtSession:
             binding.bind_cpu_input(past, buffer)
             binding.bind_output(present, "cpu", 0, buffer.dtype, list(buffer.shape), buffer.ctypes.data)
         return binding
+
+    def _run_on_device(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        """One step with the cache in the device's memory (`OrtValue`s from `runners.cache`).
+
+        Everything is bound anew at every step, since a device copies host memory when it is bound:
+        a binding kept across steps would hold the values it had then. Cache tensors already on the
+        device are bound where they are, at no copy; a shared buffer is bound as its present too, so
+        the graph writes the new positions into it. Other presents and states are allocated on the
+        device and returned as `OrtValue`s; only the logits come back to the host. Host arrays among
+        the feeds (a caller holding its cache on the host) are copied up, and a shared one is written
+        back, which is correct and slow.
+        """
+        device = self.device
+        assert isinstance(device, OrtDevice)
+        binding = self._session.io_binding()
+        for name in self._small_inputs:
+            binding.bind_cpu_input(name, np.ascontiguousarray(feeds[name]))
+        ids = feeds["input_ids"]
+        positions = ids.shape[1] if self.io.logits_positions == "all" else 1
+        logits = np.empty((ids.shape[0], positions, self.io.vocab_size), dtype=self.io.logits_dtype)
+        binding.bind_output("logits", "cpu", 0, logits.dtype, list(logits.shape), logits.ctypes.data)
+        outputs: dict[str, Any] = {"logits": logits}
+        allocated: list[str] = []  # presents the device allocates, in the order bound
+        held: list[np.ndarray] = []  # host inputs alive until the run
+        in_place = set(self._in_place)
+        for past, present in zip(self.io.cache_names, self.io.cache_present_names):
+            tensor = feeds[past]
+            if on_host(tensor):
+                held.append(np.ascontiguousarray(tensor))
+                binding.bind_cpu_input(past, held[-1])
+            else:
+                binding.bind_ortvalue_input(past, tensor)
+            if (past, present) in in_place and self.io.shared_kv:
+                if on_host(tensor):  # written back into the array bound as its past
+                    array = held[-1]
+                    binding.bind_output(present, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+                    outputs[present] = array
+                else:
+                    binding.bind_ortvalue_output(present, tensor)
+                    outputs[present] = tensor
+            else:
+                binding.bind_output(present, device.device_type, device.device_id)
+                allocated.append(present)
+        self._session.run_with_iobinding(binding)
+        del held
+        if allocated:
+            values = binding.get_outputs()
+            # get_outputs lists every bound output in binding order: the logits, then the presents
+            bound = ["logits", *(q for _, q in zip(self.io.cache_names, self.io.cache_present_names))]
+            by_name = dict(zip(bound, values))
+            outputs.update({name: by_name[name] for name in allocated})
+        return outputs

@@ -38,14 +38,15 @@ batch 1.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from runners.cache import device_of
 from runners.contract import DecoderIO
 from runners.decoding import Decoder, TokenLogprob, end_of_row
 from runners.errors import GenerationError
@@ -159,7 +160,7 @@ class RowCache:
     def __init__(self, session: Session, capacity: int) -> None:
         self.session = session
         self.length = 0
-        self.kv = empty_cache(session.io, 1, capacity)
+        self.kv = empty_cache(session.io, 1, capacity, device_of(session))
 
     def run(self, ids: Sequence[int]) -> np.ndarray:
         """Feed `ids` after the valid positions; the logits [1, positions, vocab]."""
@@ -179,13 +180,7 @@ class RowCache:
             return
         if drop > ROLLBACK:
             raise ValueError(f"cannot take back {drop} positions: a bounded layer keeps {ROLLBACK} beyond its window")
-        io, kv = self.session.io, dict(self.kv)
-        for name, a in kv.items():
-            if io.window_of(name) is not None:  # its own array: its last positions are the newest
-                kv[name] = np.ascontiguousarray(a[:, :, : a.shape[2] - drop])
-            elif not io.shared_kv:
-                kv[name] = np.ascontiguousarray(a[:, :, :length])
-        self.kv, self.length = kv, length
+        self.kv, self.length = self.kv.drop_last(drop, length), length
 
 
 class DraftModel:
@@ -285,7 +280,7 @@ def _row_tokens(
     cache = RowCache(session, len(prompt) + budget)
     one = np.ones(1, dtype=bool)
     row_logits = last_logits(cache.run(prompt), one, vocab, 0)[0]
-    token, entry = _choose(decoder, row_logits)
+    token, entry = decoder.take(row_logits)
     yield token, row_logits, entry
     history = [*prompt, token]
     generated, step = 1, 0
@@ -304,24 +299,36 @@ def _row_tokens(
         logits = cache.run([token, *drafts])
         stats.verify_steps += 1
         stats.drafted_tokens += len(drafts)
-        for j in range(len(drafts) + 1):
+        chosen: list[tuple[np.ndarray, TokenLogprob | None]] = []
+
+        def choose(j: int, logits: np.ndarray = logits, step: int = step, chosen: list[Any] = chosen) -> int:
             row_logits = last_logits(logits[:, j : j + 1], one, vocab, step)[0]
-            token, entry = _choose(decoder, row_logits)
+            token, entry = decoder.take(row_logits)
+            chosen.append((row_logits, entry))
+            return token
+
+        for token, accepted in accept_drafts(drafts, choose):
             generated += 1
             stats.verified_tokens += 1
             history.append(token)
-            accepted = j < len(drafts) and token == drafts[j]
             stats.accepted_tokens += accepted
-            yield token, row_logits, entry
-            if not accepted or ended():
+            yield token, *chosen[-1]
+            if ended():
                 break
         cache.truncate(len(history) - 1)  # the newest token is pending: fed at the next step
 
 
-def _choose(decoder: Decoder, logits: np.ndarray) -> tuple[int, TokenLogprob | None]:
-    token, entry = decoder.choose(logits)
-    decoder.accept(token)
-    return token, entry
+def accept_drafts(drafts: Sequence[int], choose: Callable[[int], int]) -> Iterator[tuple[int, bool]]:
+    """The tokens of a verify step, in order: `choose(j)` is the token chosen from position j's
+    logits (the position fed draft j - 1, or the pending token for j = 0), paired with whether it
+    equals draft j; it ends after the first that does not (every later position was fed a rejected
+    draft). The caller stops sooner when its sequence ends."""
+    for j in range(len(drafts) + 1):
+        token = choose(j)
+        matched = j < len(drafts) and token == drafts[j]
+        yield token, matched
+        if not matched:
+            return
 
 
 def check_same_vocabulary(target_vocab: dict[str, int], draft_vocab: dict[str, int], draft: Path | str) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from runners.cache import HOST, Device
 from runners.contract import DecoderIO
 
 
@@ -26,6 +27,7 @@ class TorchSession:
     def __init__(self, module: Callable[..., Any], io: DecoderIO, dtype: torch.dtype = torch.float32) -> None:
         self.module = module
         self.io = io
+        self.device: Device = HOST  # feeds and returns numpy arrays
         self.dtype = dtype
 
     @torch.no_grad()

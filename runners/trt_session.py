@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from runners.cache import HOST, Device
 from runners.contract import DecoderIO
 from runners.errors import ArtifactError
 from runners.manifest import MANIFEST, is_plain_file_name, read_io, read_manifest, verify_files
@@ -180,6 +181,7 @@ class TrtSession:
         manifest = read_manifest(artifact)
         verify_files(artifact, manifest)
         self.io = read_io(artifact, manifest)
+        self.device: Device = HOST  # feeds and returns numpy arrays
         entry = read_engine_entry(artifact, manifest)
         try:
             import tensorrt as trt

@@ -1,4 +1,5 @@
-"""`kvforge build` and `kvforge verify` as plain functions over the pipeline's stages.
+"""`kvforge build` as a plain function over the pipeline's stages (`kvforge verify`, which
+re-runs a published artifact's gate, is `toolchain.gate.verify`, importable from here too).
 
 A build writes into a locked staging sibling of the output directory, verifies the graph
 from the files it just wrote, writes the manifest last, and only then swaps the directory
@@ -8,14 +9,10 @@ published, and a previous artifact stays as it was.
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import gc
 import logging
 import os
 import resource
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -31,34 +28,24 @@ from passes.pipeline import PassReport
 from passes.quantize import WeightQuantization
 from passes.targets import DEFAULT_TARGET, TARGETS, TENSORRT_ENGINE, Target
 from passes.tensorrt_check import UnsupportedByTensorRT
-from passes.widen import WidenFloats
-from runners import runtime as runtimes
 from runners.contract import DecoderIO
 from runners.errors import ArtifactError, ParityError
-from runners.manifest import MANIFEST, read_manifest, verify_files
-from runners.session import OrtSession, Session
-from runners.tokenizer import TokenizerBundle
-from runners.torch_session import TorchSession
+from runners.manifest import MANIFEST
+from runners.session import Session
 from toolchain import checkpoint as checkpoints
-from toolchain import emit, hashing, manifest, progress, stamp
+from toolchain import emit, hashing, manifest, moe_graph, progress, stamp
 from toolchain import tune as tuning
 from toolchain.emit import genai
 from toolchain.emit import tensorrt as trt_engine
-from toolchain.export import DecoderWrapper, cache_layout, eager_model, export_decoder, layer_windows
+from toolchain.export import eager_model, export_decoder, layer_windows, read_spec
 from toolchain.footprint import footprint, format_bytes
+from toolchain.gate import check_tolerance, eager_session, record_gate, verifiable
+from toolchain.gate import verify as verify  # `kvforge verify`, importable from here as before
 from toolchain.lower import OPSET, apply_contract, to_onnx
 from toolchain.publish import check_output, check_writable, publish, staged
 from toolchain.spec import DecoderSpec
-from toolchain.verify import (
-    DistributionReport,
-    ParityReport,
-    check_distribution,
-    compare_with_reference,
-    gate_tokens,
-    record_reference,
-    reference_log_probs,
-    require_parity,
-)
+from toolchain.system import return_freed_memory, write_failure
+from toolchain.verify import DistributionReport, ParityReport, require_parity
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +53,6 @@ log = logging.getLogger(__name__)
 # by the CLI's name. Logits leave every graph in fp32.
 DTYPES: dict[str, str] = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 _DTYPE_NAMES = {name: short for short, name in DTYPES.items()}
-# glibc's malloc (malloc.h): once a large block has been freed it raises its mmap threshold
-# up to 32 MiB, and blocks under it then come from a heap that is returned to the system
-# only from its top. A build allocates and frees weight-sized blocks stage after stage, so
-# the thresholds are fixed: every block of 128 KiB or more is its own mapping, unmapped when
-# freed, and a free heap top over 128 KiB is trimmed.
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_RETURNED_BLOCK_BYTES = 128 << 10
 
 
 @dataclass(frozen=True)
@@ -80,7 +60,7 @@ class BuildOptions:
     force: bool = False
     allow_pickle: bool = False
     decode_steps: int = 8
-    target: str = DEFAULT_TARGET
+    target: Target = TARGETS[DEFAULT_TARGET]  # the CLI parses --target into its record
     dtype: str = "float32"  # one of DTYPES' values
     weights: WeightQuantization | None = None  # None: weights stay in the compute dtype
     capacity: int | None = None  # a fixed-capacity target's KV-cache length S_max (None: the model's context)
@@ -108,7 +88,7 @@ class BuildOptions:
         """What determines the artifact's bytes (not `force`, which only says where they may go)."""
         return (
             {
-                "target": self.target,
+                "target": self.target.name,
                 "dtype": self.dtype,
                 "opset": OPSET,
                 "allow_pickle": self.allow_pickle,
@@ -116,7 +96,7 @@ class BuildOptions:
                 "weights": None if self.weights is None else self.weights.to_dict(),
                 "tolerance": self.tolerance,
             }
-            | ({"capacity": self.capacity} if TARGETS[self.target].fixed_capacity else {})
+            | ({"capacity": self.capacity} if self.target.fixed_capacity else {})
             | (
                 {"logits": self.logits} if self.logits != "last" else {}  # absent by default: older manifests unchanged
             )
@@ -139,22 +119,25 @@ class BuildResult:
 def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = BuildOptions()) -> BuildResult:
     """Build `checkpoint_dir` (a directory, or a Hub id in the local cache) into `output`."""
     output = Path(os.path.abspath(output))
-    if options.target not in TARGETS:
-        raise ArtifactError(f"unknown target {options.target!r}; choose one of {', '.join(TARGETS)}")
+    if not isinstance(options.target, Target):
+        raise ArtifactError(
+            f"unknown target {options.target!r}: BuildOptions.target takes a record of passes.targets.TARGETS "
+            f"({', '.join(TARGETS)}), e.g. TARGETS[{DEFAULT_TARGET!r}]"
+        )
     if options.dtype not in DTYPES.values():
         raise ArtifactError(f"unknown dtype {options.dtype!r}; choose one of {', '.join(DTYPES.values())}")
-    _check_tolerance(options.tolerance, options.weights is not None)
+    check_tolerance(options.tolerance, options.weights is not None)
     if options.logits not in pipeline.LOGITS_POSITIONS:
         raise ArtifactError(f"logits must be one of {', '.join(pipeline.LOGITS_POSITIONS)}, got {options.logits!r}")
     _check_tune(options)
     check_output(output, options.force)
     check_writable(output)
-    _return_freed_memory()
+    return_freed_memory()
     seconds: dict[str, float] = {}
     ckpt = checkpoints.load(checkpoint_dir, allow_pickle=options.allow_pickle, revision=options.revision)
     spec = read_spec(ckpt)
     io = DecoderIO.for_spec(spec, kv_dtype=options.dtype)
-    target = TARGETS[options.target]
+    target = options.target
     _check_layer_states(io, target, spec)
     if target.bounded_windows:
         io = replace(io, layer_windows=layer_windows(ckpt.config, spec))
@@ -164,7 +147,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     with _timed(seconds, "load"):
         model = eager_model(ckpt, spec, getattr(torch, options.dtype))
     with _timed(seconds, "reference"):  # the eager side of the gate, now: its weights are freed before verify
-        gate = _record_gate(_eager_session(model, spec, io), options.flags(), spec, ckpt.path)
+        gate = record_gate(eager_session(model, spec, io), options.flags(), spec, ckpt.path)
     models = [model]  # the compilation takes the last reference: its weights can go once lowered
     del model
     # the sources' hashes, on a core that export and lowering leave idle (after the reference,
@@ -216,13 +199,13 @@ def _compile(
 ) -> BuildResult:
     """Lower, run the passes, emit, verify and publish the eager model in `models` (taken).
     `sources`: the checkpoint's hashes, being computed; the artifact's are, while the gate runs."""
-    target = TARGETS[options.target]
+    target = options.target
     onnx_model, lowering = _lower(models.pop(), spec, io, stamping, seconds, reason)
     log.info(lowering.summary())
     # The graph's initializers now hold the weights; the eager model's references would keep
     # every weight a pass replaces (packing, quantization) alive next to its replacement.
     gc.collect()
-    moe_layers = _moe_layers(onnx_model, spec)
+    moe_layers = moe_graph.moe_layers(onnx_model, spec)
     tuner = (
         None
         if options.tune == tuning.DEFAULT_MODE or options.weights is None
@@ -232,7 +215,7 @@ def _compile(
         try:
             pass_report = pipeline.run(
                 onnx_model,
-                options.target,
+                target,
                 target.expected_fusions(spec.attention_layers, moe_layers),
                 options.weights,
                 capacity=options.capacity,
@@ -245,7 +228,7 @@ def _compile(
         except UnsupportedByTensorRT as e:
             raise ArtifactError(f"{checkpoint_dir}: {e}") from e
     graph_io = _graph_contract(onnx_model, io, target, options.capacity)
-    experts = _experts(onnx_model, spec)
+    experts = moe_graph.experts(onnx_model, spec)
     engine_entry: dict[str, Any] | None = None
     next_step = None
     try:
@@ -262,7 +245,7 @@ def _compile(
                     genai.write_genai_config(staging, spec, graph_io, emit.generation_config(ckpt, spec))
             # the files are final (the gate only reads the graph): hashed while it runs
             emitted = helpers.enter_context(hashing.Pending(staging.iterdir()))
-            with _timed(seconds, "verify"), _verifiable(staging, graph_io, options.weights is None) as session:
+            with _timed(seconds, "verify"), verifiable(staging, graph_io, options.weights is None) as session:
                 report = gate(progress.CountedSession(session))
                 if lowering.stamped and not report.passed:
                     raise _StampedGraphRefused(report.failures())
@@ -300,7 +283,7 @@ def _compile(
     except OSError as e:  # a full disk, a read-only or vanished directory: nothing was published
         where = e.filename or output.parent
         raise ArtifactError(
-            f"{where}: cannot write the artifact ({_write_failure(e, output)}); nothing was published"
+            f"{where}: cannot write the artifact ({write_failure(e, output)}); nothing was published"
         ) from e
     log.info("published %s (%s)", output, report.summary())
     return BuildResult(output, written, report, pass_report, seconds, next_step, lowering)
@@ -319,10 +302,10 @@ def _check_tune(options: BuildOptions) -> None:
             f"--tune {options.tune} chooses the kernel form of quantized weights; add --weights int8|int4, "
             "or drop --tune"
         )
-    if not TARGETS[options.target].kernel_tuning:
+    if not options.target.kernel_tuning:
         able = ", ".join(name for name, t in TARGETS.items() if t.kernel_tuning)
         raise ArtifactError(
-            f"--tune {options.tune}: --target {options.target} writes no kernel-specific forms to choose from "
+            f"--tune {options.tune}: --target {options.target.name} writes no kernel-specific forms to choose from "
             f"(kernel tuning is for --target {able}); drop --tune"
         )
 
@@ -386,167 +369,12 @@ def _check_layer_states(io: DecoderIO, target: Target, spec: DecoderSpec) -> Non
         )
 
 
-def _write_failure(error: OSError, output: Path) -> str:
-    """Why a write failed, in words. numpy's `tofile`, which writes array-backed weights, reports
-    a short write without an errno ("N requested and M written"): a full disk, told as such."""
-    if error.strerror:
-        return error.strerror
-    try:
-        full = shutil.disk_usage(output.parent).free < (1 << 20)
-    except OSError:
-        full = False
-    return os.strerror(errno.ENOSPC) if full else str(error)
-
-
-def read_spec(ckpt: checkpoints.Checkpoint) -> DecoderSpec:
-    """The checkpoint's spec, checked against its weights, with the KV cache's layout read
-    off the modeling code."""
-    spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
-    checkpoints.check_against_spec(ckpt, spec)
-    return cache_layout(ckpt.config, spec)
-
-
-def verify(
-    artifact: Path,
-    checkpoint_dir: Path | str,
-    *,
-    allow_pickle: bool = False,
-    revision: str | None = None,
-    runtime: str = "ort",
-    tolerance: float | None = None,
-) -> ParityReport | DistributionReport:
-    """Re-run the parity gate of a published artifact against its checkpoint (a directory or a
-    cached Hub id), in the session `runtime` chooses (`runners.runtime`; "ort", onnxruntime's
-    CPU provider, as the build's gate), with the tolerance it was built with (its flags), or
-    `tolerance` in its place."""
-    recorded = read_manifest(artifact)
-    verify_files(artifact, recorded)
-    flags = dict(recorded["flags"])
-    _check_tolerance(tolerance, flags.get("weights") is not None)
-    if tolerance is not None:
-        flags["tolerance"] = tolerance
-    choice = runtimes.choose(runtime, recorded, runtimes.Environment.detect(), str(artifact))
-    ckpt = checkpoints.load(checkpoint_dir, allow_pickle=allow_pickle, revision=revision)
-    if ckpt.source_hashes() != recorded.get("sources"):
-        raise ArtifactError(
-            f"{checkpoint_dir}: files differ from the checkpoint {artifact} was built from "
-            f"(see sources in {artifact / MANIFEST}); pass the original checkpoint"
-        )
-    spec = read_spec(ckpt)
-    io = DecoderIO.from_dict(recorded["io"])
-    model = eager_model(ckpt, spec, getattr(torch, flags.get("dtype", "float32")))
-    eager = _eager_session(model, spec, replace(io, kv_mode="concat"))
-    gate = _record_gate(eager, flags, spec, artifact)
-    del model, eager
-    gc.collect()
-    if choice.runtime == "ort":
-        with _verifiable(artifact, io, flags.get("weights") is None) as session:
-            report = gate(session)
-    else:
-        report = gate(_device_session(artifact, recorded, io, choice))
-    require_parity(report, str(artifact))
-    return report
-
-
-def _device_session(artifact: Path, recorded: dict[str, Any], io: DecoderIO, choice: runtimes.Choice) -> Session:
-    """The artifact on a GPU runtime; a TensorRT session copies its cache back, which the gate compares."""
-    if choice.runtime == "tensorrt":
-        from runners.trt_session import TrtSession
-
-        return TrtSession(artifact, mirror_cache=True)
-    return runtimes.open_session(artifact, recorded, io, choice)
-
-
-@contextmanager
-def _verifiable(directory: Path, io: DecoderIO, unquantized: bool) -> Iterator[OrtSession]:
-    """The session the gate runs the artifact in on onnxruntime's CPU provider (for an
-    unquantized graph, without prepacked weights: `OrtSession`'s `prepack`): the artifact
-    itself, or, for a half-precision graph, which that provider cannot compute (bfloat16) or
-    computes only from float32 copies of every weight made at load (fp16), the graph computed
-    in float32 with its weights cast as they are read (`passes.widen`). That graph is written
-    to a temporary directory beside a hard link to the artifact's weights (a copy where the
-    file system has no links), and removed afterwards."""
-    narrow = {"float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}.get(io.kv_dtype)
-    if narrow is None:
-        yield OrtSession(directory / emit.MODEL_FILE, io, prepack=not unquantized)
-        return
-    model = ir.load(directory / emit.MODEL_FILE)  # the weights stay in the file, referenced
-    WidenFloats(narrow).call(model)
-    with _scratch_directory(directory) as temporary:
-        path = Path(temporary) / emit.MODEL_FILE
-        ir.save(model, path)
-        del model
-        data = directory / emit.DATA_FILE
-        if data.exists():
-            try:
-                os.link(data, path.parent / emit.DATA_FILE)
-            except OSError:
-                shutil.copyfile(data, path.parent / emit.DATA_FILE)
-        yield OrtSession(path, replace(io, kv_dtype="float32"), weights_cast_per_run=True)
-
-
-def _scratch_directory(near: Path) -> tempfile.TemporaryDirectory[str]:
-    """A temporary directory beside `near` (on its file system, where a hard link to it
-    works), or in the system's temporary directory where `near`'s parent is not writable
-    (a published artifact in a read-only place)."""
-    try:
-        return tempfile.TemporaryDirectory(prefix=".kvforge-verify-", dir=near.parent)
-    except OSError:
-        return tempfile.TemporaryDirectory(prefix="kvforge-verify-")
-
-
-def _eager_session(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO) -> TorchSession:
-    """The eager model behind the runner's Session interface, its cache in the model's dtype
-    (float32 across numpy for bfloat16, which numpy cannot hold)."""
-    dtype = next(model.parameters()).dtype
-    transport = replace(io, kv_dtype="float32") if dtype == torch.bfloat16 else io
-    return TorchSession(DecoderWrapper(model, spec.num_layers, io), transport, dtype)
-
-
-def _record_gate(
-    reference: Session, flags: dict[str, Any], spec: DecoderSpec, tokenizer_dir: Path
-) -> Callable[[Session], ParityReport | DistributionReport]:
-    """The verification gate the build's flags call for, its eager side run now: returns the
-    check of a compiled session against what the eager model gave. Within the dtype's
-    tolerance, or, for quantized weights, the same next-token distributions on the gate texts."""
-    weights = flags.get("weights")
-    if weights is None:
-        reference_run = record_reference(
-            reference, max_positions=spec.max_positions, decode_steps=flags["decode_steps"]
-        )
-        return lambda candidate: compare_with_reference(
-            reference_run,
-            candidate,
-            max_positions=spec.max_positions,
-            dtype=flags["dtype"],
-            tolerance=flags.get("tolerance"),
-        )
-    tokens = gate_tokens(TokenizerBundle.load(tokenizer_dir).encode)
-    expected = reference_log_probs(reference, tokens)
-    return lambda candidate: check_distribution(expected, candidate, tokens, f"int{weights['bits']}")
-
-
-def _check_tolerance(tolerance: float | None, quantized: bool) -> None:
-    if tolerance is None:
-        return
-    if quantized:
-        raise ArtifactError(
-            f"--tolerance {tolerance:g} sets the parity gate of an unquantized build; a --weights build is judged "
-            "by its next-token distributions instead (AGREEMENT in toolchain/verify.py): drop --tolerance"
-        )
-    if not 0 < tolerance < 1:
-        raise ArtifactError(
-            f"--tolerance {tolerance:g} must be a fraction of each output's scale between 0 and 1 "
-            "(the defaults: TOLERANCES in toolchain/verify.py)"
-        )
-
-
 def _check_fits(ckpt: checkpoints.Checkpoint, spec: DecoderSpec, options: BuildOptions) -> None:
     """Refuse, before any work, a build whose artifact would not fit in --device-memory."""
     assert options.device_memory is not None
     seq = options.memory_seq or spec.max_positions
     half = options.dtype != "float32"  # fp16 and bf16 take the same bytes
-    windows = layer_windows(ckpt.config, spec) if TARGETS[options.target].bounded_windows else None
+    windows = layer_windows(ckpt.config, spec) if options.target.bounded_windows else None
     fp = footprint(
         ckpt, spec, batch=options.memory_batch, seq=seq, compute_bytes=2 if half else 4, layer_windows=windows
     )
@@ -567,7 +395,7 @@ def _check_fits(ckpt: checkpoints.Checkpoint, spec: DecoderSpec, options: BuildO
 def _target_options(options: BuildOptions, spec: DecoderSpec) -> BuildOptions:
     """The settings the target's record calls for, resolved and checked before any work: a
     fixed capacity (default: the model's context), symmetric-only weights."""
-    target = TARGETS[options.target]
+    target = options.target
     if target.symmetric_only and options.weights is not None and not options.weights.symmetric:
         raise ArtifactError(
             f"--target {target.name} takes symmetric weight quantization only (its runtime requires a zero "
@@ -581,36 +409,6 @@ def _target_options(options: BuildOptions, spec: DecoderSpec) -> BuildOptions:
             f"--capacity {capacity} must be between 1 and the model's context of {spec.max_positions} positions"
         )
     return replace(options, capacity=capacity)
-
-
-def _expert_stacks(model: ir.Model, spec: DecoderSpec) -> dict[str, ir.TensorProtocol]:
-    """Initializers under `experts` stacked over the routed experts (first dimension), by name."""
-    if not spec.num_experts:
-        return {}
-    return {
-        name: value.const_value
-        for name, value in model.graph.initializers.items()
-        if ".experts." in name
-        and value.const_value is not None
-        and len(value.const_value.shape) >= 2
-        and value.const_value.shape[0] == spec.num_experts
-    }
-
-
-def _moe_layers(model: ir.Model, spec: DecoderSpec) -> int:
-    """How many layers route to experts: the distinct modules (`model.layers.3.mlp`) whose
-    `experts` hold stacked weights, as exported (layers that stay dense hold none)."""
-    return len({name.split(".experts.", 1)[0] for name in _expert_stacks(model, spec)})
-
-
-def _experts(model: ir.Model, spec: DecoderSpec) -> dict[str, int] | None:
-    """A mixture of experts' routed experts, how many a token uses, and the bytes of their
-    weights in the graph (initializers under `experts` stacked over the experts), so that
-    `kvforge bench` counts only the experts a decode step reads. None for a dense model."""
-    if not spec.num_experts:
-        return None
-    nbytes = sum(tensor.nbytes for tensor in _expert_stacks(model, spec).values())
-    return {"routed": spec.num_experts, "per_token": spec.experts_per_token, "weight_bytes": nbytes}
 
 
 def _graph_contract(model: ir.Model, io: DecoderIO, target: Target, capacity: int | None = None) -> DecoderIO:
@@ -634,18 +432,6 @@ def _graph_contract(model: ir.Model, io: DecoderIO, target: Target, capacity: in
     )
     apply_contract(model.graph, final)
     return final
-
-
-def _return_freed_memory() -> None:
-    """Make the C allocator hand freed weight-sized blocks back to the system at once, so the
-    build's peak is what it holds, not what it once held (glibc; elsewhere nothing changes).
-    Measured on the 125M reference build: peak 1.117 -> 1.049 GB."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return
-    mallopt(_M_MMAP_THRESHOLD, _RETURNED_BLOCK_BYTES)
-    mallopt(_M_TRIM_THRESHOLD, _RETURNED_BLOCK_BYTES)
 
 
 @contextmanager

@@ -349,7 +349,7 @@ def build(
         force=force,
         allow_pickle=allow_pickle,
         decode_steps=decode_steps,
-        target=target,
+        target=TARGETS[target],
         dtype=DTYPES[dtype],
         weights=quantization,
         capacity=capacity,

@@ -17,9 +17,9 @@ from torch.export import Dim, ExportedProgram
 
 from runners.contract import STATE_KINDS, DecoderIO, LayerState
 from runners.errors import CheckpointError, ExportError
-from toolchain.checkpoint import Checkpoint
+from toolchain.checkpoint import Checkpoint, check_against_spec
 from toolchain.recurrence import traceable_kernels
-from toolchain.spec import DecoderSpec
+from toolchain.spec import SDPA_IGNORED_FIELDS, DecoderSpec
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,8 @@ def _attention_implementation(config: Any, model_class: Any) -> str:
     transformers' SDPA path ignores attention-logit softcapping, so softcapped models
     (gemma2) keep the eager path, whose plain MatMul/Softmax ops are exact; so do models
     whose class has no SDPA path (attention sinks, ALiBi in some families)."""
-    if getattr(config, "attn_logit_softcapping", None) or not getattr(model_class, "_supports_sdpa", False):
+    ignored = any(getattr(config, field, None) for field in SDPA_IGNORED_FIELDS)
+    if ignored or not getattr(model_class, "_supports_sdpa", False):
         return "eager"
     return "sdpa"
 
@@ -389,3 +390,11 @@ def export_decoder(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO) -> 
             f"torch.export failed for {spec.model_type}: {type(e).__name__}: {_first_line(e)}; "
             "this architecture/transformers version combination is not traceable, please report it"
         ) from e
+
+
+def read_spec(ckpt: Checkpoint) -> DecoderSpec:
+    """The checkpoint's spec, checked against its weights, with the KV cache's layout read
+    off the modeling code."""
+    spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
+    check_against_spec(ckpt, spec)
+    return cache_layout(ckpt.config, spec)

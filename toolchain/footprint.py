@@ -14,7 +14,16 @@ from dataclasses import dataclass, field, replace
 from runners.contract import DecoderIO
 from runners.errors import CheckpointError, GenerationError, KvforgeError
 from toolchain.checkpoint import Checkpoint
-from toolchain.spec import OUTPUT_HEADS, POSITION_EMBEDDINGS, TOKEN_EMBEDDINGS, DecoderSpec, input_first_weights
+from toolchain.spec import (
+    BUFFER_SUFFIXES,
+    EXPERTS,
+    OUTPUT_HEADS,
+    POSITION_EMBEDDINGS,
+    SHARED_EXPERT,
+    TOKEN_EMBEDDINGS,
+    DecoderSpec,
+    input_first_weights,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +49,6 @@ DTYPE_BYTES: dict[str, int] = {
     "F8_E5M2": 1,
 }
 
-# Tensors some checkpoints store that are buffers, not parameters: causal-mask constants
-# (old gpt2 / gpt_neox files) and precomputed RoPE frequencies.
-_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias", "inv_freq")
 # The output head, when tied to the embeddings, is the embedding matrix, counted once.
 # Token-embedding tables, [vocab, hidden], are quantized in blocks along hidden, as the LM
 # head reading a tied one is (the lookup and the head each hold a copy of the codes).
@@ -151,10 +157,10 @@ def footprint(
 def _is_expert(name: str, shape: tuple[int, ...], spec: DecoderSpec) -> bool:
     """A routed expert's weight: under `experts`, stacked over the experts in its first
     dimension (transformers' fused layout) or one tensor per expert (`experts.3.w1`)."""
-    if not spec.num_experts or ".experts." not in name or ".shared_expert" in name:
+    if not spec.num_experts or EXPERTS not in name or SHARED_EXPERT in name:
         return False
     stacked = len(shape) >= 2 and shape[0] == spec.num_experts
-    per_expert = name.split(".experts.", 1)[1].split(".", 1)[0].isdigit()
+    per_expert = name.split(EXPERTS, 1)[1].split(".", 1)[0].isdigit()
     return stacked or per_expert
 
 
@@ -162,7 +168,7 @@ def parameter_metadata(checkpoint: Checkpoint, spec: DecoderSpec) -> dict[str, T
     """The checkpoint's parameters: buffers dropped, a tied output head dropped (counted once)."""
     params = {}
     for name, meta in checkpoint.tensor_metadata().items():
-        if name.endswith(_BUFFER_SUFFIXES):
+        if name.endswith(BUFFER_SUFFIXES):
             logger.debug("%s: %s is a buffer, not a parameter", checkpoint.path, name)
         elif spec.tied_embeddings and _is_head(name):
             logger.debug("%s: %s is tied to the embeddings; counted once", checkpoint.path, name)
@@ -276,10 +282,6 @@ def _kind_label(kind: str, windows: tuple[int | None, ...]) -> str:
         return f"{sum(w is None for w in windows)} full-attention layers"
     sizes = "/".join(str(w) for w in sorted({w for w in windows if w is not None}))
     return f"{sum(w is not None for w in windows)} sliding layers (window {sizes})"
-
-
-def _experts_note(fp: Footprint, spec: DecoderSpec) -> str:
-    return f"; {spec.num_experts} experts, {spec.experts_per_token} per token: {fp.active_parameters:,} active"
 
 
 def _precision_label(precision: str) -> str:

@@ -202,6 +202,30 @@ assert tuple(LAYOUTS) == SUPPORTED_MODEL_TYPES
 TOKEN_EMBEDDINGS: tuple[str, ...] = ("embed_tokens.weight", "wte.weight", "embed_in.weight", "word_embeddings.weight")
 POSITION_EMBEDDINGS: tuple[str, ...] = ("wpe.weight", "embed_positions.weight")
 OUTPUT_HEADS: tuple[str, ...] = ("lm_head.weight", "embed_out.weight")
+# Tensors some checkpoints store that are buffers, not parameters: causal-mask constants
+# (old gpt2 / gpt_neox files) and precomputed RoPE frequencies.
+BUFFER_SUFFIXES: tuple[str, ...] = (
+    ".attn.bias",
+    ".attn.masked_bias",
+    ".attention.bias",
+    ".attention.masked_bias",
+    "inv_freq",
+)
+# A mixture of experts' routed experts: the weights under this module name, stacked over the
+# experts in their first dimension (transformers' fused layout) or one module per expert
+# (`experts.3.w1`); a shared expert, which every token runs, is named apart.
+EXPERTS = ".experts."
+SHARED_EXPERT = ".shared_expert"
+
+# Config fields whose setting transformers' SDPA attention ignores (attention-logit softcapping):
+# a model that sets one is traced on the eager attention path (toolchain.export).
+SDPA_IGNORED_FIELDS: tuple[str, ...] = ("attn_logit_softcapping",)
+
+# onnxruntime-genai model types it runs as a plain decoder from these I/O names (its
+# ModelType::IsLLM list, less those with a model class of their own: gpt2 reads one combined
+# past tensor per layer, phi3 rewinds a long-RoPE factor, lfm2 keeps conv state). Every other
+# architecture is "decoder", the type onnxruntime-genai keeps for exactly that (toolchain.emit.genai).
+GENAI_DECODER_TYPES = frozenset({"gemma", "gemma2", "granite", "llama", "mistral", "olmo", "qwen2", "qwen3"})
 
 
 def input_first_weights(model_type: str) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from runners.cache import Cache, device_of
 from runners.contract import DecoderIO
 from runners.decoding import batch_decoders
 from runners.errors import GenerationError, ParityError
@@ -40,23 +41,12 @@ class Tolerance:
 
 
 # One table for every comparison the gate makes (prefill logits, present tensors, each decode
-# step's logits, near ties), keyed by the compute dtype of the graph. Why each number:
-#
-# - float32, 2e-4: the rounding of a correct graph, measured on SmolLM2-135M (30 layers, a
-#   49k vocabulary), is at most 4e-5 of a row's deviation for the logits and 3.3e-5 of a
-#   present tensor's RMS; 2e-4 leaves five times that for deeper and wider models. The
-#   smallest real bug measured on that model, a rotary base 1% off, is 1.3e-3 of the logits'
-#   deviation and 3.6e-3 of a key's RMS: six times above the bound.
-# - float16, 0.1 and bfloat16, 0.3: the eager model computes in the half type while the gate
-#   runs the graph in float32 from the same weights, so the error is the eager model's own
-#   rounding, about 2^-10 and 2^-7 per operation. Measured on SmolLM2-135M: float16 at most
-#   0.039 of the scale at the last position and in decode, 0.061 over every prompt position;
-#   the bound leaves 1.6 to 2.5 times that. bfloat16 rounds eight times coarser: 0.3 keeps the
-#   old element-wise bound's reach on the tiny models, and SmolLM2-135M's own bfloat16
-#   rounding exceeds it (0.67 of a layer-11 value's scale, 1.4 of a first-position logits
-#   row's), so a bfloat16 build of that model needs --tolerance or an fp32/fp16 build. A
-#   half-precision build cannot tell a bug of that size from rounding; the float32 build of
-#   the same checkpoint can.
+# step's logits, near ties), keyed by the compute dtype of the graph. float32's bound sits above
+# a correct graph's rounding and below the smallest real bug measured; float16's and bfloat16's
+# above the eager model's own rounding in the half type (the gate runs the graph in float32
+# from the same weights), so a half-precision build cannot tell a bug of that size from
+# rounding, and the float32 build of the same checkpoint can. The measurements behind each
+# number: docs/pipeline.md, "The gate's tolerances".
 #
 # `--tolerance` overrides the number for one build (recorded in the manifest's flags).
 TOLERANCES: dict[str, Tolerance] = {
@@ -180,7 +170,7 @@ def record_reference(reference: Session, *, max_positions: int, decode_steps: in
     prompts = _prompts(reference.io.vocab_size, seed)
     logits, cache = _prefill(reference, prompts, decode_steps)
     # the recorded cache is a copy: the decode below goes on from the prefill's own
-    run = ReferenceRun(prompts, logits, {name: array.copy() for name, array in cache.items()}, [])
+    run = ReferenceRun(prompts, logits, {name: array.copy() for name, array in cache.host().items()}, [])
     try:
         for step in generate_steps(
             reference,
@@ -194,21 +184,6 @@ def record_reference(reference: Session, *, max_positions: int, decode_steps: in
     except GenerationError as e:
         run.error = f"the eager model: {e}"
     return run
-
-
-def check_parity(
-    reference: Session,
-    candidate: Session,
-    *,
-    max_positions: int,
-    dtype: str = "float32",
-    decode_steps: int = 8,
-    seed: int = 0,
-    tolerance: float | None = None,
-) -> ParityReport:
-    """Compare `candidate` (the compiled graph) with `reference` (the eager model)."""
-    recorded = record_reference(reference, max_positions=max_positions, decode_steps=decode_steps, seed=seed)
-    return compare_with_reference(recorded, candidate, max_positions=max_positions, dtype=dtype, tolerance=tolerance)
 
 
 def compare_with_reference(
@@ -225,17 +200,18 @@ def compare_with_reference(
     report = ParityReport(dtype, tol)
     new_tokens = max(len(reference.steps), 1)
     prefilled = _prefill(candidate, reference.prompts, new_tokens)
-    report.prefill = list(_prefill_errors(reference, candidate.io, prefilled, tol))
+    report.prefill = list(_prefill_errors(reference, candidate.io, (prefilled[0], prefilled[1].host()), tol))
     if all(e.within for e in report.prefill):  # decoding from a wrong prefill only repeats the failure
         _decode(report, reference, candidate, max_positions, prefilled, new_tokens)
     return report
 
 
-def _prefill(session: Session, prompts: list[list[int]], new_tokens: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def _prefill(session: Session, prompts: list[list[int]], new_tokens: int) -> tuple[np.ndarray, Cache]:
     """The gate's prompts in one step, into a cache with room for `new_tokens` more: compared
     as it is, then decoded from (`generate_steps`' `prefilled`)."""
     ids, mask = left_pad(prompts, pad_id=0)
-    return forward(session, ids, mask, empty_cache(session.io, len(prompts), ids.shape[1] + new_tokens))
+    cache = empty_cache(session.io, len(prompts), ids.shape[1] + new_tokens, device_of(session))
+    return forward(session, ids, mask, cache)
 
 
 def _decode(
@@ -243,7 +219,7 @@ def _decode(
     reference: ReferenceRun,
     candidate: Session,
     max_positions: int,
-    prefilled: tuple[np.ndarray, dict[str, np.ndarray]],
+    prefilled: tuple[np.ndarray, Cache],
     new_tokens: int,
 ) -> None:
     """Greedy decode through the runner's loop from the compared prefill; stop at the first
@@ -485,7 +461,8 @@ def teacher_forced_logits(session: Session, ids: np.ndarray, prefill: int) -> np
     as generation feeds them. Works whatever positions the session's logits cover."""
     batch, length = ids.shape
     mask = np.ones_like(ids)
-    logits, cache = forward(session, ids[:, :prefill], mask[:, :prefill], empty_cache(session.io, batch, length))
+    cache = empty_cache(session.io, batch, length, device_of(session))
+    logits, cache = forward(session, ids[:, :prefill], mask[:, :prefill], cache)
     steps = [logits[:, -1]]
     for column in range(prefill, length):
         logits, cache = forward(session, ids[:, column : column + 1], mask[:, : column + 1], cache)

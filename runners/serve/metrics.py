@@ -76,6 +76,11 @@ class Counter:
         with self._lock:
             self._values[value] = self._values.get(value, 0.0) + amount
 
+    def labels(self) -> tuple[str, ...]:
+        """The values of its label ("" alone when it has none)."""
+        with self._lock:
+            return tuple(self._values)
+
     def get(self, value: str = "") -> float:
         with self._lock:
             return self._values.get(value, 0.0)
@@ -151,10 +156,9 @@ class Metrics:
             "spec_decode_num_accepted_tokens", "Drafted tokens the target model's own choice agreed with."
         )
 
-    def render(self) -> str:
-        labels = {"model_name": self.model_name}
-        lines: list[str] = []
-        for metric in (
+    def families(self) -> tuple[Histogram | Counter | Gauge, ...]:
+        """Every metric, in the order /metrics lists them: the one table the server and Triton export."""
+        return (
             self.time_to_first_token,
             self.inter_token_latency,
             self.queue_time,
@@ -176,6 +180,11 @@ class Metrics:
             self.spec_decode_num_drafts,
             self.spec_decode_num_draft_tokens,
             self.spec_decode_num_accepted_tokens,
-        ):
+        )
+
+    def render(self) -> str:
+        labels = {"model_name": self.model_name}
+        lines: list[str] = []
+        for metric in self.families():
             lines.extend(metric.render(labels))
         return "\n".join(lines) + "\n"

@@ -32,23 +32,23 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
-from runners.decoding import Decoder, TokenLogprob, end_of_row
-from runners.detokenizer import StreamingDetokenizer
+from runners.decoding import TokenLogprob
 from runners.engine import Engine, Speculation
 from runners.errors import KvforgeError
 from runners.generate import choose_tokens, empty_states, forward, invalid_rows, prefill
-from runners.sampling import SamplingParams
+from runners.request import GenerationRequest
 from runners.serve.batch import KVBatch
 from runners.serve.metrics import Metrics
 from runners.serve.prefix_cache import PrefixCache, unsupported
 from runners.serve.protocol import ParsedRequest
 from runners.session import Session
-from runners.speculative import Drafter, require_all_logits
+from runners.speculative import Drafter, accept_drafts, require_all_logits
 
 logger = logging.getLogger(__name__)
 
@@ -89,36 +89,17 @@ class Unavailable(KvforgeError):
 
 
 @dataclass(eq=False)
-class Request:
-    """One generation: prompt ids, budget and decoder in; events out through `events`.
+class Request(GenerationRequest):
+    """One generation in the server: the request record (`runners.request`) with its events out
+    through `events`. The choices of one request (n > 1) are requests of their own that share
+    `events`, told apart by `index`. The scheduler gives it the artifact's eos ids when it has none."""
 
-    Without a `decoder`, one is built from `params` (no grammar, no logprobs). The choices
-    of one request (n > 1) are requests of their own that share `events`, told apart by `index`.
-    """
-
-    ids: list[int]
-    params: SamplingParams
-    budget: int
-    detokenizer: StreamingDetokenizer
     events: queue.SimpleQueue[Event] = field(default_factory=queue.SimpleQueue)
     arrival: float = field(default_factory=time.perf_counter)
-    ignore_eos: bool = False  # generate the whole budget (vLLM's field, for load tests)
-    decoder: Decoder | None = None
     index: int = 0
     cancelled: bool = False
-    generated: int = 0
     last_token_at: float = 0.0
     released: bool = False
-
-    def __post_init__(self) -> None:
-        if self.decoder is None:
-            self.decoder = Decoder(self.params, self.ids)
-        self.pending_logprobs: list[TokenLogprob] = []
-
-    @property
-    def chooser(self) -> Decoder:
-        assert self.decoder is not None  # made in __post_init__
-        return self.decoder
 
 
 @dataclass(eq=False)
@@ -136,6 +117,25 @@ class _Prefill:
     request: Request
     chunks: Iterator[tuple[int, np.ndarray, dict[str, np.ndarray]]]  # `prefill` over the prompt
     cache: dict[str, np.ndarray]  # the prompt's cache after the chunks run so far
+
+
+def poll_events(events: queue.SimpleQueue[Event], gone: Callable[[], bool], interval: float) -> Iterator[Event]:
+    """A request's events as they come, until `gone()` (the client left, the frontend cancelled),
+    which is asked at least every `interval` seconds, events or not; then it ends. The caller stops
+    reading when the request has ended, and otherwise treats the end as the client's leaving."""
+    checked = time.monotonic()
+    while True:
+        try:
+            event: Event | None = events.get(timeout=interval)
+        except queue.Empty:
+            event = None
+        now = time.monotonic()
+        if event is None or now - checked >= interval:
+            checked = now
+            if gone():
+                return
+        if event is not None:
+            yield event
 
 
 def choice_requests(engine: Engine, parsed: ParsedRequest, arrival: float) -> list[Request]:
@@ -156,6 +156,7 @@ def choice_requests(engine: Engine, parsed: ParsedRequest, arrival: float) -> li
                 engine.tokenizer.detokenizer(parsed.stop, context_ids=parsed.ids),
                 events=events,
                 arrival=arrival,
+                eos_ids=engine.eos_ids,
                 ignore_eos=parsed.ignore_eos,
                 decoder=engine.decoder(params, parsed.ids, parsed.grammar, parsed.logprobs),
                 index=index,
@@ -218,31 +219,10 @@ class BatchScheduler:
     # -- called from request threads ---------------------------------------------------
 
     @classmethod
-    def for_engine(
-        cls,
-        engine: Engine,
-        *,
-        max_num_seqs: int,
-        max_queued: int,
-        prefill_chunk: int,
-        metrics: Metrics,
-        prefix_cache: PrefixCache | None = None,
-        speculation: Speculation | None = None,
-        speculative_rows: int = 1,
-    ) -> BatchScheduler:
-        """A scheduler over a loaded engine's session, with its context and end-of-text ids."""
-        return cls(
-            engine.session,
-            max_positions=engine.max_positions,
-            eos_ids=engine.eos_ids,
-            max_num_seqs=max_num_seqs,
-            max_queued=max_queued,
-            prefill_chunk=prefill_chunk,
-            metrics=metrics,
-            prefix_cache=prefix_cache,
-            speculation=speculation,
-            speculative_rows=speculative_rows,
-        )
+    def for_engine(cls, engine: Engine, **settings: Any) -> BatchScheduler:
+        """A scheduler over a loaded engine's session, with its context and end-of-text ids; `settings`
+        are `__init__`'s other keywords."""
+        return cls(engine.session, max_positions=engine.max_positions, eos_ids=engine.eos_ids, **settings)
 
     def start(self) -> None:
         self._thread.start()
@@ -261,6 +241,8 @@ class BatchScheduler:
                     f"{self.max_queued} waiting (--max-queued); retry later"
                 )
             self._in_system += len(requests)
+            for request in requests:
+                request.eos_ids = request.eos_ids or tuple(sorted(self.eos_ids))
             self._waiting.extend(requests)
             self.metrics.waiting.set(len(self._waiting))
             self._cond.notify_all()
@@ -371,11 +353,11 @@ class BatchScheduler:
             return
         ids = np.array([[row.next_token] for row in rows], dtype=np.int64)
         logits = self._forward(ids, batch.open(None, width, width + 1), None, width)
-        tokens = self._sample_rows(logits[:, -1, :], [row.request for row in rows])
+        tokens, entries = self._sample_rows(logits[:, -1, :], [row.request for row in rows])
         growth, ended = [1] * n, [False] * n
         for index, row in enumerate(rows):
             token = int(tokens[index])
-            ended[index] = token < 0 or self._deliver(row.request, token)
+            ended[index] = token < 0 or self._deliver(row.request, token, entries[index])
             if self.speculation is None:
                 row.next_token = token
                 continue
@@ -440,19 +422,28 @@ class BatchScheduler:
         the drafts accepted, and whether the request ended."""
         row = self._rows[index]
         accepted, ended, token = 0, False, -1
-        for j in range(logits.shape[1]):
-            token = int(self._sample_rows(logits[:, j, :], [row.request])[0])
-            matched = token >= 0 and j < len(drafts) and token == drafts[j]
+        entry: list[TokenLogprob | None] = [None]
+
+        def choose(j: int) -> int:
+            tokens, entries = self._sample_rows(logits[:, j, :], [row.request])
+            entry[0] = entries[0]
+            return int(tokens[0])
+
+        for token, matched in accept_drafts(drafts, choose):
+            matched = matched and token >= 0
             accepted += matched
             self.metrics.spec_decode_num_accepted_tokens.inc(int(matched))
-            ended = token < 0 or self._deliver(row.request, token)
+            ended = token < 0 or self._deliver(row.request, token, entry[0])
             row.history.append(token)
             if ended or not matched:
                 break
         return token, accepted, ended
 
-    def _sample_rows(self, last: np.ndarray, requests: list[Request]) -> np.ndarray:
-        """One token per row, each from its own decoder; -1 where the row failed (and was told)."""
+    def _sample_rows(
+        self, last: np.ndarray, requests: list[Request]
+    ) -> tuple[np.ndarray, tuple[TokenLogprob | None, ...]]:
+        """One token per row, each from its own decoder, with its logprob entry when asked for; -1
+        where the row failed (and was told)."""
         ok = np.ones(len(requests), dtype=bool)
         for _, rows in invalid_rows(last):
             ok &= ~rows
@@ -462,45 +453,25 @@ class BatchScheduler:
         def failed(row: int, error: Exception) -> None:
             self._fail(requests[row], f"sampling failed: {error}")
 
-        tokens, entries = choose_tokens([r.chooser for r in requests], last, ok, -1, failed)
-        for request, token, entry in zip(requests, tokens, entries):
-            if entry is not None and int(token) not in self.eos_ids:
-                request.pending_logprobs.append(entry)
-        return tokens
+        return choose_tokens([r.chooser for r in requests], last, ok, -1, failed)
 
-    def _deliver(self, request: Request, token: int) -> bool:
+    def _deliver(self, request: Request, token: int, logprob: TokenLogprob | None = None) -> bool:
         """Hand one sampled token to its request; True when the request has finished."""
         now = time.perf_counter()
-        request.generated += 1
         self.metrics.generation_tokens.inc()
-        if request.generated == 1:
+        if request.generated == 0:
             self.metrics.time_to_first_token.observe(now - request.arrival)
         else:
             self.metrics.inter_token_latency.observe(now - request.last_token_at)
         request.last_token_at = now
-        eos = token in self.eos_ids and not request.ignore_eos
-        if not eos:
-            try:
-                text = request.detokenizer.add(token)
-            except Exception as error:  # one request's detokenizer must not stop the others
-                self._fail(request, f"detokenizing failed: {error}")
-                return True
-            if text:
-                request.events.put(Delta(text, self._take_logprobs(request), request.index))
-        reason = end_of_row(
-            eos=eos,
-            stopped=request.detokenizer.stopped,
-            finished=request.chooser.finished,
-            generated=request.generated,
-            budget=request.budget,
-        )
-        return False if reason is None else self._finish(request, reason)
-
-    @staticmethod
-    def _take_logprobs(request: Request) -> tuple[TokenLogprob, ...]:
-        entries = tuple(request.pending_logprobs)
-        request.pending_logprobs.clear()
-        return entries
+        try:
+            text = request.add(token, logprob)
+        except Exception as error:  # one request's detokenizer must not stop the others
+            self._fail(request, f"detokenizing failed: {error}")
+            return True
+        if text:
+            request.events.put(Delta(text, request.new_logprobs(), request.index))
+        return request.finish_reason is not None and self._finish(request, request.finish_reason)
 
     # -- prefill ------------------------------------------------------------------------
 
@@ -521,8 +492,9 @@ class BatchScheduler:
         self.metrics.prompt_tokens.inc(len(request.ids))
         if self.prefix_cache is not None:
             self.prefix_cache.store(request.ids, state.cache)
-        token = int(self._sample_rows(logits[:, -1, :], [request])[0])
-        if token >= 0 and not self._deliver(request, token):
+        tokens, entries = self._sample_rows(logits[:, -1, :], [request])
+        token = int(tokens[0])
+        if token >= 0 and not self._deliver(request, token, entries[0]):
             self._join(request, state.cache, token)
 
     def _sequence_cache(self, request: Request) -> tuple[dict[str, np.ndarray], int]:
@@ -572,12 +544,13 @@ class BatchScheduler:
 
     def _finish(self, request: Request, reason: str) -> bool:
         try:
-            tail = request.detokenizer.finish()
+            tail = request.finish()
         except Exception as error:
             self._fail(request, f"detokenizing failed: {error}")
             return True
-        if tail or request.pending_logprobs:
-            request.events.put(Delta(tail, self._take_logprobs(request), request.index))
+        entries = request.new_logprobs()
+        if tail or entries:
+            request.events.put(Delta(tail, entries, request.index))
         request.events.put(Finished(reason, len(request.ids), request.generated, request.index))
         self.metrics.request_success.inc(value=reason)
         self.metrics.e2e_latency.observe(time.perf_counter() - request.arrival)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import queue
 import select
 import signal
 import socket
@@ -52,6 +51,7 @@ from runners.serve.scheduler import (
     Request,
     Unavailable,
     choice_requests,
+    poll_events,
 )
 from runners.speculative import parse_speculative, takes_turns
 
@@ -285,28 +285,17 @@ class _Handler(BaseHTTPRequestHandler):
     def _events(self, requests: list[Request]) -> Iterator[Event]:
         """The events of a request's choices until each has ended; stops early (cancelling them
         all) if the client left. A failed choice ends them all."""
-        events = requests[0].events  # shared by the choices
         open_choices = len(requests)
-        checked = time.monotonic()
-        while open_choices:
-            try:
-                event: Event | None = events.get(timeout=_POLL_S)
-            except queue.Empty:
-                event = None
-            now = time.monotonic()
-            if event is None or now - checked >= _POLL_S:
-                checked = now
-                if self._client_gone():
-                    self._abandon(requests)
-                    return
-            if event is None:
-                continue
+        for event in poll_events(requests[0].events, self._client_gone, _POLL_S):  # shared by the choices
             yield event
             if isinstance(event, Failed):
                 self._cancel(requests)
                 return
             if isinstance(event, Finished):
                 open_choices -= 1
+                if not open_choices:
+                    return
+        self._abandon(requests)
 
     def _collect(self, requests: list[Request], reply: Reply, writers: list[LogprobsWriter | None]) -> None:
         parts: list[list[str]] = [[] for _ in requests]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -27,9 +26,16 @@ from typing import Any, cast
 
 from runners.engine import Engine
 from runners.errors import KvforgeError
-from runners.serve.metrics import FINISH_REASONS, Metrics
+from runners.serve.metrics import PREFIX, Counter, Gauge, Histogram, Metrics
 from runners.serve.prefix_cache import parse_bytes
-from runners.serve.scheduler import BatchScheduler, Event, Overloaded, Request, Unavailable, choice_requests
+from runners.serve.scheduler import (
+    BatchScheduler,
+    Overloaded,
+    Request,
+    Unavailable,
+    choice_requests,
+    poll_events,
+)
 from runners.serve.server import prefix_cache_for
 from runners.triton.contract import ARTIFACT_DIR, AUTO_BUDGET, ENGINE_PARAMETERS, PREFIX_CACHE_PARAMETER
 from runners.triton.requests import Reply, ReplyStream, TritonRequestError, parse_inputs
@@ -225,24 +231,14 @@ class ServingModel:
 
     def _relay(self, triton_request: Any, sender: Any, request: Request, stream: ReplyStream, label: str) -> None:
         """Send the request's events as they come, until it ends or Triton cancels it."""
-        checked = time.monotonic()
-        while not stream.done:
-            try:
-                first: Event | None = request.events.get(timeout=POLL_S)
-            except queue.Empty:
-                first = None
-            now = time.monotonic()
-            if first is None or now - checked >= POLL_S:
-                checked = now
-                if triton_request.is_cancelled():
-                    self._abort(sender, request, label)
-                    return
-            if first is None:
-                continue
+        for event in poll_events(request.events, triton_request.is_cancelled, POLL_S):
             # One response per piece, even when the relay fell behind: clients that time
             # tokens (genai-perf's inter-token latency) count responses.
-            for reply in stream.replies([first]):
+            for reply in stream.replies([event]):
                 self._send(sender, reply)
+            if stream.done:
+                return
+        self._abort(sender, request, label)
 
     def _abort(self, sender: Any, request: Request, label: str) -> None:
         self.scheduler.cancel(request)
@@ -321,8 +317,8 @@ class MetricsMirror:
         self.metrics = metrics
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._copied: dict[str, float] = {}
-        self._targets: dict[str, Any] = {}
+        self._copied: dict[tuple[str, str], float] = {}
+        self._targets: dict[tuple[str, str], tuple[Counter | Gauge, Any]] = {}
         self._families: dict[str, Any] = {}  # a family must outlive its metrics
         try:
             self._create(pb, labels)
@@ -331,40 +327,29 @@ class MetricsMirror:
             self._targets = {}
 
     def _create(self, pb: Any, labels: dict[str, str]) -> None:
-        for key, (family_name, help, kind, extra) in _MIRRORED.items():
-            kind_value = pb.MetricFamily.COUNTER if kind == "counter" else pb.MetricFamily.GAUGE
-            if family_name not in self._families:
-                self._families[family_name] = pb.MetricFamily(name=family_name, description=help, kind=kind_value)
-            self._targets[key] = self._families[family_name].Metric(labels={**labels, **extra})
+        for metric in self.metrics.families():
+            if isinstance(metric, Histogram):  # Triton's own nv_inference_* cover latency
+                continue
+            counter = isinstance(metric, Counter)
+            name = triton_name(metric)
+            kind = pb.MetricFamily.COUNTER if counter else pb.MetricFamily.GAUGE
+            family = self._families[name] = pb.MetricFamily(name=name, description=metric.help, kind=kind)
+            for value in metric.labels() if isinstance(metric, Counter) else ("",):
+                extra = {metric.label: value} if isinstance(metric, Counter) and metric.label else {}
+                self._targets[(name, value)] = (metric, family.Metric(labels={**labels, **extra}))
 
-    def values(self) -> dict[str, float]:
-        m = self.metrics
-        values = {
-            "prompt_tokens": m.prompt_tokens.get(),
-            "generation_tokens": m.generation_tokens.get(),
-            "request_aborted": m.request_aborted.get(),
-            "request_failed": m.request_failed.get(),
-            "request_rejected": m.request_rejected.get(),
-            "num_requests_running": m.running.value,
-            "num_requests_waiting": m.waiting.value,
-            "kv_cache_usage_perc": m.kv_usage.value,
-            "prefix_cache_queries": m.prefix_cache_queries.get(),
-            "prefix_cache_hits": m.prefix_cache_hits.get(),
-            "prefix_cache_hit_tokens": m.prefix_cache_hit_tokens.get(),
-            "prefix_cache_evictions": m.prefix_cache_evictions.get(),
-            "prefix_cache_bytes": m.prefix_cache_bytes.value,
+    def values(self) -> dict[tuple[str, str], float]:
+        """(Triton metric name, label value) -> the engine's value now."""
+        return {
+            key: metric.get(key[1]) if isinstance(metric, Counter) else metric.value
+            for key, (metric, _) in self._targets.items()
         }
-        for reason in FINISH_REASONS:
-            values[f"request_success:{reason}"] = m.request_success.get(reason)
-        return values
 
     def sync(self) -> None:
         with self._lock:
             for key, value in self.values().items():
-                target = self._targets.get(key)
-                if target is None:
-                    continue
-                if _MIRRORED[key][2] == "gauge":
+                metric, target = self._targets[key]
+                if isinstance(metric, Gauge):
                     target.set(value)
                 elif value > self._copied.get(key, 0.0):
                     target.increment(value - self._copied.get(key, 0.0))
@@ -385,59 +370,7 @@ class MetricsMirror:
                 logger.exception("copying metrics to Triton failed")
 
 
-def _mirrored() -> dict[str, tuple[str, str, str, dict[str, str]]]:
-    """key in MetricsMirror.values() -> (Triton metric name, help, kind, extra labels)."""
-    table: dict[str, tuple[str, str, str, dict[str, str]]] = {
-        "prompt_tokens": ("kvforge_prompt_tokens_total", "Prompt tokens prefilled.", "counter", {}),
-        "generation_tokens": ("kvforge_generation_tokens_total", "Tokens generated.", "counter", {}),
-        "request_aborted": (
-            "kvforge_request_aborted_total",
-            "Requests aborted in the engine (cancelled by Triton: client gone or timeout).",
-            "counter",
-            {},
-        ),
-        "request_failed": ("kvforge_request_failed_total", "Requests ended by an engine error.", "counter", {}),
-        "request_rejected": (
-            "kvforge_request_rejected_total",
-            "Requests refused: engine queue full or engine unavailable.",
-            "counter",
-            {},
-        ),
-        "num_requests_running": (
-            "kvforge_num_requests_running",
-            "Requests in the batch (prefilling or decoding).",
-            "gauge",
-            {},
-        ),
-        "num_requests_waiting": (
-            "kvforge_num_requests_waiting",
-            "Requests accepted and waiting for a batch slot.",
-            "gauge",
-            {},
-        ),
-        "kv_cache_usage_perc": (
-            "kvforge_kv_cache_usage_perc",
-            "Fraction of the KV cache (max_num_seqs x context positions) holding tokens.",
-            "gauge",
-            {},
-        ),
-    }
-    for key, help in (
-        ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
-        ("prefix_cache_hits", "Requests that found a cached prefix."),
-        ("prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache instead of prefilled."),
-        ("prefix_cache_evictions", "Prefix cache blocks evicted."),
-    ):
-        table[key] = (f"kvforge_{key}_total", help, "counter", {})
-    table["prefix_cache_bytes"] = ("kvforge_prefix_cache_bytes", "Bytes the prefix cache holds.", "gauge", {})
-    for reason in FINISH_REASONS:
-        table[f"request_success:{reason}"] = (
-            "kvforge_request_success_total",
-            "Requests finished, by finish reason.",
-            "counter",
-            {"finished_reason": reason},
-        )
-    return table
-
-
-_MIRRORED = _mirrored()
+def triton_name(metric: Counter | Gauge) -> str:
+    """`kvforge serve`'s metric name as Triton takes it: `kvforge_` for `kvforge:`, counters with `_total`."""
+    base = "kvforge_" + metric.name.removeprefix(PREFIX)
+    return base + "_total" if isinstance(metric, Counter) else base

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -21,10 +19,6 @@ class TensorSpec:
     data_type: str  # Triton's model-config type name
     dims: tuple[int, ...]  # the whole shape: the model has no batch dimension (max_batch_size 0)
     optional: bool = False
-
-    @property
-    def numpy_type(self) -> type:
-        return NUMPY_TYPES[self.data_type]
 
 
 SCALAR = (1, 1)
@@ -51,14 +45,6 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("num_input_tokens", "TYPE_INT32", SCALAR),
     TensorSpec("num_output_tokens", "TYPE_INT32", SCALAR),
 )
-
-NUMPY_TYPES: dict[str, type] = {
-    "TYPE_STRING": np.object_,
-    "TYPE_BOOL": np.bool_,
-    "TYPE_INT32": np.int32,
-    "TYPE_FP32": np.float32,
-    "TYPE_UINT64": np.uint64,
-}
 
 # The engine's knobs, as config.pbtxt `parameters` (string values), with `kvforge serve`'s defaults.
 ENGINE_PARAMETERS: dict[str, int] = {"max_num_seqs": 8, "max_queued": 64, "prefill_chunk": 256}

@@ -16,6 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from passes.last_position import LastPositionLogits
+from passes.targets import TARGETS
 from tests.passes.fusion_testing import canonical_graph, ort_outputs
 from tests.tiny import VOCAB_SIZE
 
@@ -214,10 +215,10 @@ def test_logits_all_leaves_the_pass_out_of_every_target(target: str) -> None:
     from passes.pipeline import phases
 
     def names(logits: str) -> list[str]:
-        made = phases(target, capacity=64, logits=logits)
+        made = phases(TARGETS[target], capacity=64, logits=logits)
         return [type(p).__name__ for _, passes in made for p in passes]
 
     assert "LastPositionLogits" in names("last")
     assert names("all") == [n for n in names("last") if n != "LastPositionLogits"]
     with pytest.raises(ValueError, match="logits must be one of"):
-        phases(target, capacity=64, logits="first")
+        phases(TARGETS[target], capacity=64, logits="first")

@@ -55,7 +55,7 @@ def test_canonicalize_folds_dedupes_and_removes_without_changing_numerics() -> N
     model = small_graph()
     x = np.random.default_rng(1).standard_normal((3, 32)).astype(np.float32)
     expected = run_ort(model, x)
-    report = run(model, "onnx")
+    report = run(model, TARGETS["onnx"])
     assert report.histogram_before == {
         "Add": 3,
         "Identity": 1,
@@ -75,23 +75,23 @@ def test_canonicalize_folds_dedupes_and_removes_without_changing_numerics() -> N
 def test_weight_transpose_is_folded_last_and_the_weight_keeps_its_name() -> None:
     model = small_graph()
     shape = model.graph.initializers["W"].shape
-    run(model, "onnx")
+    run(model, TARGETS["onnx"])
     assert "W" in model.graph.initializers and "Transpose" not in histogram(model)
     assert shape is not None and model.graph.initializers["W"].shape == ir.Shape(list(reversed(list(shape))))
 
 
 def test_modified_is_exact_and_a_second_run_changes_nothing() -> None:
     model = small_graph()
-    first = run(model, "onnx")
+    first = run(model, TARGETS["onnx"])
     assert [r.modified for r in first.passes] == [r.nodes_before != r.nodes_after for r in first.passes]
     assert any(r.modified for r in first.passes)
-    second = run(model, "onnx")
+    second = run(model, TARGETS["onnx"])
     assert not any(r.modified for r in second.passes)
     assert second.histogram_before == second.histogram_after == first.histogram_after
 
 
 def test_report_is_reproducible_without_timings_and_lists_every_pass() -> None:
-    reports = [run(small_graph(), "onnx").to_dict(timings=False) for _ in range(2)]
+    reports = [run(small_graph(), TARGETS["onnx"]).to_dict(timings=False) for _ in range(2)]
     assert reports[0] == reports[1]
     names = [r["name"] for r in reports[0]["passes"]]
     assert names == [pass_name(p) for phase in TARGETS["onnx"].phases for p in PHASES[phase][1]()]
@@ -99,7 +99,7 @@ def test_report_is_reproducible_without_timings_and_lists_every_pass() -> None:
 
 
 def test_summary_names_each_pass_and_node_counts() -> None:
-    report = run(small_graph(), "onnx")
+    report = run(small_graph(), TARGETS["onnx"])
     text = report.summary()
     assert text.splitlines()[0] == (
         f"passes for target onnx: {sum(report.histogram_before.values())} -> "

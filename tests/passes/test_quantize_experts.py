@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from passes.fuse_moe import interleave_gate_up
 from passes.quantize import WeightQuantization, quantize_blockwise
 from passes.quantize_experts import QuantizeExperts
+from passes.targets import TARGETS
 from tests.passes.fusion_testing import op_count, ort_outputs
 from tests.passes.test_fuse_moe import (
     GPT_OSS_SWIGLU,
@@ -157,7 +158,7 @@ def quantized_artifact(tiny_checkpoint: Callable[..., Path], tmp_path_factory: p
     def get(target: str, bits: int, model_type: str = "qwen3_moe") -> Path:
         if (target, bits, model_type) not in made:
             out = tmp_path_factory.mktemp(f"moe-{model_type}-{target}-int{bits}") / "out"
-            options = BuildOptions(target=target, weights=WeightQuantization(bits))
+            options = BuildOptions(target=TARGETS[target], weights=WeightQuantization(bits))
             made[(target, bits, model_type)] = build(tiny_checkpoint(model_type), out, options).output
         return made[(target, bits, model_type)]
 

@@ -10,6 +10,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
+from passes.targets import TARGETS
 from passes.tensorrt import (
     BoolMaskToCapacity,
     ConcatCacheToScatter,
@@ -218,8 +219,8 @@ def test_the_tensorrt_pipeline_needs_a_capacity_and_ends_with_the_checker() -> N
     from passes.pipeline import pass_name, phases
 
     with pytest.raises(ValueError, match="needs capacity"):
-        phases("tensorrt")
-    made = phases("tensorrt", capacity=128)
+        phases(TARGETS["tensorrt"])
+    made = phases(TARGETS["tensorrt"], capacity=128)
     assert [phase for phase, _ in made][-2:] == ["tensorrt", "finalize"]
     assert pass_name(made[-1][1][-1]) == "RequireTensorRT"
     fix = next(p for p in made[-2][1] if isinstance(p, FixCapacity))

@@ -43,8 +43,8 @@ def gate_sides(real_checkpoint: Callable[[str], Path], real_artifact: Callable[.
     from runners.manifest import read_manifest
     from runners.session import OrtSession
     from toolchain import checkpoint as checkpoints
-    from toolchain.build import _eager_session
     from toolchain.export import eager_model
+    from toolchain.gate import eager_session
     from toolchain.spec import DecoderSpec
     from toolchain.verify import record_reference
 
@@ -54,7 +54,7 @@ def gate_sides(real_checkpoint: Callable[[str], Path], real_artifact: Callable[.
     io = DecoderIO.from_dict(read_manifest(artifact)["io"])
     assert io.kv_mode == "shared"  # the cache bug below is one of a shared buffer
     model = eager_model(ckpt, spec)
-    eager = _eager_session(model, spec, replace(io, kv_mode="concat", capacity=None))
+    eager = eager_session(model, spec, replace(io, kv_mode="concat", capacity=None))
     compiled = OrtSession(artifact / "model.onnx", io, prepack=False)
     good = record_reference(eager, max_positions=spec.max_positions)
     return GateSides(model, eager, compiled, spec.max_positions, good)

@@ -53,7 +53,7 @@ def test_values_narrower_than_keys_round_trip_and_shape_the_cache() -> None:
     assert dims["past_key_values.1.key"] == ("batch", 1, "past", 16)
     assert dims["past_key_values.1.value"] == ("batch", 1, "past", 8)
     assert MLA.kv_shape("present.0.value", 3, 10) == (3, 1, 10, 8)
-    assert MLA.kv_bytes_per_position() == 2 * 1 * (16 + 8) * 4
+    assert MLA.kv_bytes_by_kind(1) == {"full": 2 * 1 * (16 + 8) * 4}
 
 
 @pytest.mark.parametrize("value", [0, True, 1 << 17, "8"])

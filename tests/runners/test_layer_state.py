@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from passes.targets import TARGETS
 from runners.bench import kv_bytes_per_step
 from runners.contract import DecoderIO, LayerState
 from runners.engine import Engine
@@ -106,7 +107,7 @@ def test_manifest_records_linear_attention_states(built_artifact: Callable[..., 
 def test_state_bytes_by_arithmetic(lfm2_engine: Engine) -> None:
     io = lfm2_engine.session.io
     assert io.state_bytes_per_sequence() == 2 * HIDDEN * KERNEL * 4  # two conv layers, fp32
-    assert io.kv_bytes_per_position() == 1 * 2 * (16 + 16) * 4  # one attention layer, 2 KV heads × 16
+    assert io.kv_bytes_by_kind(1) == {"full": 1 * 2 * (16 + 16) * 4}  # one attention layer, 2 KV heads × 16
     cache = empty_cache(io, batch=3, capacity=10)
     assert cache["past_conv.0"].shape == (3, HIDDEN, KERNEL)
     assert cache["past_key_values.1.key"].shape == (3, 2, 10, 16)
@@ -223,4 +224,4 @@ def test_targets_without_state_support_are_refused(tiny_checkpoint: Callable[...
     from toolchain.build import BuildOptions, build
 
     with pytest.raises(ArtifactError, match="conv layers keep a fixed-size state.*--target ort-cpu"):
-        build(tiny_checkpoint("lfm2"), tmp_path / "out", BuildOptions(target="tensorrt"))
+        build(tiny_checkpoint("lfm2"), tmp_path / "out", BuildOptions(target=TARGETS["tensorrt"]))

@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from passes.targets import TARGETS
+
 if TYPE_CHECKING:
     from toolchain.build import BuildResult
 
@@ -23,7 +25,7 @@ def tensorrt_artifact(
     def get(model_type: str = "llama") -> BuildResult:
         if model_type not in built:
             out = tmp_path_factory.mktemp(f"trt-{model_type}") / "out"
-            built[model_type] = build(tiny_checkpoint(model_type), out, BuildOptions(target="tensorrt"))
+            built[model_type] = build(tiny_checkpoint(model_type), out, BuildOptions(target=TARGETS["tensorrt"]))
         return built[model_type]
 
     return get

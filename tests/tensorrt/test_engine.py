@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from passes.targets import TARGETS
 from runners.contract import DecoderIO
 from runners.errors import ArtifactError
 from toolchain.cli import main
@@ -152,11 +153,11 @@ def test_tensorrt_build_settings_are_resolved_and_checked_before_any_work() -> N
     class Spec:
         max_positions = 256
 
-    resolved = _target_options(BuildOptions(target="tensorrt"), Spec())  # type: ignore[arg-type]
+    resolved = _target_options(BuildOptions(target=TARGETS["tensorrt"]), Spec())  # type: ignore[arg-type]
     assert resolved.capacity == 256 and resolved.flags()["capacity"] == 256
-    assert "capacity" not in BuildOptions(target="onnx").flags()  # other targets' manifests are unchanged
+    assert "capacity" not in BuildOptions(target=TARGETS["onnx"]).flags()  # other targets' manifests are unchanged
     with pytest.raises(ArtifactError, match="--capacity 300 must be between 1 and the model's context of 256"):
-        _target_options(BuildOptions(target="tensorrt", capacity=300), Spec())  # type: ignore[arg-type]
+        _target_options(BuildOptions(target=TARGETS["tensorrt"], capacity=300), Spec())  # type: ignore[arg-type]
     asymmetric = WeightQuantization(4, 32, symmetric=False)
     with pytest.raises(ArtifactError, match="symmetric weight quantization only"):
-        _target_options(BuildOptions(target="tensorrt", weights=asymmetric), Spec())  # type: ignore[arg-type]
+        _target_options(BuildOptions(target=TARGETS["tensorrt"], weights=asymmetric), Spec())  # type: ignore[arg-type]

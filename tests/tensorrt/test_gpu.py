@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from passes.targets import TARGETS
 from toolchain.emit import tensorrt as engine_build
 
 _MISSING = engine_build.unavailable()
@@ -30,7 +31,7 @@ def engine_artifact(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pyte
     from toolchain.build import BuildOptions, build
 
     out = tmp_path_factory.mktemp("trt-engine") / "out"
-    build(tiny_checkpoint("llama"), out, BuildOptions(target="tensorrt", capacity=128))
+    build(tiny_checkpoint("llama"), out, BuildOptions(target=TARGETS["tensorrt"], capacity=128))
     options = engine_build.EngineOptions(
         max_batch=4, max_prefill=8, timing_cache_dir=tmp_path_factory.mktemp("timing-cache")
     )
@@ -56,13 +57,14 @@ def test_engine_matches_the_eager_model(engine_artifact: Path, tiny_checkpoint: 
     from toolchain import checkpoint as checkpoints
     from toolchain.export import DecoderWrapper, eager_model
     from toolchain.spec import DecoderSpec
-    from toolchain.verify import check_parity
+    from toolchain.verify import compare_with_reference, record_reference
 
     ckpt = checkpoints.load(tiny_checkpoint("llama"))
     spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
     reference = TorchSession(DecoderWrapper(eager_model(ckpt, spec), spec.num_layers), DecoderIO.for_spec(spec))
     candidate = TrtSession(engine_artifact, mirror_cache=True)
-    report = check_parity(reference, candidate, max_positions=128, dtype="float32", decode_steps=8)
+    recorded = record_reference(reference, max_positions=128, decode_steps=8)
+    report = compare_with_reference(recorded, candidate, max_positions=128, dtype="float32")
     assert report.passed, report.failures()
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
+from passes.targets import TARGETS
 from passes.tensorrt_check import check_graph
 from runners.engine import Engine
 from tests.tiny import SUPPORTED, hf_greedy
@@ -117,7 +118,7 @@ def test_cli_build_passes_the_capacity_and_prints_the_build_engine_step(
     assert run.exit_code == 0, run.output
     assert f"kvforge build-engine {result.output}" in run.output
     options = seen["options"]
-    assert options.target == "tensorrt" and options.capacity == 128  # type: ignore[attr-defined]
+    assert options.target.name == "tensorrt" and options.capacity == 128  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2"])
@@ -125,7 +126,7 @@ def test_a_second_run_of_the_pipeline_changes_nothing(model_type: str, tensorrt_
     from passes import pipeline
 
     model = ir.load(tensorrt_artifact(model_type).output / "model.onnx")
-    report = pipeline.run(model, "tensorrt", capacity=256)
+    report = pipeline.run(model, TARGETS["tensorrt"], capacity=256)
     assert [(r.phase, r.name) for r in report.passes if r.modified] == []
     assert report.passes[-1].name == "RequireTensorRT"  # the postcondition ran, and passed
 

@@ -106,7 +106,7 @@ def concat_artifact(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pyte
     from toolchain.build import BuildOptions, build
 
     out = tmp_path_factory.mktemp("art-gemma2-onnx") / "out"
-    return build(tiny_checkpoint("gemma2"), out, BuildOptions(target="onnx")).output
+    return build(tiny_checkpoint("gemma2"), out, BuildOptions(target=TARGETS["onnx"])).output
 
 
 def _valid_prefix(text: str) -> str:

@@ -15,6 +15,7 @@ import torch
 from onnx import TensorProto
 
 from passes.quantize import WeightQuantization
+from passes.targets import TARGETS
 from runners.engine import Engine
 from runners.errors import ArtifactError
 from toolchain import checkpoint as checkpoints
@@ -54,7 +55,7 @@ def float_types(model_path: Path) -> dict[str, int]:
 def test_half_precision_build_is_verified_and_stores_its_weights_at_that_width(
     model_type: str, dtype: str, target: str, tiny_checkpoint: Callable[..., Path], tmp_path: Path
 ) -> None:
-    result = build(tiny_checkpoint(model_type), tmp_path / "out", BuildOptions(target=target, dtype=dtype))
+    result = build(tiny_checkpoint(model_type), tmp_path / "out", BuildOptions(target=TARGETS[target], dtype=dtype))
     assert result.parity.passed
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["flags"]["dtype"] == dtype
@@ -150,7 +151,7 @@ def test_unknown_dtype_is_refused_before_any_work(tiny_checkpoint: Callable[...,
 def test_bfloat16_artifact_is_refused_by_the_onnxruntime_runner_with_the_way_out(
     tiny_checkpoint: Callable[..., Path], tmp_path: Path
 ) -> None:
-    build(tiny_checkpoint("llama"), tmp_path / "out", BuildOptions(dtype="bfloat16", target="tensorrt"))
+    build(tiny_checkpoint("llama"), tmp_path / "out", BuildOptions(dtype="bfloat16", target=TARGETS["tensorrt"]))
     with pytest.raises(ArtifactError, match=r"bfloat16, which onnxruntime's CPU provider cannot run.*build-engine"):
         Engine.load(tmp_path / "out")
 

@@ -13,6 +13,7 @@ from onnx import TensorProto
 
 import passes.quantize as quantize_module
 from passes.quantize import WeightQuantization
+from passes.targets import TARGETS
 from runners.bench import weight_bytes_per_step
 from runners.engine import Engine
 from runners.errors import ArtifactError, ParityError
@@ -78,7 +79,7 @@ def test_quantized_build_passes_the_distribution_gate_and_generates(
     tiny_checkpoint: Callable[..., Path],
 ) -> None:
     checkpoint = tiny_checkpoint(model_type)
-    result = build(checkpoint, tmp_path / "out", BuildOptions(target=target, weights=weights))
+    result = build(checkpoint, tmp_path / "out", BuildOptions(target=TARGETS[target], weights=weights))
     manifest = result.manifest
     assert manifest["flags"]["weights"] == weights.to_dict()
     parity = manifest["parity"]
@@ -144,7 +145,7 @@ def test_asymmetric_weights_for_tensorrt_are_refused_before_any_work(
         build(
             tiny_checkpoint("llama"),
             tmp_path / "out",
-            BuildOptions(target="tensorrt", weights=WeightQuantization(4, symmetric=False)),
+            BuildOptions(target=TARGETS["tensorrt"], weights=WeightQuantization(4, symmetric=False)),
         )
     assert list(tmp_path.iterdir()) == []
 

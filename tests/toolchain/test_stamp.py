@@ -167,7 +167,7 @@ def test_stamped_graph_refused_by_the_gate_is_rebuilt_from_the_whole_stack(
     # the refused attempt's gate session (and the graph behind it) is gone before the reload
     sessions: list[weakref.ref[Any]] = []
     alive_at_each_load: list[list[bool]] = []
-    real_verifiable, real_eager_model = build_module._verifiable, build_module.eager_model
+    real_verifiable, real_eager_model = build_module.verifiable, build_module.eager_model
 
     @contextmanager
     def recorded(*args: Any, **kwargs: Any) -> Iterator[Any]:
@@ -179,7 +179,7 @@ def test_stamped_graph_refused_by_the_gate_is_rebuilt_from_the_whole_stack(
         alive_at_each_load.append([ref() is not None for ref in sessions])
         return real_eager_model(*args, **kwargs)
 
-    monkeypatch.setattr(build_module, "_verifiable", recorded)
+    monkeypatch.setattr(build_module, "verifiable", recorded)
     monkeypatch.setattr(build_module, "eager_model", loading)
     result = build(llama6, tmp_path / "out")
     assert result.lowering is not None and not result.lowering.stamped

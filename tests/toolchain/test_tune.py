@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from passes.quantize import KernelForm, WeightQuantization
+from passes.targets import TARGETS
 from runners.errors import ArtifactError
 from toolchain import tune
 from toolchain.build import BuildOptions, build
@@ -241,7 +242,7 @@ def test_tune_off_writes_the_default_form_and_records_no_kernels(
     [
         (BuildOptions(tune="fast"), "--tune fast chooses the kernel form of quantized weights; add --weights"),
         (
-            BuildOptions(target="onnx", weights=WeightQuantization(4), tune="full"),
+            BuildOptions(target=TARGETS["onnx"], weights=WeightQuantization(4), tune="full"),
             "--tune full: --target onnx writes no kernel-specific forms to choose from",
         ),
         (BuildOptions(weights=WeightQuantization(4), tune="always"), "unknown tune mode 'always'"),

@@ -5,9 +5,26 @@ from __future__ import annotations
 import numpy as np
 
 from runners.contract import DecoderIO
-from toolchain.verify import TOLERANCES, check_distribution, check_parity, compare, reference_log_probs
+from runners.session import Session
+from toolchain.verify import (
+    TOLERANCES,
+    ParityReport,
+    check_distribution,
+    compare,
+    compare_with_reference,
+    record_reference,
+    reference_log_probs,
+)
 
 TOL = TOLERANCES["float32"]
+
+
+def check_parity(
+    reference: Session, candidate: Session, *, max_positions: int, decode_steps: int, tolerance: float | None = None
+) -> ParityReport:
+    """The build's gate: the eager side recorded, then the compiled side compared with it."""
+    recorded = record_reference(reference, max_positions=max_positions, decode_steps=decode_steps)
+    return compare_with_reference(recorded, candidate, max_positions=max_positions, tolerance=tolerance)
 
 
 def test_compare_judges_logits_by_each_rows_spread_and_a_present_tensor_by_its_rms() -> None:
@@ -92,7 +109,7 @@ def test_a_shifted_logit_is_reported_with_the_first_diverging_step() -> None:
 
 
 def test_the_first_diverging_output_is_named_in_the_order_the_model_computes_it() -> None:
-    from toolchain.verify import OutputError, ParityReport
+    from toolchain.verify import OutputError
 
     report = ParityReport("float32", TOL)
     report.prefill = [

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from passes.targets import TARGETS
 from runners.engine import Engine
 from runners.generate import position_ids
 from runners.manifest import read_io, read_manifest
@@ -188,7 +189,7 @@ def test_tensorrt_backend_runs_the_artifacts_engine(tiny_checkpoint: Callable[..
     if engine_build.unavailable() is not None or not (TRITON_HOME / "backends" / "tensorrt").is_dir():
         pytest.skip(f"needs TensorRT here and Triton's tensorrt backend: {engine_build.unavailable()}")
     artifact = tmp_path / "trt"
-    build(tiny_checkpoint("llama"), artifact, BuildOptions(target="tensorrt", capacity=64))
+    build(tiny_checkpoint("llama"), artifact, BuildOptions(target=TARGETS["tensorrt"], capacity=64))
     engine_build.add_engine(artifact, engine_build.EngineOptions(max_batch=1, timing_cache_dir=tmp_path / "cache"))
     engine_file = read_manifest(artifact)["engine"]["file"]
     repository = _raw_repository(tmp_path / "repository", {"model.plan": artifact / engine_file}, "tensorrt_plan")

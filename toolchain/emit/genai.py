@@ -25,16 +25,11 @@ from passes.targets import Target
 from runners.contract import DecoderIO
 from runners.engine import generation_settings
 from toolchain.emit import GENERATION_CONFIG, MODEL_FILE, write_json
-from toolchain.spec import DecoderSpec
+from toolchain.spec import GENAI_DECODER_TYPES, DecoderSpec
 
 GENAI_CONFIG = "genai_config.json"
 # Cache dtypes onnxruntime's CPU provider computes (bfloat16 is a TensorRT artifact's).
 _KV_DTYPES = ("float32", "float16")
-# onnxruntime-genai model types it runs as a plain decoder from these I/O names (its
-# ModelType::IsLLM list, less those with a model class of their own: gpt2 reads one combined
-# past tensor per layer, phi3 rewinds a long-RoPE factor, lfm2 keeps conv state). Every other
-# architecture is "decoder", the type onnxruntime-genai keeps for exactly that.
-_PLAIN_DECODER_TYPES = frozenset({"gemma", "gemma2", "granite", "llama", "mistral", "olmo", "qwen2", "qwen3"})
 GENERIC_TYPE = "decoder"
 _HF_TOP_K = 50  # transformers' GenerationConfig default
 
@@ -55,7 +50,7 @@ def drives(target: Target, io: DecoderIO) -> bool:
 
 
 def model_type(spec: DecoderSpec) -> str:
-    return spec.model_type if spec.model_type in _PLAIN_DECODER_TYPES else GENERIC_TYPE
+    return spec.model_type if spec.model_type in GENAI_DECODER_TYPES else GENERIC_TYPE
 
 
 def genai_config(spec: DecoderSpec, io: DecoderIO, generation: Mapping[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from passes.targets import TARGETS, TENSORRT_ENGINE
 from passes.tensorrt_check import min_tensorrt_version
 from runners.contract import DecoderIO
 from runners.errors import ArtifactError
@@ -281,10 +282,12 @@ def add_engine(artifact: Path, options: EngineOptions) -> dict[str, Any]:
     artifact = Path(os.path.abspath(artifact))
     recorded = read_manifest(artifact)
     verify_files(artifact, recorded)
-    if recorded.get("target") != "tensorrt":
+    target = TARGETS.get(recorded.get("target", ""))
+    if target is None or target.emitter != TENSORRT_ENGINE:
+        engines = [t.name for t in TARGETS.values() if t.emitter == TENSORRT_ENGINE]
         raise EngineError(
-            f"{artifact / MANIFEST}: target is {recorded.get('target')!r}, not 'tensorrt'; build the artifact with "
-            "`kvforge build CHECKPOINT -o OUT --target tensorrt` first"
+            f"{artifact / MANIFEST}: target is {recorded.get('target')!r}, not {' or '.join(map(repr, engines))}; "
+            f"build the artifact with `kvforge build CHECKPOINT -o OUT --target {engines[0]}` first"
         )
     io = read_io(artifact, recorded)
     options.check(io)
