@@ -54,6 +54,7 @@ from toolchain.verify import (
     ParityReport,
     check_distribution,
     compare_with_reference,
+    gate_provider,
     gate_tokens,
     record_reference,
     reference_log_probs,
@@ -261,7 +262,9 @@ def _compile(
                     genai.write_genai_config(staging, spec, graph_io, emit.generation_config(ckpt, spec))
             # the files are final (the gate only reads the graph): hashed while it runs
             emitted = helpers.enter_context(hashing.Pending(staging.iterdir()))
-            with _timed(seconds, "verify"), _verifiable(staging, graph_io, options.weights is None) as session:
+            provider = gate_provider(target.providers)
+            verifiable = _verifiable(staging, graph_io, options.weights is None, provider)
+            with _timed(seconds, "verify"), verifiable as session:
                 report = gate(progress.CountedSession(session))
                 if lowering.stamped and not report.passed:
                     raise _StampedGraphRefused(report.failures())
@@ -286,7 +289,7 @@ def _compile(
                     sources=sources.result(),
                     flags=options.flags(),
                     passes=pass_report.to_dict(timings=False),
-                    parity=report.to_dict() | {"computed_in": computed_in},
+                    parity=report.to_dict() | {"computed_in": computed_in, "verified_on": provider},
                     hub=ckpt.hub,
                     experts=experts,
                     kernels=None if tuner is None else tuning.kernels_entry(options.tune, pass_report.kernel_forms),
@@ -456,14 +459,20 @@ def _device_session(artifact: Path, recorded: dict[str, Any], io: DecoderIO, cho
 
 
 @contextmanager
-def _verifiable(directory: Path, io: DecoderIO, unquantized: bool) -> Iterator[OrtSession]:
-    """The session the gate runs the artifact in on onnxruntime's CPU provider (for an
+def _verifiable(
+    directory: Path, io: DecoderIO, unquantized: bool, provider: str = runtimes.CPU_PROVIDER
+) -> Iterator[OrtSession]:
+    """The session the gate runs the artifact in: on a GPU `provider`, the artifact itself;
+    on onnxruntime's CPU provider (for an
     unquantized graph, without prepacked weights: `OrtSession`'s `prepack`): the artifact
     itself, or, for a half-precision graph, which that provider cannot compute (bfloat16) or
     computes only from float32 copies of every weight made at load (fp16), the graph computed
     in float32 with its weights cast as they are read (`passes.widen`). That graph is written
     to a temporary directory beside a hard link to the artifact's weights (a copy where the
     file system has no links), and removed afterwards."""
+    if provider != runtimes.CPU_PROVIDER:
+        yield OrtSession(directory / emit.MODEL_FILE, io, (provider, runtimes.CPU_PROVIDER))
+        return
     narrow = {"float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}.get(io.kv_dtype)
     if narrow is None:
         yield OrtSession(directory / emit.MODEL_FILE, io, prepack=not unquantized)
