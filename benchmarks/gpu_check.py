@@ -1,7 +1,8 @@
 """On a GPU machine: are kvforge's artifacts right on onnxruntime's CUDA provider, and how fast
 do they decode next to transformers? One run, no network, one JSON report.
 
-    python benchmarks/gpu_check.py REPORT.json [--workdir DIR] [--only matrix|bench] [--cpu-dry-run]
+    python benchmarks/gpu_check.py REPORT.json [--workdir DIR] [--only matrix|bench] [--rows NAME...]
+        [--budget SECONDS] [--cpu-dry-run]
 
 1. The correctness matrix. Each artifact (the example model at fp32 / fp16 / int4; tiny
    checkpoints made in code: llama at fp32 / fp16 / bf16 / int8 / int4, one of each family the
@@ -23,7 +24,8 @@ do they decode next to transformers? One run, no network, one JSON report.
 `--cpu-dry-run` runs the same code on this machine's CPU: a tiny matrix (llama fp32 and
 `--target onnx`), the "device" side a second CPU session, and the benchmark on the tiny llama
 (onnxruntime and transformers eager on the CPU, no roofline). Each row records its error instead
-of stopping the run.
+of stopping the run; a row not started within `--budget` seconds is recorded as not run.
+Built artifacts and checkpoints stay in `--workdir`, so a second run measures without building.
 """
 
 from __future__ import annotations
@@ -372,11 +374,18 @@ def bench(workdir: Path, dry: bool, report: Report, path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("report", type=Path, help="where the JSON report goes")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/kvforge-gpu-check"))
     parser.add_argument("--only", choices=("matrix", "bench"), default=None)
     parser.add_argument("--cpu-dry-run", action="store_true", help="the tiny matrix and benchmark, CPU against CPU")
+    parser.add_argument("--rows", nargs="+", default=None, help="only these matrix rows, by name")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=300.0,
+        help="seconds after which no new matrix row starts (default 300; the benchmark follows)",
+    )
     args = parser.parse_args(argv)
     dry = args.cpu_dry_run
     if not dry:
@@ -388,7 +397,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     report = Report(machine=machine(dry))
     if args.only in (None, "matrix"):
-        for row in DRY_MATRIX if dry else MATRIX:
+        rows = [r for r in (DRY_MATRIX if dry else MATRIX) if args.rows is None or r.name in args.rows]
+        for row in rows:
+            if time.time() - report.started > args.budget:
+                report.matrix.append({"name": row.name, "passed": False, "error": "not run: --budget spent"})
+                continue
             report.matrix.append(check_row(row, args.workdir, CPU if dry else CUDA))
             report.write(args.report)
             print(f"{row.name}: {'ok' if report.matrix[-1]['passed'] else 'FAILED'}", flush=True)

@@ -40,7 +40,8 @@ def test_a_part_is_judged_on_the_cpu_logits_scale(gpu_check: ModuleType) -> None
 @pytest.mark.slow  # two tiny builds, generation on two CPU sessions, a tiny decode benchmark
 def test_cpu_dry_run_writes_a_report_of_the_matrix_and_the_benchmark(gpu_check: ModuleType, tmp_path: Path) -> None:
     report = tmp_path / "report.json"
-    assert gpu_check.main([str(report), "--workdir", str(tmp_path / "work"), "--cpu-dry-run"]) == 0
+    args = [str(report), "--workdir", str(tmp_path / "work"), "--cpu-dry-run", "--budget", "3600"]
+    assert gpu_check.main(args) == 0
     found = json.loads(report.read_text())
     assert found["machine"]["dry_run"] is True
     assert [row["name"] for row in found["matrix"]] == [row.name for row in gpu_check.DRY_MATRIX]
@@ -57,3 +58,13 @@ def test_cpu_dry_run_writes_a_report_of_the_matrix_and_the_benchmark(gpu_check: 
     # a tiny model's decode on a busy CPU may time below noise: None then, never a negative rate
     assert all(ort[key] is None or ort[key] > 0 for key in ("batch 1", "batch 8"))
     assert not any(key.endswith("fraction") for key in {**ort, **eager})
+
+
+def test_rows_not_started_within_the_budget_are_reported_not_run(gpu_check: ModuleType, tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    args = [str(report), "--workdir", str(tmp_path / "work"), "--cpu-dry-run", "--only", "matrix", "--budget", "0"]
+    assert gpu_check.main(args) == 1  # a row not run is not a row passed
+    rows = json.loads(report.read_text())["matrix"]
+    assert [row["name"] for row in rows] == [row.name for row in gpu_check.DRY_MATRIX]
+    assert all(not row["passed"] and "budget" in row["error"] for row in rows)
+    assert not (tmp_path / "work" / "artifacts").exists()  # nothing was built
