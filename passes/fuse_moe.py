@@ -13,11 +13,13 @@ token's k selected experts' weights are gathered and multiplied with its hidden 
     out = ReduceSum(Reshape(y, [T, k, H]), axes=[1], keepdims=0)
 
     ==>   out = com.microsoft MoE(x, logits, gate_up (gate/up rows interleaved), -, down,
-                                  k, activation_type="swiglu", swiglu_fusion=1, alpha 1, beta 0,
+                                  k, activation_type="swiglu", swiglu_fusion=1,
+                                  activation_alpha, activation_beta, swiglu_limit,
                                   normalize_routing_weights)
 
 A decode step then reads only the selected experts' weights, without the gather form's copy of
-every selected expert's weights per token (at prefill, T·k copies).
+every selected expert's weights per token (at prefill, T·k copies); docs/performance.md has the
+measured decode speed.
 
 Routing forms matched (onnxruntime's MoE routes by softmax over all experts, then top-k):
 
@@ -28,29 +30,33 @@ Routing forms matched (onnxruntime's MoE routes by softmax over all experts, the
 - TopK(logits) -> Softmax over the k values (granitemoe): the same as softmax, top-k and
   renormalize, so normalize_routing_weights=1.
 
-gpt_oss's form (second rule, `ClampedMoEFusion`: experts stored [E, in, out] with gate and up
-columns already interleaved, a bias after each product, SwiGLU clamped at 7 with alpha 1.702 and
+gpt_oss's form (`MoEFusion(clamped=True)`: experts stored [E, in, out] with gate and up columns
+already interleaved, a bias after each product, SwiGLU clamped at 7 with alpha 1.702 and
 `(up + 1)`) becomes the same op with its biases, the weights transposed to [E, out, in] and
-activation_alpha / activation_beta / swiglu_limit set from the graph's constants. Both rules
+activation_alpha / activation_beta / swiglu_limit set from the graph's constants. Both forms
 count under one name, `moe_swiglu`.
 
 Other routings (deepseek_v3's sigmoid scores with grouped top-k and a correction bias) and other
 expert forms keep the gather form, which is correct; `--explain` names what did not match (for a
 clamp other than one limit on both halves, the clamps it found).
 
-onnxruntime 1.32's CPU kernel takes SwiGLU only with gate and up interleaved on each row
-(swiglu_fusion=1), so the fused gate_up weight is stored interleaved (row 2i the gate's row i,
-row 2i+1 the up projection's). The activation is G · sigmoid(alpha · G) · (L + beta), so alpha
-and beta are set to 1 and 0 explicitly (the kernel's defaults are not those); no swiglu_limit
-(no clamp). With swiglu_limit L the kernel computes min(G, L) and clip(L, -L, L) first, which is
-gpt_oss's clamp. Checked against numpy on one-node models (tests/passes/test_fuse_moe.py): max
-error ~1e-6 plain, ~1e-5 of outputs up to 25 for gpt_oss's form with the clamp exercised.
+What the attributes mean to each kernel (onnxruntime's contrib_ops/cpu/moe and contrib_ops/cuda/moe):
 
-Measured (benchmarks/moe_decode.py; docs/performance.md has the table): a mixtral of 120.9M
-parameters, 59.5M active (8 experts of width 832, top-2), fp32, batch 1, on the shared
-2-core machine, side by side in one process: decode with MoE 0.944x a dense model of the
-active size, the same checkpoint in the gather form 0.612x (median within a round of
-MoE / gather form: 1.50).
+- CPU: SwiGLU only with gate and up interleaved on each row (swiglu_fusion=1; row 2i the gate's
+  row i, row 2i+1 the up projection's); G · sigmoid(alpha · G) · (L + beta), defaults alpha 1,
+  beta 0 and no clamp; a swiglu_limit L clamps min(G, L) and clip(L, -L, L) first (gpt_oss's
+  clamp), a limit of 0 clamps everything to 0.
+- CUDA: the same interleaving (gate at even, up at odd columns) and formula, but its releases
+  differ in which attributes they read: the CUTLASS SwiGLU epilogue hard-codes alpha 1.702 and
+  (L + 1); `moe_fused_swiglu.cu` reads alpha and the limit and keeps (L + 1); the newest
+  `moe_base.h` reads all three with gpt_oss's values as defaults (a missing swiglu_limit clamps
+  at 7) and takes a non-positive limit as "no clamp". On an H200, onnxruntime-gpu 1.31.1
+  computed gpt_oss's form as the CPU does and plain SwiGLU (alpha 1, beta 0, no limit) otherwise.
+
+So every node states alpha, beta and the limit (plain SwiGLU: PLAIN_SWIGLU, a limit no float
+exceeds), which every kernel that reads them computes alike; and for a target that names the
+CUDA provider (`cuda=True`), only gpt_oss's SwiGLU (CUDA_SWIGLU), which every CUDA release
+computes, is fused: plain SwiGLU keeps the gather form there.
 """
 
 from __future__ import annotations
@@ -75,6 +81,12 @@ MS_DOMAIN = "com.microsoft"
 _MOE_TYPES = frozenset([ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16])
 INTERLEAVED = ".interleaved"  # suffix of the gate_up weight stored with gate and up rows interleaved
 TRANSPOSED = ".transposed"  # suffix of a [experts, in, out] weight stored [experts, out, in]
+# (activation_alpha, activation_beta, swiglu_limit) of plain SwiGLU, SiLU(gate) · up, stated in
+# full: the kernels' defaults differ, and a non-positive limit means "no clamp" to some CUDA
+# kernels and "clamp at 0" to the CPU's; a finite limit no float exceeds means "no clamp" to all
+PLAIN_SWIGLU = (1.0, 0.0, float(np.finfo(np.float32).max))
+# The SwiGLU every release of onnxruntime's CUDA MoE computes: some hard-code it (gpt_oss's)
+CUDA_SWIGLU = (1.702, 1.0, 7.0)
 
 
 def _ints(value: ir.Value | None) -> list[int] | None:
@@ -202,111 +214,6 @@ def _block_failure(
     return None
 
 
-class MoEFusion(pattern.RewriteRuleClassBase):
-    """The gather-form SwiGLU experts block with softmax top-k routing -> com.microsoft MoE (module docstring)."""
-
-    def __init__(self) -> None:
-        super().__init__("moe_swiglu")
-
-    def pattern(  # type: ignore[override]
-        self,
-        op: OpsetPatternBuilder,
-        x: ValuePattern,
-        x_axes: ValuePattern,
-        repeat: ValuePattern,
-        rows: ValuePattern,
-        indices: ValuePattern,
-        flat: ValuePattern,
-        index_axes: ValuePattern,
-        gate_up: ValuePattern,
-        in_axes: ValuePattern,
-        out_axes: ValuePattern,
-        down: ValuePattern,
-        in_axes_2: ValuePattern,
-        out_axes_2: ValuePattern,
-        weights: ValuePattern,
-        flat_weights: ValuePattern,
-        weight_axes: ValuePattern,
-        per_token: ValuePattern,
-        sum_axes: ValuePattern,
-    ) -> ValuePattern:
-        x_rep = op.Reshape(op.Expand(op.Unsqueeze(x, x_axes), repeat), rows)
-        idx = op.Unsqueeze(op.Reshape(indices, flat), index_axes)
-        h = op.Squeeze(op.MatMul(op.GatherND(gate_up, idx, batch_dims=0), op.Unsqueeze(x_rep, in_axes)), out_axes)
-        gate, up = op.Split(h, axis=1, num_outputs=2, _outputs=2)
-        act = op.Mul(op.Mul(gate, op.Sigmoid(gate)), up)
-        y = op.Squeeze(op.MatMul(op.GatherND(down, idx, batch_dims=0), op.Unsqueeze(act, in_axes_2)), out_axes_2)
-        y = op.Mul(y, op.Unsqueeze(op.Reshape(weights, flat_weights), weight_axes))
-        return op.ReduceSum(op.Reshape(y, per_token), sum_axes, keepdims=0)
-
-    def check(  # type: ignore[override]
-        self,
-        context: MatchContext,
-        x: ir.Value,
-        x_axes: ir.Value,
-        repeat: ir.Value,
-        indices: ir.Value,
-        index_axes: ir.Value,
-        gate_up: ir.Value,
-        in_axes: ir.Value,
-        out_axes: ir.Value,
-        down: ir.Value,
-        in_axes_2: ir.Value,
-        out_axes_2: ir.Value,
-        weights: ir.Value,
-        weight_axes: ir.Value,
-        sum_axes: ir.Value,
-        **_: object,
-    ) -> MatchResult:
-        result = MatchResult()
-        stacks = ((gate_up, "gate_up weights", 3), (down, "down weights", 3))
-        failure = _weights_failure(x, stacks, "[experts, out, in]")
-        if failure is not None:
-            return result.fail(*failure)
-        experts, fused, hidden = gate_up.const_value.shape.numpy()  # type: ignore[union-attr]
-        if fused % 2 or tuple(down.const_value.shape.numpy()) != (experts, hidden, fused // 2):  # type: ignore[union-attr]
-            return result.fail(f"down weights {down.shape} do not match gate_up {gate_up.shape}", down)
-        failure = _block_failure(x, indices, weights, repeat, x_axes, sum_axes, experts, hidden)
-        if failure is not None:
-            return result.fail(*failure)
-        last_axes = ((index_axes, 2), (in_axes, 3), (out_axes, 3), (in_axes_2, 3), (out_axes_2, 3), (weight_axes, 2))
-        for axes, rank in last_axes:
-            if not _is_axis(axes, -1, rank):
-                return result.fail("a matrix-vector product is not over the last axis", axes)
-        return result
-
-    def rewrite(  # type: ignore[override]
-        self,
-        op: TapeBuilder,
-        x: ir.Value,
-        indices: ir.Value,
-        gate_up: ir.Value,
-        down: ir.Value,
-        weights: ir.Value,
-        **_: object,
-    ) -> ir.Value:
-        found = routing(indices, weights)
-        assert not isinstance(found, str)
-        logits, k, normalize = found
-        name = f"{gate_up.name}{INTERLEAVED}"
-        w1 = op.initializer(ir.tensor(interleave_gate_up(gate_up.const_value.numpy()), name=name), name=name)  # type: ignore[union-attr]
-        moe: ir.Value = op.MoE(
-            x,
-            logits,
-            w1,
-            None,
-            down,
-            k=k,
-            activation_type="swiglu",
-            swiglu_fusion=1,
-            activation_alpha=1.0,
-            activation_beta=0.0,
-            normalize_routing_weights=normalize,
-            _domain=MS_DOMAIN,
-        )
-        return moe
-
-
 def _scalar(value: ir.Value | None) -> float | None:
     """The value of a one-element constant, else None."""
     tensor = ir.convenience.get_const_tensor(value) if value is not None else None
@@ -315,27 +222,33 @@ def _scalar(value: ir.Value | None) -> float | None:
     return float(np.asarray(tensor.numpy()).reshape(-1)[0])
 
 
-class ClampedMoEFusion(pattern.RewriteRuleClassBase):
-    """gpt_oss's gather-form experts -> com.microsoft MoE with biases and a clamped SwiGLU.
+def _cuda_differs(alpha: float, beta: float, limit: float | None) -> str:
+    clamp = "no clamp" if limit is None else f"limit {limit}"
+    return (
+        f"SwiGLU alpha {alpha}, beta {beta}, {clamp}: onnxruntime's CUDA MoE kernels compute alpha, beta, "
+        f"limit = {CUDA_SWIGLU} in some releases whatever the attributes say (the gather form stays)"
+    )
 
-    Its experts are stored [experts, in, out] (gate_up [E, H, 2I] with the gate's and the up
-    projection's columns already interleaved, down [E, I, H]), with a bias after each product:
 
-        h    = x_rep · GatherND(gate_up) + GatherND(gate_up_bias)
-        gate = min(h[:, 0::2], limit);  up = clip(h[:, 1::2], -limit, limit)
-        a    = (up + beta) · gate · sigmoid(alpha · gate)            (gpt_oss: alpha 1.702, beta 1, limit 7)
-        y    = a · GatherND(down) + GatherND(down_bias), weighted and summed as in the plain form
+class MoEFusion(pattern.RewriteRuleClassBase):
+    """A gather-form SwiGLU experts block with softmax top-k routing -> com.microsoft MoE, in
+    one of its two forms (module docstring):
 
-    which is MoE's swiglu with swiglu_fusion=1, activation_alpha, activation_beta and swiglu_limit
-    (onnxruntime clamps the gate from above and the linear half on both sides, as gpt_oss does).
-    The weights are stored transposed to MoE's [experts, out, in]; gate and up rows stay
-    interleaved. gpt_oss routes by top-k over the router logits, then softmax over the k values:
-    the same as softmax over all experts, top-k and renormalize (the ratios of the selected
-    exponentials do not depend on the normalizer), so normalize_routing_weights=1, as granitemoe.
+    - `clamped=False`: transformers' experts, stored [experts, out, in] with the gate's rows
+      before the up projection's, no biases, SiLU(gate) · up;
+    - `clamped=True`: gpt_oss's, stored [experts, in, out] with gate and up columns already
+      interleaved, a bias after each product, the SwiGLU clamped (gate <= L, -L <= up <= L),
+      alpha and beta from the graph's constants.
+
+    `cuda`: the node must also mean the same to onnxruntime's CUDA kernels, which read only
+    gpt_oss's SwiGLU the same way in every release (CUDA_SWIGLU); other forms keep the
+    gather form, and `--explain` says why.
     """
 
-    def __init__(self) -> None:
-        super().__init__("moe_swiglu_clamped")
+    def __init__(self, clamped: bool = False, cuda: bool = False) -> None:
+        super().__init__("moe_swiglu_clamped" if clamped else "moe_swiglu")
+        self.clamped = clamped
+        self.cuda = cuda
 
     def pattern(  # type: ignore[override]
         self,
@@ -380,15 +293,34 @@ class ClampedMoEFusion(pattern.RewriteRuleClassBase):
     ) -> ValuePattern:
         x_rep = op.Reshape(op.Expand(op.Unsqueeze(x, x_axes), repeat), rows)
         idx = op.Unsqueeze(op.Reshape(indices, flat), index_axes)
-        h = op.Squeeze(op.MatMul(op.Unsqueeze(x_rep, in_axes), op.GatherND(gate_up, idx, batch_dims=0)), out_axes)
-        h = op.Squeeze(op.Unsqueeze(op.Add(h, op.GatherND(gate_up_bias, idx, batch_dims=0)), noop_in), noop_out)
-        gate = op.Clip(op.Slice(h, gate_start, gate_end, gate_axis, gate_step), None, gate_limit)
-        up = op.Clip(op.Slice(h, up_start, up_end, up_axis, up_step), up_low, up_limit)
-        act = op.Mul(op.Add(up, beta), op.Mul(gate, op.Sigmoid(op.Mul(gate, alpha))))
-        y = op.Squeeze(op.MatMul(op.Unsqueeze(act, in_axes_2), op.GatherND(down, idx, batch_dims=0)), out_axes_2)
-        y = op.Squeeze(op.Unsqueeze(op.Add(y, op.GatherND(down_bias, idx, batch_dims=0)), noop_in_2), noop_out_2)
+        h = self._expert_product(op, x_rep, gate_up, gate_up_bias, idx, (in_axes, out_axes, noop_in, noop_out))
+        if self.clamped:
+            gate = op.Clip(op.Slice(h, gate_start, gate_end, gate_axis, gate_step), None, gate_limit)
+            up = op.Clip(op.Slice(h, up_start, up_end, up_axis, up_step), up_low, up_limit)
+            act = op.Mul(op.Add(up, beta), op.Mul(gate, op.Sigmoid(op.Mul(gate, alpha))))
+        else:
+            gate, up = op.Split(h, axis=1, num_outputs=2, _outputs=2)
+            act = op.Mul(op.Mul(gate, op.Sigmoid(gate)), up)
+        y = self._expert_product(op, act, down, down_bias, idx, (in_axes_2, out_axes_2, noop_in_2, noop_out_2))
         y = op.Mul(y, op.Unsqueeze(op.Reshape(weights, flat_weights), weight_axes))
         return op.ReduceSum(op.Reshape(y, per_token), sum_axes, keepdims=0)
+
+    def _expert_product(
+        self,
+        op: OpsetPatternBuilder,
+        v: ValuePattern,
+        stack: ValuePattern,
+        bias: ValuePattern,
+        idx: ValuePattern,
+        axes: tuple[ValuePattern, ValuePattern, ValuePattern, ValuePattern],
+    ) -> ValuePattern:
+        """Each row of `v` times its selected expert's matrix of `stack` ([E, out, in] · v, or
+        v · [E, in, out] plus the expert's bias)."""
+        in_axes, out_axes, noop_in, noop_out = axes
+        if not self.clamped:
+            return op.Squeeze(op.MatMul(op.GatherND(stack, idx, batch_dims=0), op.Unsqueeze(v, in_axes)), out_axes)
+        h = op.Squeeze(op.MatMul(op.Unsqueeze(v, in_axes), op.GatherND(stack, idx, batch_dims=0)), out_axes)
+        return op.Squeeze(op.Unsqueeze(op.Add(h, op.GatherND(bias, idx, batch_dims=0)), noop_in), noop_out)
 
     def check(  # type: ignore[override]
         self,
@@ -399,15 +331,47 @@ class ClampedMoEFusion(pattern.RewriteRuleClassBase):
         indices: ir.Value,
         index_axes: ir.Value,
         gate_up: ir.Value,
-        gate_up_bias: ir.Value,
         down: ir.Value,
-        down_bias: ir.Value,
         weights: ir.Value,
         weight_axes: ir.Value,
         sum_axes: ir.Value,
         **values: ir.Value,
     ) -> MatchResult:
         result = MatchResult()
+        failure = self._experts_failure(x, gate_up, down, values)
+        if failure is None:
+            experts = int(gate_up.const_value.shape.numpy()[0])  # type: ignore[union-attr]
+            hidden = int(down.const_value.shape.numpy()[2 if self.clamped else 1])  # type: ignore[union-attr]
+            failure = _block_failure(x, indices, weights, repeat, x_axes, sum_axes, experts, hidden)
+        if failure is None:
+            # [E, out, in]: products over the last axis; [E, in, out]: v as a row, over axis 1
+            axis = 1 if self.clamped else -1
+            products = ("in_axes", "out_axes", "in_axes_2", "out_axes_2")
+            expected = ((index_axes, -1, 2), *((values[name], axis, 3) for name in products), (weight_axes, -1, 2))
+            for value, want, rank in expected:
+                if not _is_axis(value, want, rank):
+                    failure = ("an expert index, product or routing weight is not over the axis MoE uses", value)
+                    break
+        if failure is None and self.clamped:
+            failure = self._swiglu_failure(gate_up, values)
+        elif failure is None and self.cuda:
+            failure = (_cuda_differs(*PLAIN_SWIGLU[:2], None), x)
+        return result.fail(*failure) if failure is not None else result
+
+    def _experts_failure(
+        self, x: ir.Value, gate_up: ir.Value, down: ir.Value, values: dict[str, ir.Value]
+    ) -> tuple[str, ir.Value] | None:
+        """Why the experts' constants are not a stack MoE takes, else None."""
+        if not self.clamped:
+            stacks: tuple[tuple[ir.Value, str, int], ...] = ((gate_up, "gate_up weights", 3), (down, "down weights", 3))
+            failure = _weights_failure(x, stacks, "[experts, out, in]")
+            if failure is not None:
+                return failure
+            experts, fused, hidden = gate_up.const_value.shape.numpy()  # type: ignore[union-attr]
+            if fused % 2 or tuple(down.const_value.shape.numpy()) != (experts, hidden, fused // 2):  # type: ignore[union-attr]
+                return f"down weights {down.shape} do not match gate_up {gate_up.shape}", down
+            return None
+        gate_up_bias, down_bias = values["gate_up_bias"], values["down_bias"]
         stacks = (
             (gate_up, "gate_up weights", 3),
             (down, "down weights", 3),
@@ -416,49 +380,43 @@ class ClampedMoEFusion(pattern.RewriteRuleClassBase):
         )
         failure = _weights_failure(x, stacks, "[experts, in, out] ([experts, out] for biases)")
         if failure is not None:
-            return result.fail(*failure)
+            return failure
         experts, hidden, fused = gate_up.const_value.shape.numpy()  # type: ignore[union-attr]
         if fused % 2 or tuple(down.const_value.shape.numpy()) != (experts, fused // 2, hidden):  # type: ignore[union-attr]
-            why = f"down weights {down.shape} (experts, in, out) do not match gate_up {gate_up.shape}"
-            return result.fail(why, down)
+            return f"down weights {down.shape} (experts, in, out) do not match gate_up {gate_up.shape}", down
         for bias, size in ((gate_up_bias, fused), (down_bias, hidden)):
             if tuple(bias.const_value.shape.numpy()) != (experts, size):  # type: ignore[union-attr]
-                return result.fail(f"expert biases {bias.shape} are not [{experts}, {size}]", bias)
-        failure = _block_failure(x, indices, weights, repeat, x_axes, sum_axes, experts, hidden)
-        if failure is not None:
-            return result.fail(*failure)
+                return f"expert biases {bias.shape} are not [{experts}, {size}]", bias
+        return None
+
+    def _swiglu_failure(self, gate_up: ir.Value, values: dict[str, ir.Value]) -> tuple[str, ir.Value] | None:
+        """Why the clamped form's halves, clamps and constants are not what MoE computes (or,
+        with `cuda`, not what every CUDA kernel computes), else None."""
+        fused = int(gate_up.const_value.shape.numpy()[2])  # type: ignore[union-attr]
         for start, what in ((0, "gate"), (1, "up")):
             starts, ends, axes, steps = (_ints(values[f"{what}_{part}"]) for part in ("start", "end", "axis", "step"))
             if starts != [start] or steps != [2] or axes not in ([1], [-1]) or not ends or ends[0] < fused:
-                return result.fail(
+                why = (
                     f"the {what} half is not every other column of gate_up from column {start} "
-                    "(the interleaved layout MoE's swiglu_fusion=1 reads)",
-                    values[f"{what}_start"],
+                    "(the interleaved layout MoE's swiglu_fusion=1 reads)"
                 )
+                return why, values[f"{what}_start"]
         limit, up_low, up_limit = (_scalar(values[name]) for name in ("gate_limit", "up_low", "up_limit"))
         if limit is None or up_limit != limit or up_low != -limit or limit <= 0:
-            return result.fail(
+            why = (
                 f"the SwiGLU clamps (gate <= {limit}, up in [{up_low}, {up_limit}]) are not one limit L with "
-                "gate <= L and -L <= up <= L, the only clamp MoE's swiglu_limit applies",
-                values["gate_limit"],
+                "gate <= L and -L <= up <= L, the only clamp MoE's swiglu_limit applies"
             )
-        if _scalar(values["alpha"]) is None or _scalar(values["beta"]) is None:
-            return result.fail("the SwiGLU's alpha or beta is not a constant", values["alpha"])
-        expected_axes = (
-            (index_axes, -1, 2),
-            (values["in_axes"], 1, 3),
-            (values["out_axes"], 1, 3),
-            (values["in_axes_2"], 1, 3),
-            (values["out_axes_2"], 1, 3),
-            (weight_axes, -1, 2),
-        )
-        for value, axis, rank in expected_axes:
-            if not _is_axis(value, axis, rank):
-                return result.fail("an expert index, product or routing weight is not over the axis MoE uses", value)
+            return why, values["gate_limit"]
+        alpha, beta = _scalar(values["alpha"]), _scalar(values["beta"])
+        if alpha is None or beta is None:
+            return "the SwiGLU's alpha or beta is not a constant", values["alpha"]
+        if self.cuda and not np.allclose((alpha, beta, limit), CUDA_SWIGLU, rtol=1e-6, atol=0):
+            return _cuda_differs(alpha, beta, limit), values["alpha"]
         for into, out in (("noop_in", "noop_out"), ("noop_in_2", "noop_out_2")):
             if _ints(values[into]) is None or _ints(values[into]) != _ints(values[out]):
-                return result.fail("an Unsqueeze/Squeeze pair after a bias is not over one axis", values[into])
-        return result
+                return "an Unsqueeze/Squeeze pair after a bias is not over one axis", values[into]
+        return None
 
     def rewrite(  # type: ignore[override]
         self,
@@ -466,40 +424,45 @@ class ClampedMoEFusion(pattern.RewriteRuleClassBase):
         x: ir.Value,
         indices: ir.Value,
         gate_up: ir.Value,
-        gate_up_bias: ir.Value,
         down: ir.Value,
-        down_bias: ir.Value,
         weights: ir.Value,
-        gate_limit: ir.Value,
-        alpha: ir.Value,
-        beta: ir.Value,
-        **_: object,
+        **values: ir.Value,
     ) -> ir.Value:
         found = routing(indices, weights)
         assert not isinstance(found, str)
         logits, k, normalize = found
-        stacks = []
-        for value, suffix in ((gate_up, INTERLEAVED), (down, TRANSPOSED)):
-            name = f"{value.name}{suffix}"
-            array = np.ascontiguousarray(value.const_value.numpy().transpose(0, 2, 1))  # type: ignore[union-attr]
-            stacks.append(op.initializer(ir.tensor(array, name=name), name=name))
+        if self.clamped:  # [E, in, out] -> MoE's [E, out, in]; gate and up columns already interleaved
+            w1 = _stored(op, gate_up, INTERLEAVED, gate_up.const_value.numpy().transpose(0, 2, 1))  # type: ignore[union-attr]
+            w2 = _stored(op, down, TRANSPOSED, down.const_value.numpy().transpose(0, 2, 1))  # type: ignore[union-attr]
+            biases: tuple[ir.Value | None, ir.Value | None] = (values["gate_up_bias"], values["down_bias"])
+            alpha, beta, limit = (_scalar(values[name]) for name in ("alpha", "beta", "gate_limit"))
+        else:
+            w1, w2 = _stored(op, gate_up, INTERLEAVED, interleave_gate_up(gate_up.const_value.numpy())), down  # type: ignore[union-attr]
+            biases = (None, None)
+            alpha, beta, limit = PLAIN_SWIGLU
         moe: ir.Value = op.MoE(
             x,
             logits,
-            stacks[0],
-            gate_up_bias,
-            stacks[1],
-            down_bias,
+            w1,
+            biases[0],
+            w2,
+            biases[1],
             k=k,
             activation_type="swiglu",
             swiglu_fusion=1,
-            activation_alpha=_scalar(alpha),
-            activation_beta=_scalar(beta),
-            swiglu_limit=_scalar(gate_limit),
+            activation_alpha=alpha,
+            activation_beta=beta,
+            swiglu_limit=limit,
             normalize_routing_weights=normalize,
             _domain=MS_DOMAIN,
         )
         return moe
+
+
+def _stored(op: TapeBuilder, source: ir.Value, suffix: str, array: np.ndarray) -> ir.Value:
+    """A new initializer holding `array`, named after `source` with `suffix`."""
+    name = f"{source.name}{suffix}"
+    return op.initializer(ir.tensor(np.ascontiguousarray(array), name=name), name=name)
 
 
 def interleave_gate_up(weight: np.ndarray) -> np.ndarray:
@@ -510,7 +473,9 @@ def interleave_gate_up(weight: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.stack([weight[:, :half], weight[:, half:]], axis=2).reshape(experts, fused, hidden))
 
 
-def moe_lowering_ort() -> FusionPass:
+def moe_lowering_ort(cuda: bool = False) -> FusionPass:
     """The gather-form experts block with softmax top-k routing -> com.microsoft MoE: the plain
-    SwiGLU form and gpt_oss's (biases, clamped SwiGLU), one fusion."""
-    return FusionPass("moe_ort", {"moe_swiglu": [MoEFusion.rule(), ClampedMoEFusion.rule()]})
+    SwiGLU form and gpt_oss's (biases, clamped SwiGLU), one fusion. `cuda`: only what
+    onnxruntime's CUDA kernels read as its CPU kernel does (`MoEFusion`)."""
+    forms = [MoEFusion.rule(clamped=clamped, cuda=cuda) for clamped in (False, True)]
+    return FusionPass("moe_ort", {"moe_swiglu": forms})

@@ -1,33 +1,47 @@
-"""Normalization fusion: RMSNorm subgraphs to `RMSNormalization`.
+"""Normalization fusions: RMSNorm subgraphs to `RMSNormalization`, residual Add + norm to onnxruntime's Skip ops.
 
-`norm_fusion` ("fuse", portable): the exporter writes RMSNorm (llama, mistral, qwen2, qwen3, phi3, gemma,
-gemma2) as Pow / ReduceMean / Add / Sqrt / Reciprocal / Mul / Mul(weight); this becomes one opset-23
-`RMSNormalization`, which onnxruntime, TensorRT and any opset-23 runtime execute as a single kernel.
-LayerNorm needs no rule: torch.onnx already emits `LayerNormalization` for `aten.layer_norm` (gpt2: 5,
-gpt_neox: 5, also for a float16 checkpoint), so there is no decomposed LayerNorm to fuse.
+Two levels, one per pipeline phase:
 
-No target lowers a norm further: onnxruntime's `SimplifiedLayerNormalization` (which `onnx.checker` also
-rejects at opset 23) and its residual-fusing Skip*Normalization ops measured no faster on its CPU kernels
-(docs/performance.md, "onnxruntime's contrib norms and Gelu").
+* `norm_fusion` ("fuse", portable): the exporter writes RMSNorm (llama, mistral, qwen2, qwen3, phi3, gemma,
+  gemma2) as Pow / ReduceMean / Add / Sqrt / Reciprocal / Mul / Mul(weight); this becomes one opset-23
+  `RMSNormalization`, which onnxruntime, TensorRT and any opset-23 runtime execute as a single kernel.
+  LayerNorm needs no rule: torch.onnx already emits `LayerNormalization` for `aten.layer_norm` (gpt2: 5,
+  gpt_neox: 5, also for a float16 checkpoint), so there is no decomposed LayerNorm to fuse.
+* `norm_lowering_ort` ("lower-ort"): residual `Add` + `RMSNormalization` -> com.microsoft
+  `SkipSimplifiedLayerNormalization`, residual `Add` + `LayerNormalization` -> com.microsoft
+  `SkipLayerNormalization`; when the sum is also read elsewhere (the residual stream) it becomes the Skip op's
+  fourth output (`input_skip_bias_sum`), otherwise the Skip op has one output.
+
+A standalone `RMSNormalization` stays as it is: onnxruntime's `SimplifiedLayerNormalization` is no faster
+(docs/performance.md), and it sits in the ONNX domain without an opset-23 schema, so `onnx.checker` rejects it.
+
+On onnxruntime's CPU kernels the Skip ops measured no faster than Add + the standard norm, and
+`SimplifiedLayerNormalization` no faster than `RMSNormalization` (docs/performance.md, "Kernel choices
+behind the passes"): only the `ort-cuda` target, whose CUDA provider has fused kernels for them, runs
+`norm_lowering_ort`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import onnx_ir as ir
-from onnxscript.rewriter import MatchContext
-from onnxscript.rewriter.pattern import MatchResult
+from onnxscript.rewriter import MatchContext, pattern
+from onnxscript.rewriter.pattern import MatchResult, OpsetPatternBuilder
 
 # onnxscript's RMSNorm rule, which RMSNormFusion extends, is exported from no public module
 from onnxscript.rewriter.rules.fusion import _rms_normalization
 
 from passes.rewrite import FusionPass
 
-if TYPE_CHECKING:  # annotations only: the public RewriterContext declares no op methods
+if TYPE_CHECKING:  # annotations only: onnxscript names these in no public module
     from onnxscript.rewriter._context import TapeBuilder
+    from onnxscript.rewriter._pattern_ir import ValuePattern
 
 Dims = tuple[int | str, ...]
+
+# Element types onnxruntime's CPU Skip*Normalization kernels are registered for and compute in float.
+_SKIP_NORM_TYPES = frozenset([ir.DataType.FLOAT, ir.DataType.FLOAT16])
 
 
 def known_dims(value: ir.Value | None) -> Dims | None:
@@ -100,6 +114,102 @@ class RMSNormFusion(_rms_normalization.RmsNormFusion):
         return fused
 
 
+# Standard norm -> the onnxruntime op that adds the residual first; the name stem of its rules.
+_SKIP_OPS = {
+    "RMSNormalization": ("SkipSimplifiedLayerNormalization", "skip_rms_norm"),
+    "LayerNormalization": ("SkipLayerNormalization", "skip_layer_norm"),
+}
+
+
+class SkipNormFusion(pattern.RewriteRuleClassBase):
+    """Residual Add + norm -> onnxruntime's Skip*Normalization (domain com.microsoft).
+
+        x ──┐                                      x ──┐
+            Add ──> sum ──> (other readers)            Skip{Simplified}LayerNormalization(epsilon)
+        skip┘  │                              ==>  skip┤      ├─ output[0] ─> y
+               RMSNormalization(gamma)       gamma ────┤      └─ output[3] ─> sum ──> (other readers)
+               / LayerNormalization(gamma, beta?)  beta┘  (LayerNormalization's bias, when it has one)
+               │
+               y
+
+    `norm_op` picks RMSNormalization -> SkipSimplifiedLayerNormalization or LayerNormalization ->
+    SkipLayerNormalization. With `keep_sum` the pattern also returns the sum and fires only where the sum has
+    readers besides the norm (the residual stream); without it, it fires only where the norm is the sum's
+    sole reader (the matcher will not drop an Add that is read elsewhere), and the fused node has one output.
+    """
+
+    def __init__(self, norm_op: Literal["RMSNormalization", "LayerNormalization"], *, keep_sum: bool) -> None:
+        self._skip_op, stem = _SKIP_OPS[norm_op]
+        super().__init__(f"{stem}_residual" if keep_sum else stem)
+        self._norm_op = norm_op
+        self._keep_sum = keep_sum
+
+    def pattern(
+        self, op: OpsetPatternBuilder, x: ValuePattern, skip: ValuePattern, gamma: ValuePattern
+    ) -> ValuePattern | tuple[ValuePattern, ValuePattern]:
+        total = op.Add(x, skip, _outputs=["total"])
+        norm = getattr(op, self._norm_op)  # LayerNormalization's optional bias is read in check / rewrite
+        normalized = norm(total, gamma, _allow_other_inputs=True, _allow_other_attributes=True, _outputs=["normalized"])
+        return (normalized, total) if self._keep_sum else normalized
+
+    def check(  # type: ignore[override]
+        self,
+        context: MatchContext,
+        x: ir.Value,
+        skip: ir.Value,
+        gamma: ir.Value,
+        total: ir.Value,
+        normalized: ir.Value,
+        **_: object,
+    ) -> MatchResult:
+        result = MatchResult()
+        norm = normalized.producer()
+        assert norm is not None
+        beta = _bias(norm)
+        dims = known_dims(x)
+        if dims is None:
+            return result.fail(f"input shape {x.shape} is not fully known", x)
+        if known_dims(skip) != dims:
+            return result.fail(f"the Add broadcasts: input {x.shape}, skip {skip.shape}", skip)
+        if len(dims) not in (2, 3):
+            return result.fail(f"onnxruntime's Skip ops take rank 2 or 3, this input has rank {len(dims)}", x)
+        axis = norm.attributes.get_int("axis", -1)
+        if axis not in (-1, len(dims) - 1):
+            return result.fail(f"{norm.op_type} normalizes from axis {axis}, not over the last axis only", norm)
+        if norm.attributes.get_int("stash_type", 1) != ir.DataType.FLOAT:
+            return result.fail(f"{norm.op_type} computes in a type other than float (stash_type)", norm)
+        if x.dtype not in _SKIP_NORM_TYPES:
+            return result.fail(f"element type {x.dtype} has no onnxruntime CPU Skip kernel", x)
+        if any(v.dtype != x.dtype for v in (skip, gamma, beta, normalized) if v is not None):
+            return result.fail("input, skip, weights and output differ in element type", norm)
+        for weight in (gamma, beta):
+            if weight is not None and not is_vector_over_last_axis(weight, x):
+                return result.fail(f"{weight.name} has shape {weight.shape}, not [{dims[-1]}]", weight)
+        if self._keep_sum and len(total.uses()) == 1 and not total.is_graph_output():
+            return result.fail("the sum has no reader besides the norm (the single-output rule applies)", total)
+        return result
+
+    def rewrite(
+        self, op: TapeBuilder, x: ir.Value, skip: ir.Value, gamma: ir.Value, normalized: ir.Value, **_: object
+    ) -> ir.Value | tuple[ir.Value, ir.Value]:
+        norm = normalized.producer()
+        assert norm is not None
+        beta = _bias(norm)
+        inputs = [x, skip, gamma] if beta is None else [x, skip, gamma, beta]
+        epsilon = norm.attributes.get_float("epsilon", 1e-5)
+        # Outputs 1 and 2 (mean, inv_std_var) are for training; onnxruntime's CPU kernel never writes them.
+        outputs = 4 if self._keep_sum else 1
+        fused = op.op(self._skip_op, *inputs, epsilon=epsilon, _domain="com.microsoft", _outputs=outputs)
+        if isinstance(fused, ir.Value):
+            return fused
+        return fused[0], fused[3]
+
+
+def _bias(norm: ir.Node) -> ir.Value | None:
+    """LayerNormalization's optional third input (RMSNormalization has none)."""
+    return norm.inputs[2] if len(norm.inputs) > 2 else None
+
+
 def norm_fusion() -> FusionPass:
     """RMSNorm subgraphs -> RMSNormalization (standard ONNX, opset 23)."""
     return FusionPass(
@@ -107,5 +217,18 @@ def norm_fusion() -> FusionPass:
         {
             "rms_norm_weight_first": RMSNormFusion.rule(weight_first=True),
             "rms_norm_weight_last": RMSNormFusion.rule(weight_first=False),
+        },
+    )
+
+
+def norm_lowering_ort() -> FusionPass:
+    """Residual Add + RMSNormalization / LayerNormalization -> onnxruntime's Skip*Normalization."""
+    return FusionPass(
+        "norm_ort",
+        {
+            "skip_rms_norm_residual": SkipNormFusion.rule("RMSNormalization", keep_sum=True),
+            "skip_rms_norm": SkipNormFusion.rule("RMSNormalization", keep_sum=False),
+            "skip_layer_norm_residual": SkipNormFusion.rule("LayerNormalization", keep_sum=True),
+            "skip_layer_norm": SkipNormFusion.rule("LayerNormalization", keep_sum=False),
         },
     )

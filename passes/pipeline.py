@@ -28,7 +28,7 @@ from passes.fuse_attention import (
 )
 from passes.fuse_gelu import gelu_fusion, gelu_lowering_ort
 from passes.fuse_moe import moe_lowering_ort
-from passes.fuse_norm import norm_fusion
+from passes.fuse_norm import norm_fusion, norm_lowering_ort
 from passes.fuse_rotary import rotary_fusion
 from passes.last_position import LastPositionLogits
 from passes.pack_matmul import pack_gate_up, pack_qkv
@@ -156,6 +156,16 @@ def lower_ort(moe: bool) -> list[PassBase]:
     return [PastLengthFromMask(), attention_lowering_ort(), gelu_lowering_ort(), *moe_passes]
 
 
+def lower_ort_cuda(moe: bool) -> list[PassBase]:
+    """`lower_ort` for onnxruntime's CUDA provider: its contrib ops (GroupQueryAttention with
+    the in-place cache, BiasGelu), residual Add + norm as SkipSimplifiedLayerNormalization /
+    SkipLayerNormalization (fused kernels there), and com.microsoft MoE only in the forms its
+    CUDA kernels compute as the CPU kernel does (passes/fuse_moe.py; the graph is verified on
+    the CPU where no GPU is at hand)."""
+    moe_passes: list[PassBase] = [moe_lowering_ort(cuda=True)] if moe else []
+    return [PastLengthFromMask(), attention_lowering_ort(), gelu_lowering_ort(), norm_lowering_ort(), *moe_passes]
+
+
 def fixed_cache() -> list[PassBase]:
     """The KV cache becomes a fixed-size buffer updated by TensorScatter (opset 24), read
     whole by Attention under a mask: standard ops only, past and present one buffer."""
@@ -209,6 +219,7 @@ PHASES: dict[str, tuple[str, Callable[..., list[PassBase]]]] = {
     "fuse": ("fuse", fuse),
     "pack": ("pack", pack),
     "lower-ort": ("lower-ort", lower_ort),
+    "lower-ort-cuda": ("lower-ort", lower_ort_cuda),
     "fixed-cache": ("fixed-cache", fixed_cache),
     "tensorrt": ("tensorrt", tensorrt),
     "finalize": ("finalize", finalize),

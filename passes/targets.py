@@ -9,13 +9,14 @@ graph passes.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 # How a target's artifact is written (toolchain.build): the ONNX graph alone, or the graph and,
 # where TensorRT and a GPU are present, the TensorRT engine built from it (toolchain.emit.tensorrt).
 ONNX = "onnx"
 TENSORRT_ENGINE = "tensorrt-engine"
+CPU_PROVIDER, CUDA_PROVIDER = "CPUExecutionProvider", "CUDAExecutionProvider"
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,12 @@ class Target:
     # Its quantized MatMul weights are onnxruntime's MatMulNBits, whose block size and accuracy
     # level `kvforge build --tune fast|full` may choose per weight by timing them (toolchain.tune)
     kernel_tuning: bool = False
+    # The compute dtype a build takes when none is asked for (toolchain.cli's --dtype)
+    default_dtype: str = "float32"
+    # onnxruntime's execution providers the graph is for, the one it is meant to run on first:
+    # a fused op is emitted only where it means the same on each (passes.fuse_moe), and the
+    # verification gate runs on the first one onnxruntime offers on the build machine
+    providers: tuple[str, ...] = (CPU_PROVIDER,)
 
     def expected_fusions(self, num_layers: int, moe_layers: int = 0) -> dict[str, int]:
         expected = {fusion: num_layers for fusion in self.per_layer_fusions}
@@ -65,27 +72,46 @@ class Target:
 
 _FROZEN_NONE: Mapping[int, str] = MappingProxyType({})
 
+ORT_CPU = Target(
+    name="ort-cpu",
+    summary="onnxruntime's fused ops and an in-place KV cache",
+    phases=("canonicalize", "fuse", "pack", "lower-ort", "finalize"),
+    quantization_forms=MappingProxyType({4: "matmul_nbits", 8: "matmul_nbits"}),
+    embedding_form="gather_block_quantized",
+    in_place_cache_ops=(("com.microsoft", "GroupQueryAttention"),),
+    per_layer_fusions=("attention", "attention_ort"),
+    moe_fusions=("moe_ort",),
+    expert_quantization="qmoe",
+    fixed_capacity=False,
+    symmetric_only=False,
+    emitter=ONNX,
+    genai=True,
+    layer_states=True,
+    bounded_windows=True,
+    kernel_tuning=True,
+)
+
 TARGETS: Mapping[str, Target] = MappingProxyType(
     {
         target.name: target
         for target in (
-            Target(
-                name="ort-cpu",
-                summary="onnxruntime's fused ops and an in-place KV cache",
-                phases=("canonicalize", "fuse", "pack", "lower-ort", "finalize"),
-                quantization_forms=MappingProxyType({4: "matmul_nbits", 8: "matmul_nbits"}),
-                embedding_form="gather_block_quantized",
-                in_place_cache_ops=(("com.microsoft", "GroupQueryAttention"),),
-                per_layer_fusions=("attention", "attention_ort"),
-                moe_fusions=("moe_ort",),
-                expert_quantization="qmoe",
-                fixed_capacity=False,
-                symmetric_only=False,
-                emitter=ONNX,
-                genai=True,
-                layer_states=True,
-                bounded_windows=True,
-                kernel_tuning=True,
+            ORT_CPU,
+            # The same graph for onnxruntime's CUDA provider, in its forms
+            replace(
+                ORT_CPU,
+                name="ort-cuda",
+                summary="onnxruntime's CUDA provider: fp16, its fused ops and an in-place KV cache",
+                phases=("canonicalize", "fuse", "pack", "lower-ort-cuda", "finalize"),
+                # Not quantized: GatherBlockQuantized is a CPU kernel; the table stays in fp16
+                embedding_form=None,
+                per_layer_fusions=("attention", "attention_ort", "norm_ort"),
+                # Not quantized: QMoE's CUDA kernels read weights packed for their GEMMs, which
+                # its CPU kernel does not, so no one graph is right on both
+                expert_quantization=None,
+                genai=False,
+                kernel_tuning=False,  # the timings would be the CPU's kernels'
+                default_dtype="float16",
+                providers=(CUDA_PROVIDER, CPU_PROVIDER),
             ),
             Target(
                 name="onnx",

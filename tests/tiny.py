@@ -235,17 +235,17 @@ def make_checkpoint(
     return directory
 
 
-def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], new_tokens: int) -> list[int]:
+def hf_greedy(model: Any, prompt_ids: list[int], new_tokens: int) -> list[int]:
     """transformers' own greedy `generate`: the reference the compiled model must equal."""
     import copy
 
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
     # No eos (an empty list; None falls back to the model's) rather than `min_new_tokens`,
     # which masks the eos logit: where eos wins, the compiled model's greedy token is eos too.
-    config = copy.deepcopy(model.generation_config)  # type: ignore[union-attr]
+    config = copy.deepcopy(model.generation_config)
     config.update(eos_token_id=[], do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad)
     with torch.no_grad():
-        out = model.generate(  # type: ignore[operator]
+        out = model.generate(
             torch.tensor([prompt_ids]),
             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
             generation_config=config,

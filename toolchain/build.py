@@ -45,7 +45,7 @@ from toolchain.lower import OPSET, apply_contract, to_onnx
 from toolchain.publish import check_output, check_writable, publish, staged
 from toolchain.spec import DecoderSpec
 from toolchain.system import return_freed_memory, write_failure
-from toolchain.verify import DistributionReport, ParityReport, require_parity
+from toolchain.verify import DistributionReport, ParityReport, gate_provider, require_parity
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,8 @@ def _compile(
                     genai.write_genai_config(staging, spec, graph_io, emit.generation_config(ckpt, spec))
             # the files are final (the gate only reads the graph): hashed while it runs
             emitted = helpers.enter_context(hashing.Pending(staging.iterdir()))
-            with _timed(seconds, "verify"), verifiable(staging, graph_io, options.weights is None) as session:
+            provider = gate_provider(target.providers)
+            with _timed(seconds, "verify"), verifiable(staging, graph_io, options.weights is None, provider) as session:
                 report = gate(progress.CountedSession(session))
                 if lowering.stamped and not report.passed:
                     raise _StampedGraphRefused(report.failures())
@@ -270,7 +271,7 @@ def _compile(
                     sources=sources.result(),
                     flags=options.flags(),
                     passes=pass_report.to_dict(timings=False),
-                    parity=report.to_dict() | {"computed_in": computed_in},
+                    parity=report.to_dict() | {"computed_in": computed_in, "verified_on": provider},
                     hub=ckpt.hub,
                     experts=experts,
                     kernels=None if tuner is None else tuning.kernels_entry(options.tune, pass_report.kernel_forms),

@@ -36,6 +36,9 @@ _REVISION = click.option(
     "--revision", default=None, help="With a Hub id: the branch, tag or commit to use from the cache. Default: main."
 )
 
+# --dtype by the dtype it names (toolchain.build.DTYPES, inverted), for the help text
+_SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
 EXIT_GATE_REFUSED = 3
@@ -208,9 +211,11 @@ def main(verbose: bool) -> None:
 @click.option(
     "--dtype",
     type=click.Choice(["fp32", "fp16", "bf16"]),
-    default="fp32",
-    show_default=True,
-    help="Compute dtype: activations, KV cache and the weights left unquantized. Logits are fp32 always.",
+    default=None,
+    help="Compute dtype: activations, KV cache and the weights left unquantized. Logits are fp32 always. "
+    "Default: the target's ("
+    + ", ".join(f"{t.name} {_SHORT_DTYPES[t.default_dtype]}" for t in TARGETS.values())
+    + ").",
 )
 @click.option(
     "--weights",
@@ -293,7 +298,7 @@ def build(
     quiet: bool,
     output: Path,
     target: str,
-    dtype: str,
+    dtype: str | None,
     weights: str | None,
     block_size: str,
     asymmetric: bool,
@@ -350,7 +355,7 @@ def build(
         allow_pickle=allow_pickle,
         decode_steps=decode_steps,
         target=TARGETS[target],
-        dtype=DTYPES[dtype],
+        dtype=TARGETS[target].default_dtype if dtype is None else DTYPES[dtype],
         weights=quantization,
         capacity=capacity,
         device_memory=None if device_memory is None else parse_bytes(device_memory),

@@ -96,14 +96,19 @@ def _device_session(artifact: Path, recorded: dict[str, Any], io: DecoderIO, cho
 
 
 @contextmanager
-def verifiable(directory: Path, io: DecoderIO, unquantized: bool) -> Iterator[OrtSession]:
-    """The session the gate runs the artifact in on onnxruntime's CPU provider (for an
-    unquantized graph, without prepacked weights: `OrtSession`'s `prepack`): the artifact
-    itself, or, for a half-precision graph, which that provider cannot compute (bfloat16) or
-    computes only from float32 copies of every weight made at load (fp16), the graph computed
-    in float32 with its weights cast as they are read (`passes.widen`). That graph is written
-    to a temporary directory beside a hard link to the artifact's weights (a copy where the
-    file system has no links), and removed afterwards."""
+def verifiable(
+    directory: Path, io: DecoderIO, unquantized: bool, provider: str = runtimes.CPU_PROVIDER
+) -> Iterator[OrtSession]:
+    """The session the gate runs the artifact in: on a GPU `provider`, the artifact itself; on
+    onnxruntime's CPU provider (for an unquantized graph, without prepacked weights: `OrtSession`'s
+    `prepack`): the artifact itself, or, for a half-precision graph, which that provider cannot
+    compute (bfloat16) or computes only from float32 copies of every weight made at load (fp16),
+    the graph computed in float32 with its weights cast as they are read (`passes.widen`). That
+    graph is written to a temporary directory beside a hard link to the artifact's weights (a
+    copy where the file system has no links), and removed afterwards."""
+    if provider != runtimes.CPU_PROVIDER:
+        yield OrtSession(directory / emit.MODEL_FILE, io, (provider, runtimes.CPU_PROVIDER))
+        return
     narrow = {"float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}.get(io.kv_dtype)
     if narrow is None:
         yield OrtSession(directory / emit.MODEL_FILE, io, prepack=not unquantized)

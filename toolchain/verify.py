@@ -8,7 +8,7 @@ generation loop and must pick the same token at every step, with logits in toler
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -474,3 +474,13 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
     x = x - x.max(axis=-1, keepdims=True)
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def gate_provider(providers: Sequence[str]) -> str:
+    """The first of a target's onnxruntime `providers` that this machine's onnxruntime offers
+    (the CPU's where none of them is): the provider the verification gate runs the artifact on,
+    recorded as the manifest's `parity.verified_on`."""
+    import onnxruntime
+
+    available = set(onnxruntime.get_available_providers())
+    return next((p for p in providers if p in available), "CPUExecutionProvider")

@@ -18,7 +18,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.fuse_moe import interleave_gate_up, moe_lowering_ort, routing
+from passes.fuse_moe import CUDA_SWIGLU, PLAIN_SWIGLU, interleave_gate_up, moe_lowering_ort, routing
 from tests.passes.fusion_testing import canonical_graph, check_modified_is_exact, decoder_feeds, op_count, ort_outputs
 
 E, H, INTER, K, T = 4, 64, 32, 2, 5
@@ -76,6 +76,7 @@ def moe_attributes(normalize: int) -> dict[str, object]:
         swiglu_fusion=1,
         activation_alpha=1.0,
         activation_beta=0.0,
+        swiglu_limit=PLAIN_SWIGLU[2],
         normalize_routing_weights=normalize,
     )
 
@@ -209,6 +210,60 @@ def test_gpt_oss_with_another_clamp_keeps_the_gather_form_and_explain_says_why(s
     assert fusion.counts == {"moe_swiglu": 0}
     (miss,) = fusion.explain(model)
     assert miss.rule == "moe_swiglu" and "check failed" in miss.reason and "SwiGLU clamps" in miss.reason, miss
+
+
+def test_plain_swiglu_states_alpha_beta_and_a_limit_that_never_clamps() -> None:
+    """Every attribute the SwiGLU reads is stated, in values that mean the same to onnxruntime's
+    CPU kernel and to its CUDA kernels that read them: no kernel default is relied on (the CUDA
+    kernels' defaults are gpt_oss's 1.702, 1 and a clamp at 7), and the limit is finite and
+    positive (a non-positive one is "no clamp" to CUDA and "clamp to 0" to the CPU)."""
+    alpha, beta, limit = PLAIN_SWIGLU
+    assert (alpha, beta) == (1.0, 0.0) and 0 < limit < np.inf and np.float32(limit) == limit
+    # inputs large enough that a clamp at 7 would bite: the stated limit does not clamp them
+    gate_up, down = experts(scale=1.0)
+    x = RNG.standard_normal((T, H)).astype(np.float32)
+    logits = RNG.standard_normal((T, E)).astype(np.float32)
+    assert (np.abs(np.einsum("enh,th->ten", gate_up, x)) > 7).mean() > 0.2
+    inputs, weights = ["x", "logits", "w1", "", "w2"], {"w1": interleave_gate_up(gate_up), "w2": down}
+    (y,) = ort_outputs(one_node("MoE", inputs, weights, **moe_attributes(1)), {"x": x, "logits": logits})
+    expected = reference(x, logits, gate_up, down, True)
+    np.testing.assert_allclose(y, expected, atol=1e-3 * np.abs(expected).max(), rtol=1e-4)
+    # what a CUDA kernel's defaults compute (alpha 1.702, beta 1, clamp at 7) is another function
+    cuda_defaults = {**moe_attributes(1), **dict(zip(GPT_OSS_SWIGLU, CUDA_SWIGLU, strict=True))}
+    (other,) = ort_outputs(one_node("MoE", inputs, weights, **cuda_defaults), {"x": x, "logits": logits})
+    assert np.abs(other - expected).max() > 0.1 * np.abs(expected).max()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_emitted_moe_attributes_are_the_provider_neutral_ones(model_type: str, scratch: Path) -> None:
+    model = canonical_graph(model_type, scratch)
+    fusion = moe_lowering_ort()
+    fusion(model)
+    expected = dict(zip(GPT_OSS_SWIGLU, CUDA_SWIGLU if model_type == "gpt_oss" else PLAIN_SWIGLU, strict=True))
+    nodes = [n for n in model.graph if n.op_type == "MoE"]
+    assert len(nodes) == 2
+    for node in nodes:
+        assert node.attributes.get_string("activation_type") == "swiglu"
+        assert node.attributes.get_int("swiglu_fusion") == 1  # the one layout both kernels read
+        for name, value in expected.items():  # stated, never left to a kernel's default
+            assert name in node.attributes and node.attributes.get_float(name) == pytest.approx(value, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_for_cuda_plain_swiglu_keeps_the_gather_form_and_gpt_oss_fuses(scratch: Path) -> None:
+    """onnxruntime's CUDA kernels compute gpt_oss's SwiGLU in every release and plain SwiGLU
+    not in all: for a target naming the CUDA provider only the former fuses."""
+    plain = canonical_graph("qwen3_moe", scratch)
+    fusion = moe_lowering_ort(cuda=True)
+    fusion(plain)
+    assert fusion.counts == {"moe_swiglu": 0} and op_count(plain, "MoE", "com.microsoft") == 0
+    (miss,) = fusion.explain(plain)
+    assert "CUDA" in miss.reason and "alpha 1.0" in miss.reason, miss
+    clamped = canonical_graph("gpt_oss", scratch)
+    fusion = moe_lowering_ort(cuda=True)
+    fusion(clamped)
+    assert fusion.counts == {"moe_swiglu": 2}
 
 
 def _topk_graph(first: str, after: str) -> ir.Graph:

@@ -1,4 +1,4 @@
-"""Norm fusion: RMSNorm -> RMSNormalization.
+"""Norm fusions: RMSNorm -> RMSNormalization, residual Add + norm -> onnxruntime's Skip ops.
 
 Each rule on a small graph written inline (matches, must-not-match, numerics on onnxruntime with its
 optimizations off, exact `modified`), then on the canonicalized graphs of tiny checkpoints.
@@ -6,7 +6,7 @@ optimizations off, exact `modified`), then on the canonicalized graphs of tiny c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +15,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.fuse_norm import norm_fusion
+from passes.fuse_norm import norm_fusion, norm_lowering_ort
 from tests.passes.fusion_testing import canonical_graph, check_modified_is_exact, decoder_feeds, op_count, ort_outputs
 from tests.tiny import ARCH_CONFIGS
 
@@ -186,16 +186,108 @@ def test_rms_norm_lookalikes_are_left_alone(case: str, model: ir.Model, reason: 
     assert any(reason in miss.reason for miss in fusion.explain(model)), fusion.explain(model)
 
 
+# --- residual Add + norm -> Skip*Normalization --------------------------------------------------------------
+
+
+def skip_norm_graph(
+    norm: str,
+    *,
+    residual: bool,
+    bias: bool = True,
+    skip_shape: Sequence[int | str] = ("batch", "seq", D),
+    x_shape: Sequence[int | str] = ("batch", "seq", D),
+    axis: int = -1,
+) -> ir.Model:
+    """y = Norm(x + skip); with `residual` the sum is also read by the next residual Add, as in a decoder."""
+    initializers = [weights("gamma", [D], seed=2, offset=1.0)]
+    if norm == "rms":
+        norm_node = helper.make_node("RMSNormalization", ["sum", "gamma"], ["y"], axis=axis, epsilon=EPS)
+    else:
+        norm_inputs = ["sum", "gamma", "beta"] if bias else ["sum", "gamma"]
+        norm_node = helper.make_node("LayerNormalization", norm_inputs, ["y"], axis=axis, epsilon=1e-5)
+        if bias:
+            initializers.append(weights("beta", [D], seed=3))
+    nodes = [helper.make_node("Add", ["x", "skip"], ["sum"]), norm_node]
+    outputs = ["y"]
+    if residual:
+        nodes.append(helper.make_node("Add", ["sum", "y"], ["next"]))
+        outputs.append("next")
+    return make_model(nodes, [activation("x", x_shape), activation("skip", skip_shape)], outputs, initializers)
+
+
+@pytest.mark.parametrize(
+    ("norm", "residual", "bias", "rule", "op_type"),
+    [
+        ("rms", True, True, "skip_rms_norm_residual", "SkipSimplifiedLayerNormalization"),
+        ("rms", False, True, "skip_rms_norm", "SkipSimplifiedLayerNormalization"),
+        ("layer", True, True, "skip_layer_norm_residual", "SkipLayerNormalization"),
+        ("layer", False, True, "skip_layer_norm", "SkipLayerNormalization"),
+        ("layer", True, False, "skip_layer_norm_residual", "SkipLayerNormalization"),
+    ],
+)
+def test_add_and_norm_become_a_skip_op(norm: str, residual: bool, bias: bool, rule: str, op_type: str) -> None:
+    model = skip_norm_graph(norm, residual=residual, bias=bias)
+    feeds = feeds_for(model)
+    expected = ort_outputs(fresh(model), feeds)
+    lowering = norm_lowering_ort()
+    assert lowering(model).modified
+    assert lowering.counts[rule] == 1 and sum(lowering.counts.values()) == 1
+    if residual:  # the Add and the norm are gone; the next residual Add reads output 3
+        node, next_add = list(model.graph)
+        assert next_add.inputs[0] is node.outputs[3]
+    else:
+        (node,) = list(model.graph)
+    assert (node.domain, node.op_type) == (MS, op_type)
+    assert len(node.outputs) == (4 if residual else 1)
+    assert input_names(node) == ["x", "skip", "gamma"] + (["beta"] if norm == "layer" and bias else [])
+    for got, want in zip(ort_outputs(model, feeds), expected):
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+    assert not norm_lowering_ort()(model).modified
+
+
+RANK_4: list[int | str] = [2, "batch", "seq", D]
+
+
+@pytest.mark.parametrize(
+    ("case", "model", "reason"),
+    [
+        ("skip broadcast over batch", skip_norm_graph("rms", residual=True, skip_shape=["seq", D]), "broadcasts"),
+        ("rank 4 input", skip_norm_graph("rms", residual=False, x_shape=RANK_4, skip_shape=RANK_4), "rank 2 or 3"),
+        ("layer norm over two axes", skip_norm_graph("layer", residual=True, axis=1), "axis"),
+        ("rms norm over two axes", skip_norm_graph("rms", residual=False, axis=-2), "axis"),
+    ],
+)
+def test_skip_lookalikes_are_left_alone(case: str, model: ir.Model, reason: str) -> None:
+    lowering = norm_lowering_ort()
+    check_modified_is_exact(lowering, model)
+    assert sum(lowering.counts.values()) == 0, case
+    assert op_count(model, "Add") >= 1
+    assert any(reason in miss.reason for miss in lowering.explain(model)), lowering.explain(model)
+
+
+def test_rms_normalization_alone_is_not_lowered() -> None:
+    """Without a residual Add there is nothing to lower: onnxruntime's RMSNormalization-23 is as fast."""
+    model = rms_norm_graph()
+    norm_fusion()(model)
+    lowering = norm_lowering_ort()
+    check_modified_is_exact(lowering, model)
+    assert op_count(model, "RMSNormalization") == 1
+
+
 # --- the canonicalized graphs of tiny checkpoints ------------------------------------------------------------
 
-# arch -> (norms per decoder layer, norm op). llama, mistral, qwen2 and phi3 are qwen3 without q_norm / k_norm,
-# gemma is gemma2 without the sandwich norms.
-ARCHITECTURES: dict[str, tuple[int, str]] = {
-    "qwen3": (4, "RMSNormalization"),  # input, post-attention, q_norm, k_norm
-    "gemma2": (4, "RMSNormalization"),  # input, post-attention, pre/post-feedforward
-    "gpt2": (2, "LayerNormalization"),
-    "gpt_neox": (2, "LayerNormalization"),
+# arch -> (norms per decoder layer, norm op, Skip ops after lowering given the layer count). A norm that reads
+# a residual Add fuses with it; a layer's first norm reads the embeddings in layer 0 (except in gpt2, where
+# token + position embeddings are an Add); gemma2's post-attention / post-feedforward norms read the sublayer
+# output, not an Add; gpt_neox's parallel residual has both norms of a layer read one Add, which fuses once.
+# llama, mistral, qwen2 and phi3 are qwen3 without q_norm / k_norm, gemma is gemma2 without the sandwich norms.
+ARCHITECTURES: dict[str, tuple[int, str, Callable[[int], int]]] = {
+    "qwen3": (4, "RMSNormalization", lambda layers: 2 * layers),  # input, post-attention, q_norm, k_norm
+    "gemma2": (4, "RMSNormalization", lambda layers: 2 * layers),  # input, post-attention, pre/post-feedforward
+    "gpt2": (2, "LayerNormalization", lambda layers: 2 * layers + 1),
+    "gpt_neox": (2, "LayerNormalization", lambda layers: layers),
 }
+SKIP_OP = {"RMSNormalization": "SkipSimplifiedLayerNormalization", "LayerNormalization": "SkipLayerNormalization"}
 
 
 def layer_count(arch: str) -> int:
@@ -206,8 +298,8 @@ def layer_count(arch: str) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_tiny_decoders(arch: str, scratch: Path) -> None:
-    per_layer, norm_op = ARCHITECTURES[arch]
-    norms = per_layer * layer_count(arch) + 1
+    per_layer, norm_op, skip_ops_for = ARCHITECTURES[arch]
+    norms, skip_ops = per_layer * layer_count(arch) + 1, skip_ops_for(layer_count(arch))
     model = canonical_graph(arch, scratch)
     feeds = decoder_feeds(model)
     expected = ort_outputs(model, feeds)
@@ -220,6 +312,14 @@ def test_tiny_decoders(arch: str, scratch: Path) -> None:
         assert op_count(model, "Pow") == 0 and op_count(model, "Reciprocal") == 0
     for got, want in zip(ort_outputs(model, feeds), expected):
         np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+
+    lowering = norm_lowering_ort()
+    assert lowering(model).modified
+    assert op_count(model, SKIP_OP[norm_op], MS) == skip_ops == sum(lowering.counts.values())
+    assert op_count(model, norm_op) == norms - skip_ops
+    for got, want in zip(ort_outputs(model, feeds), expected):
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+    check_modified_is_exact(norm_lowering_ort(), model)
 
 
 @pytest.mark.slow
