@@ -560,6 +560,44 @@ def test_bad_generation_config_value(tmp_path: Path) -> None:
         DecoderSpec.from_config(c.config, c.generation_config)
 
 
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"bos_token_id": 256.5}, "bos_token_id"),
+        ({"bos_token_id": "0"}, "bos_token_id"),
+        ({"eos_token_id": 1.5}, "eos_token_id"),
+        ({"pad_token_id": "x"}, "pad_token_id"),
+    ],
+)
+def test_config_token_ids_are_checked_where_generation_config_overrides_them(
+    tmp_path: Path, changes: dict[str, Any], field: str
+) -> None:
+    """transformers validates config.json's own ids when it builds the model, whichever file wins."""
+    directory = write_dir(tmp_path / "m", config={**CONFIG, **changes})
+    (directory / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}')
+    c = load(directory)
+    with pytest.raises(CheckpointError, match=rf"^config\.json: field '{field}' .*; fix config\.json$"):
+        DecoderSpec.from_config(c.config, c.generation_config)
+
+
+def test_transformers_config_errors_at_model_build_name_config_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the config class still rejects when the model is made is one line naming config.json."""
+    from transformers import AutoConfig
+
+    from toolchain import export
+
+    spec = DecoderSpec.from_config(CONFIG)
+
+    def reject(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("bos_token_id must be an int\nsecond line")
+
+    monkeypatch.setattr(AutoConfig, "for_model", reject)
+    with pytest.raises(CheckpointError) as exc:
+        export._model_class(dict(CONFIG), spec)
+    assert message(exc).startswith("config.json: transformers' llama config rejects it (ValueError: bos_token_id")
+    assert "\n" not in message(exc) and message(exc).endswith("fix config.json")
+
+
 def test_unsupported_weight_dtype_in_config(tmp_path: Path) -> None:
     directory = write_dir(tmp_path / "m", config={**CONFIG, "torch_dtype": "float8_e4m3fn"})
     with pytest.raises(UnsupportedModelError, match=r"config\.json: field 'torch_dtype'"):
