@@ -274,3 +274,23 @@ def _varint(value: int) -> bytes:
         out.append(byte | (0x80 if value else 0))
         if not value:
             return bytes(out)
+
+
+@pytest.mark.parametrize(
+    "config, field",
+    [
+        ({"temperature": "hot"}, "temperature"),
+        ({"do_sample": False, "temperature": "hot"}, "temperature"),
+        ({"do_sample": False, "top_k": 2.5}, "top_k"),
+        ({"do_sample": False, "top_p": [0.9]}, "top_p"),
+        ({"do_sample": "false"}, "do_sample"),
+    ],
+)
+def test_sampling_fields_are_checked_even_where_greedy_ignores_them(config: dict[str, Any], field: str) -> None:
+    with pytest.raises(ArtifactError, match=rf"^generation_config\.json: invalid sampling defaults \({field} must"):
+        generation_settings(config)
+
+
+def test_valid_sampling_fields_are_ignored_when_do_sample_is_false() -> None:
+    settings_ = generation_settings({"do_sample": False, "temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1})
+    assert settings_.defaults.temperature == 0.0 and settings_.defaults.repetition_penalty == 1.1

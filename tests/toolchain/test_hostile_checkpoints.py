@@ -673,6 +673,24 @@ def test_tokenizer_the_library_cannot_load(llama_copy: Path, text: str) -> None:
         check_tokenizer_fits(c, DecoderSpec.from_config(c.config, c.generation_config))
 
 
+@pytest.mark.parametrize(
+    "name, text, expected",
+    [
+        ("tokenizer_config.json", '{"bos_token": ["<s>"]}', r"tokenizer_config\.json: bos_token must be a string"),
+        ("generation_config.json", '{"temperature": "hot"}', r"generation_config\.json: .*temperature must be"),
+        ("generation_config.json", '{"do_sample": "no"}', r"generation_config\.json: .*do_sample must be"),
+    ],
+)
+def test_files_the_runner_would_refuse_fail_the_build_checks(
+    llama_copy: Path, name: str, text: str, expected: str
+) -> None:
+    """The artifact carries these files as they are: what `Engine.load` refuses, the build refuses first."""
+    (llama_copy / name).write_text(text)
+    with pytest.raises(CheckpointError, match=expected) as exc:
+        checked(llama_copy)
+    assert "\n" not in message(exc) and "fix the checkpoint's file" in message(exc)
+
+
 # --- through the whole build (slow) --------------------------------------------------------------
 
 
