@@ -28,14 +28,12 @@ def write_onnx(model: ir.Model, directory: Path) -> Path:
     """model.onnx with every weight in model.onnx.data, so models over 2 GB work."""
     path = directory / MODEL_FILE
     # onnx-ir 1.0 has no bound on the bytes in flight (1.1 added it): pass it where it exists
-    bounded = "max_in_flight_bytes" in inspect.signature(ir.save).parameters
-    ir.save(
-        model,
-        path,
-        external_data=DATA_FILE,
-        size_threshold_bytes=_INLINE_MAX_BYTES,
-        **({"max_in_flight_bytes": _WRITE_BUFFER_BYTES} if bounded else {}),
+    bound: dict[str, Any] = (
+        {"max_in_flight_bytes": _WRITE_BUFFER_BYTES}
+        if "max_in_flight_bytes" in inspect.signature(ir.save).parameters
+        else {}
     )
+    ir.save(model, path, external_data=DATA_FILE, size_threshold_bytes=_INLINE_MAX_BYTES, **bound)
     return path
 
 
