@@ -24,6 +24,7 @@ from runners.errors import ArtifactError, GenerationError
 from runners.generate import Step, check_length, generate_steps
 from runners.manifest import (
     FileHashes,
+    check_spec_against_io,
     listed_files,
     read_io,
     read_json_object,
@@ -193,6 +194,7 @@ class Engine:
         environment: Environment | None,
     ) -> Engine:
         io = read_io(directory, manifest)
+        check_spec_against_io(directory, manifest, io)
         # A graph with a fixed cache (target tensorrt) holds at most io.capacity positions.
         max_positions = min(read_max_positions(directory, manifest), io.capacity or 1 << 62)
         config = directory / GENERATION_CONFIG

@@ -27,6 +27,7 @@ from runners.external_data import check_external_data
 from runners.manifest import (
     MANIFEST,
     SCHEMA_VERSION,
+    check_spec_against_io,
     read_io,
     read_manifest,
     read_max_positions,
@@ -78,7 +79,7 @@ def valid_manifest(directory: Path) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "files": {name: sha256_file(directory / name) for name in FILES},
         "io": IO.to_dict(),
-        "spec": {"max_positions": 64, "eos_token_ids": [2]},
+        "spec": {"max_positions": 64, "eos_token_ids": [2], "vocab_size": IO.vocab_size, "num_layers": IO.num_layers},
     }
 
 
@@ -88,7 +89,10 @@ def read_all(directory: Path, text: bytes) -> None:
     try:
         manifest = read_manifest(directory)
         verify_files(directory, manifest)
-        assert read_io(directory, manifest).to_dict() == manifest["io"]  # accepted only if exact
+        io = read_io(directory, manifest)
+        assert io.to_dict() == manifest["io"]  # accepted only if exact
+        check_spec_against_io(directory, manifest, io)
+        assert (manifest["spec"]["vocab_size"], manifest["spec"]["num_layers"]) == (io.vocab_size, io.num_layers)
         assert read_max_positions(directory, manifest) >= 1
     except KvforgeError:
         pass
