@@ -15,7 +15,7 @@ from runners.errors import KvforgeError
 
 MINIMUM = {
     "torch": "2.13",
-    "transformers": "5.0",
+    "transformers": "5.25",
     "onnx": "1.18",
     "onnx-ir": "1.0",
     "onnxscript": "0.7.2",
