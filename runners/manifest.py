@@ -195,19 +195,22 @@ def read_io(directory: Path, manifest: dict[str, Any]) -> DecoderIO:
     return DecoderIO.from_dict(io)
 
 
-def check_io_against_graph(model_path: Path, io: DecoderIO, graph: Sequence[tuple[str, str, Sequence[object]]]) -> None:
-    """Every input and output of the graph, as (name, element type, dims) in order, is what the
+_Graph = Sequence[tuple[str, str, Sequence[object]]]
+
+
+def check_io_against_graph(model_path: Path, io: DecoderIO, inputs: _Graph, outputs: _Graph) -> None:
+    """The graph's inputs and outputs, each as (name, element type, dims) in order, are what the
     manifest's contract says: the same names, dtypes and fixed sizes (vocabulary, heads, head
     size, capacity). The manifest is not hashed itself; what the runner reads from it must
     agree with the hashed graph, or the artifact is refused."""
-    expected = [*io.inputs, *io.outputs]
-    names = [name for name, _, _ in graph]
-    if names != [t.name for t in expected]:
+    names = [name for name, _, _ in inputs], [name for name, _, _ in outputs]
+    expected = [t.name for t in io.inputs], [t.name for t in io.outputs]
+    if names != expected:
         raise ArtifactError(
             f"{model_path}: graph I/O {_short(names, 200)} does not match the manifest's contract "
-            f"{_short([t.name for t in expected], 200)}; rebuild the artifact"
+            f"{_short(expected, 200)}; rebuild the artifact"
         )
-    for tensor, (name, element, dims) in zip(expected, graph):
+    for tensor, (name, element, dims) in zip([*io.inputs, *io.outputs], [*inputs, *outputs]):
         dtype = _ONNX_ELEMENT_TYPES.get(element, element)
         fixed = [d if isinstance(d, int) else None for d in dims]
         declared = [d if isinstance(d, int) else None for d in tensor.dims]

@@ -138,8 +138,13 @@ class OrtSession:
                 f"{model_path}: onnxruntime could not load the model ({e}); rebuild the artifact"
             ) from e
         self.io = io
-        graph = [*self._session.get_inputs(), *self._session.get_outputs()]
-        check_io_against_graph(Path(model_path), io, [(t.name, t.type, t.shape) for t in graph])
+        inputs, outputs = self._session.get_inputs(), self._session.get_outputs()
+        check_io_against_graph(
+            Path(model_path),
+            io,
+            [(t.name, t.type, t.shape) for t in inputs],
+            [(t.name, t.type, t.shape) for t in outputs],
+        )
         expected = [t.name for t in io.inputs], [t.name for t in io.outputs]
         self._output_names = expected[1]
         self._step_inputs = [name for name in expected[0] if name not in set(io.past_names)]
