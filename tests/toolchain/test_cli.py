@@ -154,15 +154,15 @@ def test_the_command_as_a_process_sleeps_idle_openmp_threads_and_marks_its_conte
 
 
 @pytest.mark.slow
-def test_quiet_gate_refusal_prints_only_the_error_line(tmp_path: Path, tiny_checkpoint: Callable[..., Path]) -> None:
-    """A NaN weight fails the gate for the stamped graph and for the whole stack: with -q, the
-    error line is all that is printed (no log line about the stamped graph's refusal first)."""
-    import shutil
-
+def test_quiet_gate_refusal_prints_only_the_error_line(tmp_path: Path) -> None:
+    """A NaN weight fails the gate for the stamped graph (6 layers: stamped from 2) and then for the
+    whole stack: with -q, the error line is all that is printed (no log line about the stamped
+    graph's refusal first)."""
     from safetensors.torch import load_file, save_file
 
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(tiny_checkpoint("llama"), ckpt)
+    from tests.tiny import ARCH_CONFIGS, make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", arch=dict(ARCH_CONFIGS["llama"], num_hidden_layers=6))
     weights = {name: tensor.clone() for name, tensor in load_file(str(ckpt / "model.safetensors")).items()}
     weights["model.layers.0.mlp.down_proj.weight"][3, 5] = float("nan")
     save_file(weights, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
