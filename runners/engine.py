@@ -23,6 +23,7 @@ from runners.errors import ArtifactError, GenerationError
 from runners.generate import Step, check_length, generate_steps
 from runners.manifest import (
     FileHashes,
+    check_spec_against_io,
     listed_files,
     read_io,
     read_json_object,
@@ -193,6 +194,7 @@ class Engine:
         environment: Environment | None,
     ) -> Engine:
         io = read_io(directory, manifest)
+        check_spec_against_io(directory, manifest, io)
         # A graph with a fixed cache (target tensorrt) holds at most io.capacity positions.
         max_positions = min(read_max_positions(directory, manifest), io.capacity or 1 << 62)
         config = directory / GENERATION_CONFIG
@@ -622,22 +624,33 @@ def _token_id(value: object, field: str, source: str) -> int:
 
 
 def sampling_defaults(generation: Mapping[str, Any]) -> SamplingParams:
-    """HF generation_config semantics: greedy unless do_sample is true; null means the default."""
+    """HF generation_config semantics: greedy unless do_sample is true; null means the default.
 
-    def get(key: str, default: float) -> Any:
+    Every field is type-checked whether or not do_sample uses it: a file that says
+    `temperature: "hot"` is broken, not merely unused.
+    """
+
+    def get(key: str, default: float, integral: bool = False) -> Any:
         value = generation.get(key)
-        return default if value is None else value
+        if value is None:
+            return default
+        kind = numbers.Integral if integral else numbers.Real
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise GenerationError(f"{key} must be {'an integer' if integral else 'a number'}, got {_preview(value)}")
+        return value
 
+    do_sample = generation.get("do_sample")
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise GenerationError(f"do_sample must be true or false, got {_preview(do_sample)}")
     penalty = float(get("repetition_penalty", 1.0))
-    if not get("do_sample", False):
-        return SamplingParams(temperature=0.0, repetition_penalty=penalty)
-    return SamplingParams(
+    sampled = SamplingParams(
         temperature=float(get("temperature", 1.0)),
-        top_k=int(get("top_k", 0)),
+        top_k=int(get("top_k", 0, integral=True)),
         top_p=float(get("top_p", 1.0)),
         min_p=float(get("min_p", 0.0)),
         repetition_penalty=penalty,
     )
+    return sampled if do_sample else SamplingParams(temperature=0.0, repetition_penalty=penalty)
 
 
 def _preview(value: object, limit: int = 60) -> str:

@@ -79,7 +79,15 @@ class GrammarCompiler:
         problem = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
         if problem and not problem.startswith("WARNING"):
             raise GrammarError(f"{kind} cannot be compiled: {_one_line(problem)}")
-        return Grammar(kind, text)
+        compiled = Grammar(kind, text)
+        # A grammar can compile and still admit no text (a schema whose $ref refers only to itself):
+        # the first mask says so, here rather than as an empty reply
+        probe = self.mask(compiled)
+        probe.allowed()
+        if probe.matcher.is_error():
+            reason = (probe.matcher.get_error().strip().splitlines() or ["no reason given"])[0]
+            raise GrammarError(f"{kind} admits no text ({reason}); check it for a $ref that only refers to itself")
+        return compiled
 
     def mask(self, grammar: Grammar) -> GrammarMask:
         return GrammarMask(llguidance.LLMatcher(self.tokenizer, grammar.text, log_level=0), self.vocab_size, grammar)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -193,6 +193,62 @@ def read_io(directory: Path, manifest: dict[str, Any]) -> DecoderIO:
     if not isinstance(io, dict):
         raise ArtifactError(f"{directory / MANIFEST}: field io is missing or not an object; rebuild the artifact")
     return DecoderIO.from_dict(io)
+
+
+_Graph = Sequence[tuple[str, str, Sequence[object]]]
+
+
+def check_io_against_graph(model_path: Path, io: DecoderIO, inputs: _Graph, outputs: _Graph) -> None:
+    """The graph's inputs and outputs, each as (name, element type, dims) in order, are what the
+    manifest's contract says: the same names, dtypes and fixed sizes (vocabulary, heads, head
+    size, capacity). The manifest is not hashed itself; what the runner reads from it must
+    agree with the hashed graph, or the artifact is refused."""
+    names = [name for name, _, _ in inputs], [name for name, _, _ in outputs]
+    expected = [t.name for t in io.inputs], [t.name for t in io.outputs]
+    if names != expected:
+        raise ArtifactError(
+            f"{model_path}: graph I/O {_short(names, 200)} does not match the manifest's contract "
+            f"{_short(expected, 200)}; rebuild the artifact"
+        )
+    for tensor, (name, element, dims) in zip([*io.inputs, *io.outputs], [*inputs, *outputs]):
+        dtype = _ONNX_ELEMENT_TYPES.get(element, element)
+        fixed = [d if isinstance(d, int) else None for d in dims]
+        declared = [d if isinstance(d, int) else None for d in tensor.dims]
+        if dtype != tensor.dtype or fixed != declared:
+            raise ArtifactError(
+                f"{model_path}: {name} is {dtype} {_short(list(dims))} in the graph, but {MANIFEST}'s io says "
+                f"{tensor.dtype} {_short(list(tensor.dims))}; the manifest was modified, rebuild the artifact"
+            )
+
+
+# onnxruntime's element type names, as the contract's numpy names
+_ONNX_ELEMENT_TYPES = {
+    f"tensor({onnx})": numpy
+    for onnx, numpy in {
+        "float": "float32",
+        "double": "float64",
+        "float16": "float16",
+        "bfloat16": "bfloat16",
+        "int64": "int64",
+        "int32": "int32",
+        "int8": "int8",
+        "uint8": "uint8",
+        "bool": "bool",
+    }.items()
+}
+
+
+def check_spec_against_io(directory: Path, manifest: dict[str, Any], io: DecoderIO) -> None:
+    """The spec's sizes that the contract also states agree with it (a modified spec is refused)."""
+    spec = manifest.get("spec")
+    if not isinstance(spec, dict):
+        raise ArtifactError(f"{directory / MANIFEST}: field spec is missing or not an object; rebuild the artifact")
+    for field in ("vocab_size", "num_layers"):
+        if spec.get(field) != getattr(io, field) or isinstance(spec.get(field), bool):
+            raise ArtifactError(
+                f"{directory / MANIFEST}: spec.{field} is {_short(spec.get(field))} but io.{field} is "
+                f"{getattr(io, field)}; the manifest was modified, rebuild the artifact"
+            )
 
 
 def read_max_positions(directory: Path, manifest: dict[str, Any]) -> int:

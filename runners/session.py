@@ -22,6 +22,7 @@ from runners.contract import DecoderIO
 from runners.errors import ArtifactError
 from runners.external_data import check_external_data
 from runners.hugepages import huge_pages_for_new_memory
+from runners.manifest import check_io_against_graph
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -139,13 +140,14 @@ class OrtSession:
                 f"{model_path}: onnxruntime could not load the model ({e}); rebuild the artifact"
             ) from e
         self.io = io
-        names = [i.name for i in self._session.get_inputs()], [o.name for o in self._session.get_outputs()]
+        inputs, outputs = self._session.get_inputs(), self._session.get_outputs()
+        check_io_against_graph(
+            Path(model_path),
+            io,
+            [(t.name, t.type, t.shape) for t in inputs],
+            [(t.name, t.type, t.shape) for t in outputs],
+        )
         expected = [t.name for t in io.inputs], [t.name for t in io.outputs]
-        if names != expected:
-            raise ArtifactError(
-                f"{model_path}: graph I/O {names} does not match the manifest's contract {expected}; "
-                "rebuild the artifact"
-            )
         self._output_names = expected[1]
         self._step_inputs = [name for name in expected[0] if name not in set(io.past_names)]
         self._small_inputs = [name for name in expected[0] if name not in set(io.cache_names)]

@@ -188,6 +188,25 @@ def check_against_spec(checkpoint: Checkpoint, spec: DecoderSpec) -> None:
     check_embedding_shapes(locations, spec)
     check_parameter_count(locations, spec, checkpoint.path / CONFIG)
     check_tokenizer_fits(checkpoint, spec)
+    check_runner_reads(checkpoint)
+
+
+def check_runner_reads(checkpoint: Checkpoint) -> None:
+    """The tokenizer and generation files as the runner will read them from the artifact: what
+    `Engine.load` would refuse is refused here, before anything is built or published."""
+    from runners.engine import generation_settings
+    from runners.errors import ArtifactError
+    from runners.tokenizer import TokenizerBundle
+
+    # the artifact's ids are the spec's, already checked; the sampling fields are copied as they are
+    ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+    generation = {k: v for k, v in (checkpoint.generation_config or {}).items() if k not in ids}
+    try:
+        TokenizerBundle.load(checkpoint.path)
+        generation_settings(generation, source=str(checkpoint.path / GENERATION_CONFIG))
+    except ArtifactError as e:
+        problem = str(e).rsplit("; ", 1)[0]
+        raise CheckpointError(f"{problem}; fix the checkpoint's file (the runner would refuse the artifact)") from e
 
 
 # --- finding files ----------------------------------------------------------------------

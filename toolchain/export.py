@@ -71,7 +71,13 @@ def _model_class(fields: dict[str, Any], spec: DecoderSpec) -> tuple[Any, Any]:
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    config = AutoConfig.for_model(spec.model_type, **{k: v for k, v in fields.items() if k not in _NOT_FIELDS})
+    try:
+        config = AutoConfig.for_model(spec.model_type, **{k: v for k, v in fields.items() if k not in _NOT_FIELDS})
+    except Exception as e:  # config classes validate with ValueError, TypeError, KeyError, ...
+        raise CheckpointError(
+            f"config.json: transformers' {spec.model_type} config rejects it ({type(e).__name__}: {_first_line(e)}); "
+            "fix config.json"
+        ) from e
     return config, MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 

@@ -820,6 +820,14 @@ def _read_tokens(
     """bos / eos / pad ids: generation_config.json wins where it sets one (as `generate` does);
     a field absent from config.json takes the transformers class default."""
     gen = None if generation_config is None else _Reader(generation_config, GENERATION_CONFIG_FILE)
+    # config.json's own ids are checked even where generation_config.json overrides them:
+    # transformers' config class validates them again when the model is built
+    if gen is not None:
+        for key in ("bos_token_id", "pad_token_id"):
+            if gen.has(key):
+                reader.int_(key)
+        if gen.has("eos_token_id") and "eos_token_id" in reader.data:
+            _token_list(reader, "eos_token_id")
     bos = _token_source(gen, reader, "bos_token_id")
     pad = _token_source(gen, reader, "pad_token_id")
     eos = _token_source(gen, reader, "eos_token_id")

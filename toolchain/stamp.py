@@ -231,7 +231,12 @@ def lower(cut: CutProgram, model: torch.nn.Module, io: DecoderIO) -> tuple[ir.Mo
         lowered = to_onnx(cut.program, cut.io)
     except ExportError as e:
         raise Unstampable(f"the cut-down model does not lower ({e})") from e
-    stamped = _Stamper(lowered, cut.plan, model).stamp()
+    try:
+        stamped = _Stamper(lowered, cut.plan, model).stamp()
+    except (KeyError, StopIteration) as e:
+        # another torch/onnxscript release can lower the cut-down layers into a shape this
+        # proof does not follow: the whole stack is lowered instead, never a crash
+        raise Unstampable(f"the lowered layers do not have the structure stamping expects ({type(e).__name__})") from e
     apply_contract(stamped.graph, io)
     full = len(cut.plan.template)
     return stamped, Lowering(True, full, len(cut.plan.selected), cut.plan.kinds)

@@ -27,6 +27,13 @@ if TYPE_CHECKING:
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 _MAX_STOP_STRINGS = 16
+# Limits on a request's shape, checked before anything is compiled or queued: Python's JSON
+# decoder and repr recurse, and llguidance's schema compiler takes time that grows with the
+# schema (and refuses, mid-sampling, an object whose properties make one parser row of more
+# than 2,000 items). Each is far beyond what a real request needs.
+MAX_BODY_DEPTH = 64
+MAX_SCHEMA_NODES = 2_000
+MAX_SCHEMA_MEMBERS = 256
 # OpenAI fields whose effect this server does not implement: refused unless absent, null
 # or the neutral value listed (the value that asks for nothing).
 _NEUTRAL: dict[str, tuple[object, ...]] = {
@@ -191,7 +198,38 @@ def _json_schema_member(value: dict[str, Any]) -> dict[str, Any]:
             f"response_format.json_schema.strict must be true, false or null, got {_preview(spec['strict'])}",
             "response_format.json_schema.strict",
         )
+    where = "response_format.json_schema.schema"
+    depth, nodes, members = _shape(schema)
+    if nodes > MAX_SCHEMA_NODES:
+        raise ApiError(400, f"{where} has {nodes} values; at most {MAX_SCHEMA_NODES} are allowed", where)
+    if members > MAX_SCHEMA_MEMBERS:
+        raise ApiError(
+            400,
+            f"{where} has an object or list of {members} members; at most {MAX_SCHEMA_MEMBERS} are allowed "
+            "(split the schema or use fewer properties)",
+            where,
+        )
     return schema
+
+
+def _shape(value: object) -> tuple[int, int, int]:
+    """(nesting depth, number of values, most members of one object or list) of a JSON value,
+    walked with an explicit stack: the value may nest deeper than Python recurses."""
+    depth = nodes = members = 0
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        nodes += 1
+        depth = max(depth, level)
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        members = max(members, len(children))
+        stack.extend((child, level + 1) for child in children)
+    return depth, nodes, members
 
 
 def _response_format(value: object, engine: Engine) -> Grammar | None:
@@ -239,12 +277,17 @@ def _same(value: object, neutral: object) -> bool:
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
+    too_deep = ApiError(400, f"the request body nests deeper than {MAX_BODY_DEPTH} levels; send a flatter one")
     try:
         body = json.loads(raw)
+    except RecursionError as error:  # the decoder recurses once per level
+        raise too_deep from error
     except (UnicodeDecodeError, ValueError) as error:
         raise ApiError(400, f"the request body is not valid JSON ({error}); send a JSON object") from error
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    if _shape(body)[0] > MAX_BODY_DEPTH:  # before anything recursive (dumps, repr) walks it
+        raise too_deep
     try:  # JSON may spell lone UTF-16 surrogates (\ud800), which no tokenizer can take
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as error:

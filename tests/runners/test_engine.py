@@ -376,3 +376,57 @@ def test_a_session_without_prepacked_weights_computes_the_same_products(built_ar
         outputs.append((logits, step))
     for prepacked, as_stored in zip(*outputs):
         np.testing.assert_allclose(as_stored, prepacked, rtol=1e-5, atol=1e-5)
+
+
+def _edited_manifest(artifact: Path, tmp_path: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
+    """A copy of the artifact with its manifest edited and nothing rehashed."""
+    copy = tmp_path / "edited"
+    shutil.copytree(artifact, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    edit(manifest)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+def _io_edit(**changes: Any) -> Callable[[dict[str, Any]], None]:
+    """Replace io fields, with the inputs and outputs they derive rewritten to match (a consistent forgery)."""
+    from dataclasses import replace
+
+    from runners.contract import DecoderIO
+
+    def edit(manifest: dict[str, Any]) -> None:
+        manifest["io"] = replace(DecoderIO.from_dict(manifest["io"]), **changes).to_dict()
+        manifest["spec"].update({k: v for k, v in changes.items() if k in manifest["spec"]})
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda m: m["spec"].update(vocab_size=10), r"spec\.vocab_size is 10 but io\.vocab_size is 384"),
+        (lambda m: m["spec"].update(num_layers=3), r"spec\.num_layers is 3 but io\.num_layers is 2"),
+        (_io_edit(vocab_size=10), r"logits is float32 \['batch', 1, 384\] in the graph, but manifest\.json's io says"),
+        (_io_edit(kv_dtype="float16"), r"past_key_values\.0\.key is float32 .* io says float16"),
+        (
+            _io_edit(num_kv_heads=1),
+            r"past_key_values\.0\.key is float32 \['batch', 2, .* io says float32 \['batch', 1,",
+        ),
+    ],
+    ids=["spec-vocab", "spec-layers", "io-vocab", "io-dtype", "io-heads"],
+)
+def test_a_manifest_edited_without_rehashing_is_refused(
+    artifact: Path, tmp_path: Path, edit: Callable[[dict[str, Any]], None], expected: str
+) -> None:
+    """The manifest is not hashed itself: every field the runner reads must agree with the hashed graph."""
+    copy = _edited_manifest(artifact, tmp_path, edit)
+    with pytest.raises(ArtifactError, match=expected):
+        Engine.load(copy)
+    result = subprocess.run(
+        [sys.executable, "-m", "toolchain.cli", "generate", str(copy), "Hi", "--max-new-tokens", "2"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("kvforge: error: "), result.stderr

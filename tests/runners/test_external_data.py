@@ -89,7 +89,7 @@ def artifact(tmp_path: Path) -> Callable[..., Path]:
             "schema_version": SCHEMA_VERSION,
             "files": listed,
             "io": IO.to_dict(),
-            "spec": {"max_positions": 64},
+            "spec": {"max_positions": 64, "vocab_size": IO.vocab_size, "num_layers": IO.num_layers},
         }
         (directory / MANIFEST).write_text(json.dumps(manifest))
         return directory

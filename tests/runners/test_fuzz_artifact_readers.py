@@ -27,6 +27,7 @@ from runners.external_data import check_external_data
 from runners.manifest import (
     MANIFEST,
     SCHEMA_VERSION,
+    check_spec_against_io,
     read_io,
     read_manifest,
     read_max_positions,
@@ -78,7 +79,7 @@ def valid_manifest(directory: Path) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "files": {name: sha256_file(directory / name) for name in FILES},
         "io": IO.to_dict(),
-        "spec": {"max_positions": 64, "eos_token_ids": [2]},
+        "spec": {"max_positions": 64, "eos_token_ids": [2], "vocab_size": IO.vocab_size, "num_layers": IO.num_layers},
     }
 
 
@@ -88,7 +89,10 @@ def read_all(directory: Path, text: bytes) -> None:
     try:
         manifest = read_manifest(directory)
         verify_files(directory, manifest)
-        assert read_io(directory, manifest).to_dict() == manifest["io"]  # accepted only if exact
+        io = read_io(directory, manifest)
+        assert io.to_dict() == manifest["io"]  # accepted only if exact
+        check_spec_against_io(directory, manifest, io)
+        assert (manifest["spec"]["vocab_size"], manifest["spec"]["num_layers"]) == (io.vocab_size, io.num_layers)
         assert read_max_positions(directory, manifest) >= 1
     except KvforgeError:
         pass
@@ -274,3 +278,23 @@ def _varint(value: int) -> bytes:
         out.append(byte | (0x80 if value else 0))
         if not value:
             return bytes(out)
+
+
+@pytest.mark.parametrize(
+    "config, field",
+    [
+        ({"temperature": "hot"}, "temperature"),
+        ({"do_sample": False, "temperature": "hot"}, "temperature"),
+        ({"do_sample": False, "top_k": 2.5}, "top_k"),
+        ({"do_sample": False, "top_p": [0.9]}, "top_p"),
+        ({"do_sample": "false"}, "do_sample"),
+    ],
+)
+def test_sampling_fields_are_checked_even_where_greedy_ignores_them(config: dict[str, Any], field: str) -> None:
+    with pytest.raises(ArtifactError, match=rf"^generation_config\.json: invalid sampling defaults \({field} must"):
+        generation_settings(config)
+
+
+def test_valid_sampling_fields_are_ignored_when_do_sample_is_false() -> None:
+    settings_ = generation_settings({"do_sample": False, "temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1})
+    assert settings_.defaults.temperature == 0.0 and settings_.defaults.repetition_penalty == 1.1

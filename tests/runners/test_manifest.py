@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,3 +60,52 @@ def test_the_listing_is_checked_before_any_file_is_read(tmp_path: Path, monkeypa
         verify_files(tmp_path, {"files": files})
     (tmp_path / "extra.bin").unlink()
     assert listed_files(tmp_path, {"files": files}) == files
+
+
+# --- the manifest's io against the graph --------------------------------------------------------
+
+_ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "int64": "tensor(int64)"}
+
+
+def _graph_of(io: object, **changes: tuple[str, object]) -> tuple[list[tuple[str, str, list[object]]], ...]:
+    """onnxruntime's view of a graph made exactly to `io` (symbolic dims as strings), with some
+    tensors' (type, dims) replaced."""
+    from runners.contract import DecoderIO
+
+    assert isinstance(io, DecoderIO)
+
+    def view(tensors: tuple[Any, ...]) -> list[tuple[str, str, list[object]]]:
+        rows = []
+        for t in tensors:
+            element, dims = changes.get(t.name, (_ORT_TYPES[t.dtype], list(t.dims)))
+            rows.append((t.name, str(element), list(dims)))
+        return rows
+
+    return view(io.inputs), view(io.outputs)
+
+
+def test_a_graph_made_to_the_contract_passes() -> None:
+    from runners.contract import DecoderIO
+    from runners.manifest import check_io_against_graph
+
+    io = DecoderIO(num_layers=2, num_kv_heads=2, head_dim=4, vocab_size=32)
+    check_io_against_graph(Path("m.onnx"), io, *_graph_of(io))
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "expected"),
+    [
+        ("logits", ("tensor(float)", ["batch", "seq", 31]), r"logits is float32 \['batch', 'seq', 31\] in the graph"),
+        ("past_key_values.1.value", ("tensor(float16)", ["batch", 2, "past", 4]), "is float16"),
+        ("present.0.key", ("tensor(float)", ["batch", 2, "total", 8]), r"present\.0\.key is float32"),
+        ("input_ids", ("tensor(int64)", ["batch", 1]), r"input_ids is int64 \['batch', 1\]"),
+    ],
+)
+def test_a_graph_that_disagrees_with_the_manifest_is_refused(name: str, change: tuple[Any, ...], expected: str) -> None:
+    from runners.contract import DecoderIO
+    from runners.manifest import check_io_against_graph
+
+    io = DecoderIO(num_layers=2, num_kv_heads=2, head_dim=4, vocab_size=32)
+    with pytest.raises(ArtifactError, match=expected) as exc:
+        check_io_against_graph(Path("m.onnx"), io, *_graph_of(io, **{name: change}))
+    assert "the manifest was modified" in str(exc.value)

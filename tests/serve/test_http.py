@@ -116,6 +116,57 @@ def test_error_shapes(shared_server: Server, raw: bytes, status: int, param: str
     assert error["type"] == "invalid_request_error"
 
 
+def _nested_schema(depth: int) -> bytes:
+    """A schema nested `depth` objects deep, as text: json.dumps itself would recurse too deep."""
+    return b'{"type": "object", "properties": {"a": ' * depth + b'{"type": "string"}' + b"}}" * depth
+
+
+def _json_schema_body(schema: dict[str, Any] | bytes) -> bytes:
+    text = schema if isinstance(schema, bytes) else json.dumps(schema).encode()
+    return (
+        b'{"model": "out", "prompt": "a", "max_tokens": 4, '
+        b'"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ' + text + b"}}}"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("raw", "param", "says"),
+    [
+        (b'{"model": "out", "prompt": "a", "user": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", None, "64 levels"),
+        (b'{"model": "out", "prompt": "a", "user": ' + b"[" * 100 + b"]" * 100 + b"}", None, "64 levels"),
+        (_json_schema_body(_nested_schema(5_000)), None, "64 levels"),
+        (
+            _json_schema_body(
+                {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "a+b"} for i in range(5_000)}}
+            ),
+            "response_format.json_schema.schema",
+            "at most 2000",
+        ),
+        (
+            _json_schema_body({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(300)}}),
+            "response_format.json_schema.schema",
+            "at most 256",
+        ),
+        (
+            _json_schema_body({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}),
+            "response_format",
+            "admits no text",
+        ),
+    ],
+    ids=["body-10000-deep", "body-100-deep", "schema-5000-deep", "5000-patterns", "300-properties", "self-ref"],
+)
+def test_hostile_request_shapes_are_400s_naming_the_limit(
+    shared_server: Server, raw: bytes, param: str | None, says: str
+) -> None:
+    """Decided when the request is parsed, before any sampling: a 400 naming the limit, never a 500."""
+    got, _, payload = call(shared_server.url, "POST", "/v1/completions", raw=raw)
+    assert got == 400, payload[:300]
+    error = assert_error_shape(payload, param)
+    assert says in error["message"]
+    assert call(shared_server.url, "GET", "/health")[0] == 200  # and the server is still up
+
+
 @pytest.mark.slow
 def test_chat_message_errors_name_the_message(shared_server: Server) -> None:
     for messages, param in (
@@ -249,3 +300,39 @@ def test_an_engine_failure_mid_stream_is_an_error_event_and_health_turns_503(tin
         server.shutdown()
         server.server_close()
         scheduler.stop()
+
+
+# --- malformed requests, fuzzed -----------------------------------------------------------------
+
+_FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "stop", "stream", "n"]
+_FIELDS += ["logprobs", "response_format", "seed", "stream_options", "ignore_eos", "user", "presence_penalty"]
+
+
+def _request_bodies() -> Any:
+    from hypothesis import strategies as st
+
+    from tests.fuzzing import json_values
+
+    values = json_values([0, -1, 2, 2**63, 1e308, "", "out", "a", True, None, [], {}, [1, 2], {"type": "json_object"}])
+    fields = st.dictionaries(st.sampled_from(_FIELDS), values, max_size=6)
+    bodies = st.builds(lambda f: json.dumps({"model": "out", "max_tokens": 2, **f}).encode(), fields)
+    return st.one_of(bodies, st.binary(max_size=64), values.map(lambda v: json.dumps(v).encode()))
+
+
+@pytest.mark.slow
+def test_fuzzed_request_bodies_are_never_a_server_error(shared_server: Server) -> None:
+    """Arbitrary bodies over the real field names (most invalid, some valid at 2 tokens): no 5xx, and
+    every refusal has OpenAI's error shape."""
+    from hypothesis import HealthCheck, given, settings
+
+    @given(raw=_request_bodies())
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    def check(raw: bytes) -> None:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            status, _, payload = call(shared_server.url, "POST", path, raw=raw)
+            assert status < 500, (raw[:200], payload[:300])
+            if status >= 400:
+                assert_error_shape(payload)
+
+    check()
+    assert call(shared_server.url, "GET", "/health")[0] == 200

@@ -151,3 +151,23 @@ def test_the_command_as_a_process_sleeps_idle_openmp_threads_and_marks_its_conte
         gc.unfreeze()
     assert os.environ["OMP_WAIT_POLICY"] == (set_by_user or "PASSIVE")
     assert calls == [{"obj": {"own_process": True}}]
+
+
+@pytest.mark.slow
+def test_quiet_gate_refusal_prints_only_the_error_line(tmp_path: Path) -> None:
+    """A NaN weight fails the gate for the stamped graph (6 layers: stamped from 2) and then for the
+    whole stack: with -q, the error line is all that is printed (no log line about the stamped
+    graph's refusal first)."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.tiny import ARCH_CONFIGS, make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", arch=dict(ARCH_CONFIGS["llama"], num_hidden_layers=6))
+    weights = {name: tensor.clone() for name, tensor in load_file(str(ckpt / "model.safetensors")).items()}
+    weights["model.layers.0.mlp.down_proj.weight"][3, 5] = float("nan")
+    save_file(weights, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    result = kvforge("build", str(ckpt), "-o", str(tmp_path / "out"), "-q")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvforge: error: ") and "NaN or Inf" in lines[0], lines
+    assert not (tmp_path / "out").exists()

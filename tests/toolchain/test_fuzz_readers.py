@@ -309,3 +309,96 @@ def test_safetensors_file_reader_and_loader(scratch: Path, data: bytes) -> None:
     for name, tensor in tensors.items():
         assert tensor.dtype == reference[name].dtype
         assert torch.equal(tensor.reshape(-1).view(torch.uint8), reference[name].reshape(-1).view(torch.uint8))
+
+
+# --- through `kvforge build` -------------------------------------------------------------------------
+
+# Each example loads the tiny model (about a second where it is refused late): 15 keep it near a minute.
+BUILD_FUZZ = settings(
+    max_examples=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    database=None,
+)
+LLAMA_KEYS = _layout_keys("llama")
+TOKENIZER_FIELDS = ["bos_token", "eos_token", "pad_token", "chat_template"]
+GENERATION_FIELDS = ["do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens"]
+GENERATION_FIELDS += ["bos_token_id", "eos_token_id", "pad_token_id"]
+
+
+class _ReachedLowering(KvforgeError):
+    """Raised in place of tracing: the input passed every check before it."""
+
+
+def _edit_json(path: Path, key: str, value: Any, delete: bool) -> None:
+    data = json.loads(path.read_text()) if path.exists() else {}
+    if delete:
+        data.pop(key, None)
+    else:
+        data[key] = value
+    try:
+        path.write_text(json.dumps(data))
+    except ValueError:  # a value JSON cannot hold: the file is written as a reader would see it anyway
+        path.write_text(json.dumps(data, allow_nan=True))
+
+
+@st.composite
+def checkpoint_mutations(draw: st.DrawFn) -> list[tuple[str, Any]]:
+    """A few edits of a valid checkpoint: config, generation and tokenizer fields, safetensors header bytes."""
+    edits: list[tuple[str, Any]] = []
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["config", "generation", "tokenizer", "header"]))
+        if kind == "header":
+            edits.append((kind, (draw(st.integers(0, 300)), draw(st.binary(min_size=1, max_size=4)))))
+        else:
+            keys = {"config": LLAMA_KEYS, "generation": GENERATION_FIELDS, "tokenizer": TOKENIZER_FIELDS}[kind]
+            value = draw(st.one_of(st.sampled_from(NASTY), JSON_VALUES))
+            edits.append((kind, (draw(st.sampled_from(keys)), value, draw(st.booleans()))))
+    return edits
+
+
+def _apply(directory: Path, edits: list[tuple[str, Any]]) -> None:
+    files = {"config": "config.json", "generation": "generation_config.json", "tokenizer": "tokenizer_config.json"}
+    for kind, edit in edits:
+        if kind == "header":
+            at, data = edit
+            weights = directory / "model.safetensors"
+            raw = bytearray(weights.read_bytes())
+            header_end = 8 + int.from_bytes(raw[:8], "little")
+            at = at % header_end
+            raw[at : at + len(data)] = data
+            weights.write_bytes(bytes(raw))
+        else:
+            _edit_json(directory / files[kind], *edit)
+
+
+@pytest.mark.slow
+@BUILD_FUZZ
+@given(edits=checkpoint_mutations())
+def test_kvforge_build_on_mutated_checkpoints_is_one_line_and_publishes_nothing(
+    tiny_checkpoint: Callable[..., Path], edits: list[tuple[str, Any]]
+) -> None:
+    """Whatever is edited, `kvforge build` exits 2 with one line and leaves nothing behind, or the input
+    passed every check up to tracing (stopped there: a real build per example would not fit in CI)."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from toolchain import build as build_module
+    from toolchain.cli import main
+
+    with tempfile.TemporaryDirectory() as scratch, pytest.MonkeyPatch.context() as patch:
+        parent = Path(scratch)
+        directory = parent / "ckpt"
+        shutil.copytree(tiny_checkpoint("llama"), directory)
+        _apply(directory, edits)
+
+        def reached(*args: Any, **kwargs: Any) -> Any:
+            raise _ReachedLowering("reached lowering")
+
+        patch.setattr(build_module, "_lower", reached)
+        result = CliRunner().invoke(main, ["build", str(directory), "-o", str(parent / "out"), "-q"])
+        lines = result.output.strip().splitlines()
+        assert result.exit_code == 2, (edits, result.output, result.exception)
+        assert len(lines) == 1 and lines[0].startswith("kvforge: error: "), (edits, result.output)
+        assert sorted(p.name for p in parent.iterdir()) == ["ckpt"]  # no artifact, no staging directory

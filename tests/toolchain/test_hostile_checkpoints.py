@@ -560,6 +560,44 @@ def test_bad_generation_config_value(tmp_path: Path) -> None:
         DecoderSpec.from_config(c.config, c.generation_config)
 
 
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"bos_token_id": 256.5}, "bos_token_id"),
+        ({"bos_token_id": "0"}, "bos_token_id"),
+        ({"eos_token_id": 1.5}, "eos_token_id"),
+        ({"pad_token_id": "x"}, "pad_token_id"),
+    ],
+)
+def test_config_token_ids_are_checked_where_generation_config_overrides_them(
+    tmp_path: Path, changes: dict[str, Any], field: str
+) -> None:
+    """transformers validates config.json's own ids when it builds the model, whichever file wins."""
+    directory = write_dir(tmp_path / "m", config={**CONFIG, **changes})
+    (directory / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}')
+    c = load(directory)
+    with pytest.raises(CheckpointError, match=rf"^config\.json: field '{field}' .*; fix config\.json$"):
+        DecoderSpec.from_config(c.config, c.generation_config)
+
+
+def test_transformers_config_errors_at_model_build_name_config_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the config class still rejects when the model is made is one line naming config.json."""
+    from transformers import AutoConfig
+
+    from toolchain import export
+
+    spec = DecoderSpec.from_config(CONFIG)
+
+    def reject(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("bos_token_id must be an int\nsecond line")
+
+    monkeypatch.setattr(AutoConfig, "for_model", reject)
+    with pytest.raises(CheckpointError) as exc:
+        export._model_class(dict(CONFIG), spec)
+    assert message(exc).startswith("config.json: transformers' llama config rejects it (ValueError: bos_token_id")
+    assert "\n" not in message(exc) and message(exc).endswith("fix config.json")
+
+
 def test_unsupported_weight_dtype_in_config(tmp_path: Path) -> None:
     directory = write_dir(tmp_path / "m", config={**CONFIG, "torch_dtype": "float8_e4m3fn"})
     with pytest.raises(UnsupportedModelError, match=r"config\.json: field 'torch_dtype'"):
@@ -633,6 +671,24 @@ def test_tokenizer_the_library_cannot_load(llama_copy: Path, text: str) -> None:
     c = load(llama_copy)
     with pytest.raises(CheckpointError, match=r"tokenizer\.json: the tokenizers library cannot load it"):
         check_tokenizer_fits(c, DecoderSpec.from_config(c.config, c.generation_config))
+
+
+@pytest.mark.parametrize(
+    "name, text, expected",
+    [
+        ("tokenizer_config.json", '{"bos_token": ["<s>"]}', r"tokenizer_config\.json: bos_token must be a string"),
+        ("generation_config.json", '{"temperature": "hot"}', r"generation_config\.json: .*temperature must be"),
+        ("generation_config.json", '{"do_sample": "no"}', r"generation_config\.json: .*do_sample must be"),
+    ],
+)
+def test_files_the_runner_would_refuse_fail_the_build_checks(
+    llama_copy: Path, name: str, text: str, expected: str
+) -> None:
+    """The artifact carries these files as they are: what `Engine.load` refuses, the build refuses first."""
+    (llama_copy / name).write_text(text)
+    with pytest.raises(CheckpointError, match=expected) as exc:
+        checked(llama_copy)
+    assert "\n" not in message(exc) and "fix the checkpoint's file" in message(exc)
 
 
 # --- through the whole build (slow) --------------------------------------------------------------

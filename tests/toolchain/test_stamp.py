@@ -186,3 +186,22 @@ def test_stamped_graph_refused_by_the_gate_is_rebuilt_from_the_whole_stack(
     assert result.lowering.reason == "the stamped graph failed the parity gate"
     assert result.parity.passed
     assert alive_at_each_load == [[], [False]]
+
+
+@pytest.mark.parametrize("error", [KeyError(1234), StopIteration()])
+def test_a_lowering_the_proof_does_not_follow_is_unstampable(monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
+    """Another torch/onnxscript release can lower the cut-down layers differently (onnxscript 0.7.2
+    with torch 2.11 gave a KeyError while stamping): the build gets Unstampable and lowers the whole stack."""
+
+    class Stamper:
+        def __init__(self, *args: Any) -> None:
+            pass
+
+        def stamp(self) -> ir.Model:
+            raise error
+
+    monkeypatch.setattr(stamp, "to_onnx", lambda program, io: None)
+    monkeypatch.setattr(stamp, "_Stamper", Stamper)
+    cut = stamp.CutProgram(program=None, io=None, plan=None)  # type: ignore[arg-type]
+    with pytest.raises(stamp.Unstampable, match=f"structure stamping expects \\({type(error).__name__}\\)"):
+        stamp.lower(cut, torch.nn.Module(), None)  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 from pathlib import Path
@@ -26,13 +27,13 @@ _WRITE_BUFFER_BYTES = 64 << 20
 def write_onnx(model: ir.Model, directory: Path) -> Path:
     """model.onnx with every weight in model.onnx.data, so models over 2 GB work."""
     path = directory / MODEL_FILE
-    ir.save(
-        model,
-        path,
-        external_data=DATA_FILE,
-        size_threshold_bytes=_INLINE_MAX_BYTES,
-        max_in_flight_bytes=_WRITE_BUFFER_BYTES,
+    # onnx-ir 1.0 has no bound on the bytes in flight (1.1 added it): pass it where it exists
+    bound: dict[str, Any] = (
+        {"max_in_flight_bytes": _WRITE_BUFFER_BYTES}
+        if "max_in_flight_bytes" in inspect.signature(ir.save).parameters
+        else {}
     )
+    ir.save(model, path, external_data=DATA_FILE, size_threshold_bytes=_INLINE_MAX_BYTES, **bound)
     return path
 
 

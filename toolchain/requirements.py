@@ -1,0 +1,64 @@
+"""The oldest release of each library the toolchain is tested with, checked when it is imported.
+
+An older release fails deep inside a build (a keyword argument its API lacks, a graph it
+lowers differently); this check turns that into one line naming the package and the
+release needed. The bounds are pyproject's (a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from importlib import metadata
+
+from runners.errors import KvforgeError
+
+MINIMUM = {
+    "torch": "2.13",
+    "transformers": "5.25",
+    "onnx": "1.18",
+    "onnx-ir": "1.0",
+    "onnxscript": "0.7.2",
+    "onnxruntime": "1.23",
+}
+# onnxruntime's GPU build is another distribution of the same module.
+_ALTERNATIVES = {"onnxruntime": ("onnxruntime", "onnxruntime-gpu")}
+
+
+class DependencyError(KvforgeError, ImportError):
+    """A library the toolchain needs is missing or older than the release it is tested with."""
+
+
+def check_versions(version: Callable[[str], str] = metadata.version) -> None:
+    """Raise DependencyError for the first library missing or older than MINIMUM."""
+    for package, minimum in MINIMUM.items():
+        installed = _installed(package, version)
+        if installed is None:
+            raise DependencyError(f"{package} is not installed; kvforge needs {package}>={minimum}")
+        if release(installed) < release(minimum):
+            raise DependencyError(
+                f"{package} {installed} is installed; kvforge needs {package}>={minimum} "
+                f"(pip install '{package}>={minimum}')"
+            )
+
+
+def _installed(package: str, version: Callable[[str], str]) -> str | None:
+    for name in _ALTERNATIVES.get(package, (package,)):
+        try:
+            return version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def release(text: str) -> tuple[int, ...]:
+    """The numeric release of a version string: "2.13.0+cpu" -> (2, 13, 0), "1.0.0rc1" -> (1, 0, 0)."""
+    parts: list[int] = []
+    for part in text.split("."):
+        digits = re.match(r"\d+", part)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+        if digits.end() != len(part):
+            break
+    return tuple(parts)
