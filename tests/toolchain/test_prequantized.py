@@ -1,0 +1,257 @@
+"""AWQ and GPTQ checkpoints, made here and packed as those libraries pack, import exactly.
+
+The packing functions below are written from the libraries' documented layouts, not from
+`toolchain.prequantized`: AutoAWQ's gemm layout (`awq/utils/packing_utils.py`: eight 4-bit
+codes of one input row per int32, output columns in the order 0 2 4 6 1 3 5 7 from the
+lowest nibble) and AutoGPTQ's (`QuantLinear.pack`: 32 / bits codes of consecutive input
+rows per int32 of `qweight`, consecutive output columns per int32 of `qzeros`, each zero
+point stored minus one).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+from safetensors.torch import load_file, save_file
+
+from runners.contract import DecoderIO
+from runners.errors import CheckpointError
+from runners.generate import empty_cache, forward
+from runners.session import OrtSession
+from toolchain import checkpoint as checkpoints
+from toolchain.build import BuildOptions, build
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GROUP = 32
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def quantize(weight: np.ndarray, bits: int, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Asymmetric round-to-nearest of a [N, K] weight per group of K: integer codes [N, K],
+    fp16 scales and integer zero points [N, K / group], as both libraries produce them."""
+    n, k = weight.shape
+    blocks = weight.reshape(n, k // group, group)
+    low, high = blocks.min(-1), blocks.max(-1)
+    top = 2**bits - 1
+    scales = ((high - low) / top).astype(np.float16)
+    zeros = np.clip(np.round(-low / scales.astype(np.float32)), 0, top).astype(np.int64)
+    # a zero point at the edge of the range stays inside it: GPTQ's stored zero - 1 must not be -1
+    zeros = np.clip(zeros, 1, top)
+    codes = np.clip(np.round(blocks / scales[..., None].astype(np.float32)) + zeros[..., None], 0, top)
+    return codes.reshape(n, k).astype(np.int64), scales, zeros
+
+
+def dequantize(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, group: int) -> np.ndarray:
+    repeat = np.repeat
+    return ((codes - repeat(zeros, group, axis=1)) * repeat(scales.astype(np.float32), group, axis=1)).astype(
+        np.float32
+    )
+
+
+def pack_awq(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray) -> dict[str, torch.Tensor]:
+    """AutoAWQ gemm: intweight [K, N] -> qweight [K, N / 8]; zeros [groups, N] -> qzeros [groups, N / 8]."""
+
+    def pack(values: np.ndarray) -> np.ndarray:  # [R, C] -> [R, C / 8]
+        packed = np.zeros((values.shape[0], values.shape[1] // 8), dtype=np.uint32)
+        for col in range(packed.shape[1]):
+            for i in range(8):
+                packed[:, col] |= values[:, col * 8 + AWQ_ORDER[i]].astype(np.uint32) << (4 * i)
+        return packed.view(np.int32)
+
+    return {
+        "qweight": torch.from_numpy(pack(codes.T)),
+        "qzeros": torch.from_numpy(pack(zeros.T)),
+        "scales": torch.from_numpy(np.ascontiguousarray(scales.T)),
+    }
+
+
+def pack_gptq(
+    codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, bits: int, group: int
+) -> dict[str, torch.Tensor]:
+    """AutoGPTQ: intweight [K, N] -> qweight [K * bits / 32, N] (rows packed), zeros - 1 [groups, N] ->
+    qzeros [groups, N * bits / 32] (columns packed), g_idx [K]."""
+    per_word = 32 // bits
+    intweight = codes.T.astype(np.uint32)
+    qweight = np.zeros((intweight.shape[0] // per_word, intweight.shape[1]), dtype=np.uint32)
+    for row in range(qweight.shape[0]):
+        for j in range(per_word):
+            qweight[row] |= intweight[row * per_word + j] << (bits * j)
+    stored = (zeros.T - 1).astype(np.uint32)
+    qzeros = np.zeros((stored.shape[0], stored.shape[1] // per_word), dtype=np.uint32)
+    for col in range(qzeros.shape[1]):
+        for j in range(per_word):
+            qzeros[:, col] |= stored[:, col * per_word + j] << (bits * j)
+    k = codes.shape[1]
+    return {
+        "qweight": torch.from_numpy(qweight.view(np.int32)),
+        "qzeros": torch.from_numpy(qzeros.view(np.int32)),
+        "scales": torch.from_numpy(np.ascontiguousarray(scales.T)),
+        "g_idx": torch.tensor([i // group for i in range(k)], dtype=torch.int32),
+    }
+
+
+def make_quantized(
+    source: Path, directory: Path, method: str, bits: int = 4
+) -> tuple[dict[str, np.ndarray], dict[str, torch.Tensor]]:
+    """`source`'s checkpoint with every layer projection quantized and packed by `method`;
+    returns each projection's integer codes and the float weights they stand for."""
+    directory.mkdir()
+    for file in source.iterdir():
+        if file.name not in ("model.safetensors", "config.json"):
+            (directory / file.name).write_bytes(file.read_bytes())
+    tensors = load_file(source / "model.safetensors")
+    codes_of: dict[str, np.ndarray] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in PROJECTIONS]:
+        prefix = name[: -len(".weight")]
+        codes, scales, zeros = quantize(tensors.pop(name).numpy(), bits, GROUP)
+        codes_of[name] = codes
+        dequantized[name] = torch.from_numpy(dequantize(codes, scales, zeros, GROUP))
+        packed = pack_awq(codes, scales, zeros) if method == "awq" else pack_gptq(codes, scales, zeros, bits, GROUP)
+        tensors.update({f"{prefix}.{part}": tensor for part, tensor in packed.items()})
+    save_file(tensors, directory / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = (
+        {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
+        if method == "awq"
+        else {"quant_method": "gptq", "bits": bits, "group_size": GROUP, "desc_act": False, "sym": False}
+    )
+    (directory / "config.json").write_text(json.dumps(config))
+    return codes_of, dequantized
+
+
+def matmul_nbits_codes(model: onnx.ModelProto, directory: Path) -> dict[str, np.ndarray]:
+    """Each MatMulNBits' codes [N, K] as the artifact stores them (unpacked here: low nibble first)."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    found = {}
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        b = numpy_helper.to_array(initializers[node.input[1]], base_dir=str(directory))
+        n, k, bits = attrs["N"], attrs["K"], attrs["bits"]
+        if bits == 4:
+            b = np.stack([b & 0x0F, b >> 4], axis=-1)
+        found[node.input[1]] = b.reshape(n, -1)[:, :k].astype(np.int64)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, bits", [("awq", 4), ("gptq", 4), ("gptq", 8)])
+def test_a_prequantized_checkpoint_imports_its_own_codes_exactly(
+    method: str, bits: int, tmp_path: Path, tiny_checkpoint: Callable[..., Path]
+) -> None:
+    source = tiny_checkpoint("llama")
+    checkpoint = tmp_path / method
+    codes_of, dequantized = make_quantized(source, checkpoint, method, bits)
+    result = build(checkpoint, tmp_path / "out", BuildOptions())
+    manifest = result.manifest
+    parity = manifest["parity"]
+    assert (
+        parity["passed"] and parity["dtype"] == "float32" and parity["tolerance"]["relative"] == 2e-4
+    )  # the float gate
+    imported = manifest["imported_weights"]
+    assert imported["method"] == method and set(imported["weights"]) == set(codes_of)
+    assert all(
+        w["exact"] and w["form"] == "matmul_nbits" and w["block_size"] == GROUP for w in imported["weights"].values()
+    )
+    assert manifest["passes"]["histogram_after"].get("MatMul", 0) == 1  # the float LM head only
+
+    # the artifact's codes are the checkpoint's, packed projections being their parts stacked along N
+    model = onnx.load(tmp_path / "out" / "model.onnx", load_external_data=False)
+    stored = matmul_nbits_codes(model, tmp_path / "out")
+    assert len(stored) == 2 * 4  # per layer: qkv, o, gate_up, down
+    for name, entry in imported["weights"].items():
+        graph_weight = entry.get("graph_weight", name)
+        parts = [n for n, e in imported["weights"].items() if e.get("graph_weight", n) == graph_weight]
+        expected = np.concatenate(
+            [codes_of[part] for part in sorted(parts, key=lambda part: PROJECTIONS.index(part.split(".")[-2]))]
+        )
+        np.testing.assert_array_equal(stored[f"{graph_weight}.q{bits}"], expected)
+
+    # logits equal transformers' on the dequantized weights (computed here) within the float32 gate's tolerance
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=torch.float32).eval()
+    state = load_file(source / "model.safetensors") | dequantized
+    reference.load_state_dict(state, strict=False)
+    prompt = [[1, 17, 42, 99, 5, 230, 77, 8]]
+    with torch.no_grad():
+        expected = reference(torch.tensor(prompt)).logits[:, -1].numpy()
+    io = DecoderIO.from_dict(manifest["io"])
+    ids = np.array(prompt, dtype=np.int64)
+    logits, _ = forward(
+        OrtSession(tmp_path / "out" / "model.onnx", io), ids, np.ones_like(ids), empty_cache(io, 1, len(prompt[0]))
+    )
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(logits[:, -1], expected, rtol=0, atol=2e-4 * scale)
+    # and not by chance: the float checkpoint's own logits differ from them by more than that
+    with torch.no_grad():
+        reference.load_state_dict(load_file(source / "model.safetensors"))
+        unquantized = reference(torch.tensor(prompt)).logits[:, -1].numpy()
+    assert np.abs(unquantized - expected).max() > 10 * 2e-4 * scale
+
+
+def test_the_checkpoint_dequantizes_its_weights_for_the_eager_model(
+    tmp_path: Path, tiny_checkpoint: Callable[..., Path]
+) -> None:
+    """`state_dict` gives the float weights a GPTQ checkpoint's codes stand for, without its packed tensors."""
+    _, dequantized = make_quantized(tiny_checkpoint("llama"), tmp_path / "gptq", "gptq")
+    ckpt = checkpoints.load(tmp_path / "gptq")
+    state = ckpt.state_dict(torch.float32)
+    assert not any(name.endswith((".qweight", ".qzeros", ".scales", ".g_idx")) for name in state)
+    for name, weight in dequantized.items():
+        torch.testing.assert_close(state[name], weight, rtol=0, atol=0)
+    records = ckpt.quantized_weights()
+    assert set(records) == set(dequantized) and all(r.exact for r in records.values())
+
+
+def test_act_order_groups_are_imported_in_float_with_the_reason(
+    tmp_path: Path, tiny_checkpoint: Callable[..., Path]
+) -> None:
+    codes_of, _ = make_quantized(tiny_checkpoint("llama"), tmp_path / "gptq", "gptq")
+    tensors = load_file(tmp_path / "gptq" / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj"
+    k = tensors[f"{name}.g_idx"].shape[0]
+    shuffled = torch.tensor(np.random.default_rng(0).permutation(k) // GROUP, dtype=torch.int32)
+    tensors[f"{name}.g_idx"] = shuffled
+    save_file(tensors, tmp_path / "gptq" / "model.safetensors")
+    ckpt = checkpoints.load(tmp_path / "gptq")
+    record = ckpt.quantized_weights()[f"{name}.weight"]
+    assert not record.exact and "act-order" in record.reason
+    # the float weight follows each input row's own group
+    scales = tensors[f"{name}.scales"].float().numpy()  # [groups, N]
+    codes = codes_of[f"{name}.weight"]
+    weight = ckpt.state_dict(torch.float32)[f"{name}.weight"].numpy()
+    zero = weight[:, 0] / scales[shuffled[0], :] - codes[:, 0]  # -(zero point) of row 0's group, per column
+    np.testing.assert_allclose(zero, np.round(zero), atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "is not one kvforge imports"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version 'gemv'"),
+        ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "GPTQ of 3 bits"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": "128"}, "group_size is '128'"),
+    ],
+)
+def test_a_quantization_kvforge_cannot_read_is_refused_naming_the_field(
+    fields: dict[str, object], words: str, tmp_path: Path, tiny_checkpoint: Callable[..., Path]
+) -> None:
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    for file in tiny_checkpoint("llama").iterdir():
+        (directory / file.name).write_bytes(file.read_bytes())
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"quantization_config": fields}))
+    with pytest.raises(CheckpointError, match="quantization_config") as error:
+        checkpoints.load(directory)
+    assert words in str(error.value) and "\n" not in str(error.value)
