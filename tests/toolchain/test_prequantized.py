@@ -255,3 +255,29 @@ def test_a_quantization_kvforge_cannot_read_is_refused_naming_the_field(
     with pytest.raises(CheckpointError, match="quantization_config") as error:
         checkpoints.load(directory)
     assert words in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_a_weights_recipe_keeps_the_imported_codes_and_quantizes_only_the_float_weights(
+    tmp_path: Path, tiny_checkpoint: Callable[..., Path]
+) -> None:
+    """`--weights int4` on an AWQ checkpoint: its projections keep their codes (at the recipe's
+    accuracy level, judged by the distribution gate), the float LM head and table are quantized."""
+    from passes.quantize import WeightQuantization
+
+    codes_of, _ = make_quantized(tiny_checkpoint("llama"), tmp_path / "awq", "awq")
+    manifest = build(tmp_path / "awq", tmp_path / "out", BuildOptions(weights=WeightQuantization(4))).manifest
+    assert manifest["parity"]["passed"] and manifest["parity"]["precision"] == "int4"
+    assert all(w["exact"] for w in manifest["imported_weights"]["weights"].values())
+    model = onnx.load(tmp_path / "out" / "model.onnx", load_external_data=False)
+    levels = {
+        node.input[1]: {a.name: a.i for a in node.attribute}.get("accuracy_level", 0)
+        for node in model.graph.node
+        if node.op_type == "MatMulNBits"
+    }
+    assert len(levels) == 2 * 4 + 1 and set(levels.values()) == {4}  # the imported projections and the LM head
+    stored = matmul_nbits_codes(model, tmp_path / "out")
+    np.testing.assert_array_equal(
+        stored["model.layers.1.mlp.down_proj.weight.q4"], codes_of["model.layers.1.mlp.down_proj.weight"]
+    )
+    assert manifest["passes"]["histogram_after"].get("com.microsoft::GatherBlockQuantized", 0) == 1
