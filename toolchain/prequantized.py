@@ -135,6 +135,13 @@ def _unpack(prefix: str, tensors: Mapping[str, Any], quantization: Quantization,
             raise CheckpointError(f"{file}: {prefix}.qweight has no {prefix}.{part}; the checkpoint is incomplete")
     qweight, qzeros, scales = (arrays[p] for p in ("qweight", "qzeros", "scales"))
     assert qweight is not None and qzeros is not None and scales is not None
+    for part, array, kinds in (("qweight", qweight, "i"), ("qzeros", qzeros, "i"), ("scales", scales, "f")):
+        if array.ndim != 2 or array.dtype.kind != kinds or (kinds == "i" and array.dtype.itemsize != 4):
+            what = "int32" if kinds == "i" else "float"
+            raise CheckpointError(
+                f"{file}: {prefix}.{part} is {array.dtype} {list(array.shape)}; {quantization.method.upper()} stores "
+                f"it as a 2-D {what} tensor: check that the checkpoint is not damaged"
+            )
     per_word = 32 // bits
     if quantization.method == "awq":
         k = qweight.shape[0]
@@ -146,6 +153,11 @@ def _unpack(prefix: str, tensors: Mapping[str, Any], quantization: Quantization,
         zeros = _unpack_columns(qzeros, bits, tuple(range(per_word)))
     n = codes.shape[0]
     group = k if quantization.group_size == -1 else quantization.group_size
+    if n % per_word:
+        raise CheckpointError(
+            f"{file}: {prefix} has {n} output features, not a multiple of the {per_word} codes an int32 of "
+            f"{prefix}.qzeros holds; the checkpoint is damaged"
+        )
     groups = -(-k // group)
     expected = {"qzeros": (groups, n // per_word), "scales": (groups, n)}
     for part, shape in expected.items():

@@ -281,3 +281,24 @@ def test_a_weights_recipe_keeps_the_imported_codes_and_quantizes_only_the_float_
         stored["model.layers.1.mlp.down_proj.weight.q4"], codes_of["model.layers.1.mlp.down_proj.weight"]
     )
     assert manifest["passes"]["histogram_after"].get("com.microsoft::GatherBlockQuantized", 0) == 1
+
+
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (lambda t: t.flatten(), "2-D int32"),
+        (lambda t: t.to(torch.int16), "2-D int32"),
+        (lambda t: t[:, :-1].contiguous(), "qzeros has shape"),
+    ],
+)
+def test_damaged_packed_tensors_are_refused_naming_the_tensor(
+    damage: Callable[[torch.Tensor], torch.Tensor], words: str, tmp_path: Path, tiny_checkpoint: Callable[..., Path]
+) -> None:
+    make_quantized(tiny_checkpoint("llama"), tmp_path / "awq", "awq")
+    tensors = load_file(tmp_path / "awq" / "model.safetensors")
+    name = "model.layers.1.self_attn.o_proj.qweight"
+    tensors[name] = damage(tensors[name])
+    save_file(tensors, tmp_path / "awq" / "model.safetensors")
+    with pytest.raises(CheckpointError, match="model.layers.1.self_attn.o_proj") as error:
+        checkpoints.load(tmp_path / "awq").state_dict(torch.float32)
+    assert words in str(error.value) and "\n" not in str(error.value)
