@@ -40,7 +40,7 @@ import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 
 import ml_dtypes
 import numpy as np
@@ -92,14 +92,22 @@ class QuantizedWeight:
     zero_points: np.ndarray | None  # [N, ⌈K / block⌉] uint8 in 0 .. 2^bits - 1; None when symmetric
     bits: int
     block_size: int
+    # The input features in the order the codes store them (column j of `codes` is input
+    # feature input_order[j]: a GPTQ act-order checkpoint's groups); None: their own order
+    input_order: np.ndarray | None = None
 
     def dequantize(self) -> np.ndarray:
-        """The [N, K] float weight the codes stand for."""
+        """The [N, K] float weight the codes stand for, its input features in their own order."""
         n, k = self.codes.shape
         codes = self.padded_codes().reshape(n, -1, self.block_size).astype(np.float32)
         if self.zero_points is not None:
             codes = codes - self.zero_points[..., None]
-        return (codes * self.scales[..., None].astype(np.float32)).reshape(n, -1)[:, :k]
+        stored = (codes * self.scales[..., None].astype(np.float32)).reshape(n, -1)[:, :k]
+        if self.input_order is None:
+            return stored
+        weight = np.empty_like(stored)
+        weight[:, self.input_order] = stored
+        return weight
 
     def padded_codes(self) -> np.ndarray:
         """[N, ⌈K / block⌉ * block]: the codes, the last block filled up with the code of 0."""
@@ -587,13 +595,17 @@ class ImportQuantizedWeights(InPlacePass):
                 q, sources = record
                 tensor = weight.const_value
                 assert tensor is not None
-                q = QuantizedWeight(q.codes, q.scales.astype(tensor.dtype.numpy()), q.zero_points, q.bits, q.block_size)
+                q = replace(q, scales=q.scales.astype(tensor.dtype.numpy()))
                 base = f"{name}.q{q.bits}" + (".t" if f"{name}.q{q.bits}" in graph.initializers else "")
                 if self.form == "matmul_nbits":
                     parts: list[np.ndarray | _Tensor | None] = list(matmul_nbits_inputs(q))
                 else:
                     parts = list(dequantize_linear_inputs(q))
-                done[key] = (tuple(register_quantized(graph, base, parts)), q)
+                registered = register_quantized(graph, base, parts)
+                if q.input_order is not None:  # the activations' features in the codes' order
+                    order = q.input_order.astype(np.int64)
+                    registered.append(register_initializer(graph, f"{base}.input_order", order))
+                done[key] = (tuple(registered), q)
                 self.imported_forms[name] = {
                     "form": self.form,
                     "bits": q.bits,
@@ -601,6 +613,8 @@ class ImportQuantizedWeights(InPlacePass):
                     "zero_points": q.zero_points is not None,
                     "from": sources,
                 }
+                if q.input_order is not None:
+                    self.imported_forms[name]["input_order"] = True
             inputs, q = done[key]
             self._replace(graph, node, inputs, q)
             self.counts["imported"] += 1
@@ -627,6 +641,14 @@ class ImportQuantizedWeights(InPlacePass):
         return q, sources
 
     def _replace(self, graph: ir.Graph, node: ir.Node, inputs: tuple[ir.Value, ...], q: QuantizedWeight) -> None:
+        x = node.inputs[0]
+        if q.input_order is not None:
+            *weights, order = inputs
+            inputs = tuple(weights)
+            gather = ir.node("Gather", [x, order], {"axis": -1})
+            graph.insert_before(node, gather)
+            x = gather.outputs[0]
+            node.replace_input_with(0, x)
         if self.form == "dequantize_linear":
             dq = ir.node("DequantizeLinear", list(inputs), {"axis": 0, "block_size": q.block_size})
             graph.insert_before(node, dq)
@@ -636,7 +658,7 @@ class ImportQuantizedWeights(InPlacePass):
         attributes = {"K": k, "N": n, "bits": q.bits, "block_size": q.block_size}
         if self.accuracy_level:
             attributes["accuracy_level"] = self.accuracy_level
-        fused = ir.node("MatMulNBits", [node.inputs[0], *inputs], attributes, domain=_MS_DOMAIN)
+        fused = ir.node("MatMulNBits", [x, *inputs], attributes, domain=_MS_DOMAIN)
         graph.insert_before(node, fused)
         replace_node(graph, node, fused.outputs[0])
 
@@ -653,6 +675,7 @@ def stack_rows(records: Sequence[QuantizedWeight]) -> QuantizedWeight | None:
         and r.codes.shape[1] == first.codes.shape[1]
         and (r.zero_points is None) == (first.zero_points is None)
         and r.codes.dtype == first.codes.dtype
+        and _same_order(r.input_order, first.input_order)
         for r in records
     )
     if not alike:
@@ -664,4 +687,9 @@ def stack_rows(records: Sequence[QuantizedWeight]) -> QuantizedWeight | None:
         zero_points,
         first.bits,
         first.block_size,
+        first.input_order,
     )
+
+
+def _same_order(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b))

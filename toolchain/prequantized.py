@@ -20,9 +20,11 @@ quantize phase writes to MatMulNBits unchanged (`passes.quantize.ImportQuantized
 `dequantize_into` replaces the packed tensors of a state dict by the float weights they
 stand for, so the eager model, the gate's reference, is the dequantized checkpoint.
 
-A weight MatMulNBits cannot hold as it is (GPTQ's act-order `g_idx`, which groups input
-rows that are not adjacent; a zero point outside the codes' range; a group size that is not
-a power of two of at least 16) is imported dequantized, in float, and `records` says why.
+GPTQ's act-order (`desc_act`: a `g_idx` whose groups gather input rows that are not
+adjacent) is held by storing the codes in group order (`QuantizedWeight.input_order`), the
+activations gathered into that order before the MatMul. A weight MatMulNBits cannot hold as
+it is (groups of unequal sizes; a zero point outside the codes' range; a group size that is
+not a power of two of at least 16) is imported dequantized, in float, and `records` says why.
 """
 
 from __future__ import annotations
@@ -177,8 +179,12 @@ def _unpack(prefix: str, tensors: Mapping[str, Any], quantization: Quantization,
     stored = np.clip(zero_points, 0, 255).astype(np.uint8)
     record = QuantizedWeight(codes, scale, stored, bits, group)
     if g_idx is not None and not np.array_equal(g_idx, contiguous):
-        # act-order: the float weight is what the groups say; MatMulNBits' blocks are adjacent rows
-        return Imported(_regrouped(codes, scale, zero_points, g_idx, bits), False, "act-order g_idx groups rows apart")
+        # act-order: a group's input rows lie apart; stored in group order, with the activations
+        # gathered into that order, MatMulNBits' blocks of adjacent rows hold them as they are
+        order = np.argsort(g_idx, kind="stable")
+        if not np.array_equal(g_idx[order], contiguous):
+            return Imported(_regrouped(codes, scale, zero_points, g_idx, bits), False, "g_idx groups of unequal sizes")
+        record = QuantizedWeight(np.ascontiguousarray(codes[:, order]), scale, stored, bits, group, order)
     if not in_range:
         return Imported(record, False, f"a zero point is {int(zero_points.max())}, beyond {bits}-bit codes")
     if not holds_block(group) or k % group:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -367,3 +369,20 @@ def test_a_packed_weight_imports_its_parts_stacked_and_mixed_parts_stay_float() 
     # one part not imported, or imported with another block size: the packed weight stays float
     assert packed({"q": parts["q"], "k": parts["k"]})[1].counts == {}
     assert packed(parts | {"v": prequantized(8, k, 4, 16)})[1].counts == {}
+
+
+@pytest.mark.parametrize("form", ["matmul_nbits", "dequantize_linear"])
+def test_codes_stored_in_another_input_order_read_the_activations_in_that_order(form: str) -> None:
+    """GPTQ's act-order: the codes' columns are input features `input_order`; a Gather puts x in that order."""
+    k, n = 64, 16
+    q = replace(prequantized(n, k, 4, 32), input_order=RNG.permutation(k))
+    weight = q.dequantize()  # [N, K] in the features' own order
+    stored = replace(q, input_order=None).dequantize()
+    assert np.array_equal(weight[:, q.input_order], stored) and not np.array_equal(weight, stored)
+    model = projection_graph(k, n, weight)
+    imports = ImportQuantizedWeights({"w": q}, form)
+    assert imports(model).modified and op_count(model, "Gather") == 1
+    assert imports.imported_forms["w"]["input_order"] is True
+    x = RNG.standard_normal((2, 3, k)).astype(np.float32)
+    (got,) = ort_outputs(model, {"x": x})
+    np.testing.assert_allclose(got, x @ weight.T, atol=2e-5, rtol=1e-5)

@@ -73,10 +73,10 @@ def pack_awq(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray) -> dict[s
 
 
 def pack_gptq(
-    codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, bits: int, group: int
+    codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, bits: int, g_idx: np.ndarray
 ) -> dict[str, torch.Tensor]:
     """AutoGPTQ: intweight [K, N] -> qweight [K * bits / 32, N] (rows packed), zeros - 1 [groups, N] ->
-    qzeros [groups, N * bits / 32] (columns packed), g_idx [K]."""
+    qzeros [groups, N * bits / 32] (columns packed), g_idx [K] (each input row's group)."""
     per_word = 32 // bits
     intweight = codes.T.astype(np.uint32)
     qweight = np.zeros((intweight.shape[0] // per_word, intweight.shape[1]), dtype=np.uint32)
@@ -88,20 +88,21 @@ def pack_gptq(
     for col in range(qzeros.shape[1]):
         for j in range(per_word):
             qzeros[:, col] |= stored[:, col * per_word + j] << (bits * j)
-    k = codes.shape[1]
     return {
         "qweight": torch.from_numpy(qweight.view(np.int32)),
         "qzeros": torch.from_numpy(qzeros.view(np.int32)),
         "scales": torch.from_numpy(np.ascontiguousarray(scales.T)),
-        "g_idx": torch.tensor([i // group for i in range(k)], dtype=torch.int32),
+        "g_idx": torch.from_numpy(g_idx.astype(np.int32)),
     }
 
 
 def make_quantized(
-    source: Path, directory: Path, method: str, bits: int = 4
+    source: Path, directory: Path, method: str, bits: int = 4, act_order: bool = False
 ) -> tuple[dict[str, np.ndarray], dict[str, torch.Tensor]]:
     """`source`'s checkpoint with every layer projection quantized and packed by `method`;
-    returns each projection's integer codes and the float weights they stand for."""
+    returns each projection's integer codes and the float weights they stand for. `act_order`
+    (GPTQ's desc_act): each group gathers input rows in an order of their own, shared by the
+    projections that read the same input (GPTQ orders them by the same Hessian)."""
     directory.mkdir()
     for file in source.iterdir():
         if file.name not in ("model.safetensors", "config.json"):
@@ -111,17 +112,28 @@ def make_quantized(
     dequantized: dict[str, torch.Tensor] = {}
     for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in PROJECTIONS]:
         prefix = name[: -len(".weight")]
-        codes, scales, zeros = quantize(tensors.pop(name).numpy(), bits, GROUP)
+        weight = tensors.pop(name).numpy()
+        k = weight.shape[1]
+        reads = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+        seed = sum(map(ord, prefix.rsplit(".", 1)[0] + reads.get(prefix.rsplit(".", 1)[1], prefix)))
+        order = np.random.default_rng(seed).permutation(k) if act_order else np.arange(k)
+        ordered, scales, zeros = quantize(weight[:, order], bits, GROUP)  # groups of rows in `order`
+        codes = np.empty_like(ordered)
+        codes[:, order] = ordered
+        g_idx = np.empty(k, np.int64)
+        g_idx[order] = np.arange(k) // GROUP
         codes_of[name] = codes
-        dequantized[name] = torch.from_numpy(dequantize(codes, scales, zeros, GROUP))
-        packed = pack_awq(codes, scales, zeros) if method == "awq" else pack_gptq(codes, scales, zeros, bits, GROUP)
+        float_weight = np.empty_like(weight)
+        float_weight[:, order] = dequantize(ordered, scales, zeros, GROUP)
+        dequantized[name] = torch.from_numpy(float_weight)
+        packed = pack_awq(codes, scales, zeros) if method == "awq" else pack_gptq(codes, scales, zeros, bits, g_idx)
         tensors.update({f"{prefix}.{part}": tensor for part, tensor in packed.items()})
     save_file(tensors, directory / "model.safetensors")
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = (
         {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
         if method == "awq"
-        else {"quant_method": "gptq", "bits": bits, "group_size": GROUP, "desc_act": False, "sym": False}
+        else {"quant_method": "gptq", "bits": bits, "group_size": GROUP, "desc_act": act_order, "sym": False}
     )
     (directory / "config.json").write_text(json.dumps(config))
     return codes_of, dequantized
@@ -144,13 +156,15 @@ def matmul_nbits_codes(model: onnx.ModelProto, directory: Path) -> dict[str, np.
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method, bits", [("awq", 4), ("gptq", 4), ("gptq", 8)])
+@pytest.mark.parametrize(
+    "method, bits, act_order", [("awq", 4, False), ("gptq", 4, False), ("gptq", 8, False), ("gptq", 4, True)]
+)
 def test_a_prequantized_checkpoint_imports_its_own_codes_exactly(
-    method: str, bits: int, tmp_path: Path, tiny_checkpoint: Callable[..., Path]
+    method: str, bits: int, act_order: bool, tmp_path: Path, tiny_checkpoint: Callable[..., Path]
 ) -> None:
     source = tiny_checkpoint("llama")
     checkpoint = tmp_path / method
-    codes_of, dequantized = make_quantized(source, checkpoint, method, bits)
+    codes_of, dequantized = make_quantized(source, checkpoint, method, bits, act_order)
     result = build(checkpoint, tmp_path / "out", BuildOptions())
     manifest = result.manifest
     parity = manifest["parity"]
@@ -168,13 +182,16 @@ def test_a_prequantized_checkpoint_imports_its_own_codes_exactly(
     model = onnx.load(tmp_path / "out" / "model.onnx", load_external_data=False)
     stored = matmul_nbits_codes(model, tmp_path / "out")
     assert len(stored) == 2 * 4  # per layer: qkv, o, gate_up, down
+    orders = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.name.endswith(".input_order")}
+    assert len(orders) == (len(stored) if act_order else 0)  # act-order: each gathers its activations once
     for name, entry in imported["weights"].items():
         graph_weight = entry.get("graph_weight", name)
         parts = [n for n, e in imported["weights"].items() if e.get("graph_weight", n) == graph_weight]
         expected = np.concatenate(
             [codes_of[part] for part in sorted(parts, key=lambda part: PROJECTIONS.index(part.split(".")[-2]))]
         )
-        np.testing.assert_array_equal(stored[f"{graph_weight}.q{bits}"], expected)
+        order = orders.get(f"{graph_weight}.q{bits}.input_order", np.arange(expected.shape[1]))
+        np.testing.assert_array_equal(stored[f"{graph_weight}.q{bits}"], expected[:, order])  # in the order stored
 
     # logits equal transformers' on the dequantized weights (computed here) within the float32 gate's tolerance
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -213,25 +230,31 @@ def test_the_checkpoint_dequantizes_its_weights_for_the_eager_model(
     assert set(records) == set(dequantized) and all(r.exact for r in records.values())
 
 
-def test_act_order_groups_are_imported_in_float_with_the_reason(
+def test_act_order_groups_are_held_in_group_order_and_unequal_groups_stay_float(
     tmp_path: Path, tiny_checkpoint: Callable[..., Path]
 ) -> None:
-    codes_of, _ = make_quantized(tiny_checkpoint("llama"), tmp_path / "gptq", "gptq")
+    codes_of, dequantized = make_quantized(tiny_checkpoint("llama"), tmp_path / "gptq", "gptq", act_order=True)
+    ckpt = checkpoints.load(tmp_path / "gptq")
+    name = "model.layers.0.mlp.down_proj.weight"
+    found = ckpt.quantized_weights()[name]
+    assert found.exact and found.record.input_order is not None
+    np.testing.assert_array_equal(found.record.codes, codes_of[name][:, found.record.input_order])
+    torch.testing.assert_close(ckpt.state_dict(torch.float32)[name], dequantized[name], rtol=0, atol=0)
+    # groups of unequal sizes: no block size holds them, the weight is float (and still right)
     tensors = load_file(tmp_path / "gptq" / "model.safetensors")
-    name = "model.layers.0.mlp.down_proj"
-    k = tensors[f"{name}.g_idx"].shape[0]
-    shuffled = torch.tensor(np.random.default_rng(0).permutation(k) // GROUP, dtype=torch.int32)
-    tensors[f"{name}.g_idx"] = shuffled
+    g_idx = tensors["model.layers.0.mlp.down_proj.g_idx"]
+    moved = g_idx.clone()
+    moved[g_idx == 0] = 1  # group 0 empty, group 1 twice as large; scale and zero of group 1
+    tensors["model.layers.0.mlp.down_proj.g_idx"] = moved
     save_file(tensors, tmp_path / "gptq" / "model.safetensors")
     ckpt = checkpoints.load(tmp_path / "gptq")
-    record = ckpt.quantized_weights()[f"{name}.weight"]
-    assert not record.exact and "act-order" in record.reason
-    # the float weight follows each input row's own group
-    scales = tensors[f"{name}.scales"].float().numpy()  # [groups, N]
-    codes = codes_of[f"{name}.weight"]
-    weight = ckpt.state_dict(torch.float32)[f"{name}.weight"].numpy()
-    zero = weight[:, 0] / scales[shuffled[0], :] - codes[:, 0]  # -(zero point) of row 0's group, per column
-    np.testing.assert_allclose(zero, np.round(zero), atol=1e-3)
+    found = ckpt.quantized_weights()[name]
+    assert not found.exact and "unequal" in found.reason
+    scales = tensors["model.layers.0.mlp.down_proj.scales"].float().numpy()  # [groups, N]
+    weight = ckpt.state_dict(torch.float32)[name].numpy()
+    rows = np.flatnonzero(g_idx.numpy() == 0)
+    ratio = weight[:, rows] / scales[1][:, None]  # (code - zero) of group 1's scale: whole numbers
+    np.testing.assert_allclose(ratio, np.round(ratio), atol=1e-3)
 
 
 @pytest.mark.parametrize(
