@@ -19,6 +19,10 @@ of 32 (the fast form, its loss the rounding's), or `int8`, the same at 8 bits (w
 recipe to decide. (Float zero points would hold the minimum exactly, but onnxruntime's CPU
 kernel takes its slow path for them: docs/performance.md.)
 
+A record that is not exact changes what the model computes: it belongs in a build judged by
+the distribution gate (`--weights`), while the exact ones also pass the float gate (the
+`exact` records alone, as `toolchain.build` imports a Hugging Face checkpoint's).
+
 The codes come from the gguf package's own dequantization (its public `gguf.quants.dequantize`),
 divided by each block's scale read from the block's bytes: the bit layout is the package's,
 never a second copy of it. The names are left to the caller: `records` takes GGUF tensor

@@ -252,3 +252,23 @@ def manifest_entry(
             "reason": why,
         }
     return quantization.to_dict() | {"weights": weights}
+
+
+def float_metadata(
+    metadata: Mapping[str, tuple[str, tuple[int, ...]]], quantization: Quantization
+) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Tensor name -> (dtype, shape) as the model sees the weights: each quantized Linear's
+    packed tensors replaced by `P.weight` [N, K] in its scales' dtype (headers only)."""
+    per_word = 32 // quantization.bits
+    found = dict(metadata)
+    for name, (_, shape) in metadata.items():
+        prefix = name[: -len(".qweight")] if name.endswith(".qweight") and len(shape) == 2 else None
+        if prefix is None or f"{prefix}.scales" not in metadata:
+            continue
+        rows, cols = shape
+        k, n = (rows, cols * per_word) if quantization.method == "awq" else (rows * per_word, cols)
+        dtype = metadata[f"{prefix}.scales"][0]
+        for part in _PACKED:
+            found.pop(f"{prefix}.{part}", None)
+        found[f"{prefix}.weight"] = (dtype, (n, k))
+    return found

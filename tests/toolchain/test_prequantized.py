@@ -325,3 +325,21 @@ def test_damaged_packed_tensors_are_refused_naming_the_tensor(
     with pytest.raises(CheckpointError, match="model.layers.1.self_attn.o_proj") as error:
         checkpoints.load(tmp_path / "awq").state_dict(torch.float32)
     assert words in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_the_footprint_counts_the_weights_the_codes_stand_for(
+    method: str, tmp_path: Path, tiny_checkpoint: Callable[..., Path]
+) -> None:
+    """`kvforge inspect`: the precisions' bytes are the float model's, the stored bytes the file's."""
+    from toolchain.footprint import footprint
+    from toolchain.spec import DecoderSpec
+
+    source = tiny_checkpoint("llama")
+    make_quantized(source, tmp_path / method, method)
+    quantized, original = checkpoints.load(tmp_path / method), checkpoints.load(source)
+    spec = DecoderSpec.from_config(original.config)
+    got, want = (footprint(c, spec, batch=1, seq=8) for c in (quantized, original))
+    assert got.weight_bytes_at == want.weight_bytes_at
+    stored = sum(t.numel() * t.element_size() for t in load_file(tmp_path / method / "model.safetensors").values())
+    assert got.weight_bytes == stored < want.weight_bytes
