@@ -26,7 +26,7 @@ from runners.errors import CheckpointError
 from runners.generate import empty_cache, forward
 from runners.session import OrtSession
 from toolchain import checkpoint as checkpoints
-from toolchain.build import BuildOptions, build
+from toolchain.build import BuildOptions, build, verify
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUP = 32
@@ -214,6 +214,7 @@ def test_a_prequantized_checkpoint_imports_its_own_codes_exactly(
         reference.load_state_dict(load_file(source / "model.safetensors"))
         unquantized = reference(torch.tensor(prompt)).logits[:, -1].numpy()
     assert np.abs(unquantized - expected).max() > 10 * 2e-4 * scale
+    assert verify(tmp_path / "out", checkpoint).passed  # `kvforge verify` reruns the same float gate
 
 
 def test_the_checkpoint_dequantizes_its_weights_for_the_eager_model(
