@@ -226,7 +226,8 @@ def _packed_matmul(op: Any, x: ir.Value, projections: Sequence[_Projection]) -> 
     name = _packed_name([p.weight.name or "" for p in projections], taken)
     dtype = _constant(first.weight).dtype
     if transposed:  # [sum(out), in], stacked as written: the parts are not copied
-        weight = op.initializer(StackedRows([p.kernel for p in projections], dtype, name))
+        sources = [p.weight.name or "" for p in projections]
+        weight = op.initializer(StackedRows([p.kernel for p in projections], dtype, name, sources))
     else:
         kernel = np.concatenate([p.kernel for p in projections], axis=0)
         weight = op.initializer(ir.tensor(kernel.T, dtype=dtype, name=name))

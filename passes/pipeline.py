@@ -32,7 +32,14 @@ from passes.fuse_norm import norm_fusion, norm_lowering_ort
 from passes.fuse_rotary import rotary_fusion
 from passes.last_position import LastPositionLogits
 from passes.pack_matmul import pack_gate_up, pack_qkv
-from passes.quantize import FormChooser, KernelForm, QuantizeWeights, WeightQuantization
+from passes.quantize import (
+    FormChooser,
+    ImportQuantizedWeights,
+    KernelForm,
+    QuantizedWeight,
+    QuantizeWeights,
+    WeightQuantization,
+)
 from passes.quantize_embedding import QuantizeEmbedding
 from passes.quantize_experts import QuantizeExperts
 from passes.rewrite import FusionPass
@@ -250,11 +257,14 @@ class PassReport:
     # quantized weight (its codes' initializer) -> (MatMulNBits form, (N, K)), where a form was
     # chosen per weight (`quantize`'s `choose`); recorded in the manifest as `kernels`, not here
     kernel_forms: dict[str, tuple[KernelForm, tuple[int, int]]] = field(default_factory=dict)
+    # graph weight -> the form a pre-quantized checkpoint's weight was imported in (`imported_weights`
+    # in the manifest), not here
+    imported: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self, timings: bool = True) -> dict[str, Any]:
         """JSON-able; without timings it is the same for the same graph (for reproducible manifests)."""
         data = asdict(self)
-        del data["kernel_forms"]
+        del data["kernel_forms"], data["imported"]
         if not timings:
             for record in data["passes"]:
                 del record["seconds"]
@@ -304,19 +314,39 @@ def phases(
     logits: str = "last",
     moe: bool = False,
     choose: FormChooser | None = None,
+    imported: dict[str, QuantizedWeight] | None = None,
 ) -> list[tuple[str, list[PassBase]]]:
     """The target's phases with their passes; quantization, when asked for, runs just before
     `finalize`, after the fusions and packing whose MatMuls it quantizes. `logits` is "last"
     (the LM head on the last position only) or "all" (every position). `moe`: the model has
     routed experts (the passes for them are left out of a dense model's pipeline). `choose`:
-    each MatMulNBits weight's form (`quantize`)."""
+    each MatMulNBits weight's form (`quantize`). `imported`: weights the checkpoint ships
+    quantized, by name, written with their own codes (`import_quantized`) before any other
+    weight is quantized."""
     if logits not in LOGITS_POSITIONS:
         raise ValueError(f"logits must be one of {', '.join(LOGITS_POSITIONS)}, got {logits!r}")
     settings = {"capacity": capacity, "dtype": dtype, "logits": logits, "moe": moe}
     result = [(phase, _make(make_passes, settings)) for phase, make_passes in (PHASES[p] for p in target.phases)]
+    quantizing = import_quantized(target, imported, weights) if imported else []
     if weights is not None:
-        result.insert(len(result) - 1, ("quantize", quantize(target, weights, moe, choose)))
+        quantizing += quantize(target, weights, moe, choose)
+    if quantizing:
+        result.insert(len(result) - 1, ("quantize", quantizing))
     return result
+
+
+def import_quantized(
+    target: Target, imported: dict[str, QuantizedWeight], weights: WeightQuantization | None
+) -> list[PassBase]:
+    """A pre-quantized checkpoint's weights with their own codes, in the form the target reads
+    4-bit weights in. With no `--weights` recipe, MatMulNBits takes float activations (accuracy
+    level 0), so the graph computes what the dequantized checkpoint does to float rounding and
+    the build is judged by the float gate; with one, the recipe's accuracy level. A target whose
+    weights are per-channel (TensorRT's int8) or symmetric only keeps them float."""
+    form = target.quantization_form(4)
+    if form not in ("matmul_nbits", "dequantize_linear") or target.symmetric_only:
+        return []
+    return [ImportQuantizedWeights(imported, form, 0 if weights is None else weights.accuracy_level)]
 
 
 def run(
@@ -330,6 +360,7 @@ def run(
     logits: str = "last",
     moe: bool = False,
     choose: FormChooser | None = None,
+    imported: dict[str, QuantizedWeight] | None = None,
 ) -> PassReport:
     """Run the pipeline of `target` (its record, `passes.targets`) on `model` in place and report
     what each pass did.
@@ -345,7 +376,7 @@ def run(
     """
     expected = dict(expected or {})
     report = PassReport(target.name, histogram_before=histogram(model))
-    pipeline = phases(target, weights, capacity, dtype, logits, moe, choose)
+    pipeline = phases(target, weights, capacity, dtype, logits, moe, choose, imported)
     total = sum(len(passes) for _, passes in pipeline)
     for phase, passes in pipeline:
         for p in passes:
@@ -355,7 +386,11 @@ def run(
             seconds = time.perf_counter() - start
             model = result.model
             name = pass_name(p)
-            fusions = dict(p.counts) if isinstance(p, (FusionPass, QuantizeWeights, QuantizeExperts)) else {}
+            fusions = (
+                dict(p.counts)
+                if isinstance(p, (FusionPass, QuantizeWeights, QuantizeExperts, ImportQuantizedWeights))
+                else {}
+            )
             report.passes.append(
                 PassRecord(phase, name, _config(p), result.modified, before, len(model.graph), seconds, fusions)
             )
@@ -363,6 +398,8 @@ def run(
                 report.missed[name] = [str(miss) for miss in p.explain(model)]
             if isinstance(p, QuantizeWeights):
                 report.kernel_forms.update(p.forms)
+            if isinstance(p, ImportQuantizedWeights):
+                report.imported.update(p.imported_forms)
             if isinstance(p, QuantizeWeights) and p.counts["skipped"]:
                 report.missed[name] = [f"{w}: {why}" for w, why in p.skipped.items() if not why.startswith("kept")]
             if isinstance(p, QuantizeExperts) and p.notes:

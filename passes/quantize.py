@@ -40,7 +40,7 @@ import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 
 import ml_dtypes
 import numpy as np
@@ -92,14 +92,22 @@ class QuantizedWeight:
     zero_points: np.ndarray | None  # [N, ⌈K / block⌉] uint8 in 0 .. 2^bits - 1; None when symmetric
     bits: int
     block_size: int
+    # The input features in the order the codes store them (column j of `codes` is input
+    # feature input_order[j]: a GPTQ act-order checkpoint's groups); None: their own order
+    input_order: np.ndarray | None = None
 
     def dequantize(self) -> np.ndarray:
-        """The [N, K] float weight the codes stand for."""
+        """The [N, K] float weight the codes stand for, its input features in their own order."""
         n, k = self.codes.shape
         codes = self.padded_codes().reshape(n, -1, self.block_size).astype(np.float32)
         if self.zero_points is not None:
             codes = codes - self.zero_points[..., None]
-        return (codes * self.scales[..., None].astype(np.float32)).reshape(n, -1)[:, :k]
+        stored = (codes * self.scales[..., None].astype(np.float32)).reshape(n, -1)[:, :k]
+        if self.input_order is None:
+            return stored
+        weight = np.empty_like(stored)
+        weight[:, self.input_order] = stored
+        return weight
 
     def padded_codes(self) -> np.ndarray:
         """[N, ⌈K / block⌉ * block]: the codes, the last block filled up with the code of 0."""
@@ -532,3 +540,156 @@ class WeightQuantization:
             self.int8,
             int8_form if self.int8 else None,
         )
+
+
+# Block sizes MatMulNBits reads: a power of two of at least 16 (the contrib op's spec)
+def holds_block(block_size: int) -> bool:
+    """Whether MatMulNBits (and block-wise DequantizeLinear) can hold blocks of `block_size` as they are."""
+    return block_size >= 16 and block_size & (block_size - 1) == 0
+
+
+class ImportQuantizedWeights(InPlacePass):
+    """Write the MatMuls whose weights a checkpoint ships quantized with the checkpoint's own
+    codes, scales and zero points, never quantizing them again.
+
+    `imported` maps a weight's name (as the graph names its initializer: the checkpoint's) to
+    its record, [N, K] in blocks along K, as `QuantizedWeight` holds any weight. A weight the
+    packing passes made of several (`StackedRows` of q/k/v, gate/up) is the parts' records
+    stacked along N, when each part is imported with the same bits, block and zero-point kind.
+    Codes and zero points reach MatMulNBits (or DequantizeLinear) unchanged; scales are cast to
+    the graph's float dtype. `imported_forms` says what each weight got, `counts` how many.
+    Weights not in `imported` are left for `QuantizeWeights` (or stay float).
+    """
+
+    def __init__(
+        self, imported: dict[str, QuantizedWeight], form: str = "matmul_nbits", accuracy_level: int = 0
+    ) -> None:
+        super().__init__()
+        if form not in ("matmul_nbits", "dequantize_linear"):
+            raise ValueError(f"pre-quantized weights go to matmul_nbits or dequantize_linear, not {form!r}")
+        self._imported = imported
+        self.form = form
+        self.accuracy_level = accuracy_level
+        self.counts: Counter[str] = Counter()
+        # graph weight name -> its form and the checkpoint weights it holds
+        self.imported_forms: dict[str, dict[str, object]] = {}
+
+    def call(self, model: ir.Model) -> PassResult:
+        self.counts = Counter()
+        self.imported_forms = {}
+        graph = model.graph
+        done: dict[tuple[str, bool], tuple[tuple[ir.Value, ...], QuantizedWeight]] = {}
+        for node in list(graph):
+            if node.op_type != "MatMul" or node.domain != "":
+                continue
+            found = _constant_weight(node)
+            if found is None:
+                continue
+            weight, transpose = found
+            name = weight.name or ""
+            key = (name, transpose is not None)
+            if key not in done:
+                record = self._record(weight, transposed=key[1])
+                if record is None:
+                    continue
+                q, sources = record
+                tensor = weight.const_value
+                assert tensor is not None
+                q = replace(q, scales=q.scales.astype(tensor.dtype.numpy()))
+                base = f"{name}.q{q.bits}" + (".t" if f"{name}.q{q.bits}" in graph.initializers else "")
+                if self.form == "matmul_nbits":
+                    parts: list[np.ndarray | _Tensor | None] = list(matmul_nbits_inputs(q))
+                else:
+                    parts = list(dequantize_linear_inputs(q))
+                registered = register_quantized(graph, base, parts)
+                if q.input_order is not None:  # the activations' features in the codes' order
+                    order = q.input_order.astype(np.int64)
+                    registered.append(register_initializer(graph, f"{base}.input_order", order))
+                done[key] = (tuple(registered), q)
+                self.imported_forms[name] = {
+                    "form": self.form,
+                    "bits": q.bits,
+                    "block_size": q.block_size,
+                    "zero_points": q.zero_points is not None,
+                    "from": sources,
+                }
+                if q.input_order is not None:
+                    self.imported_forms[name]["input_order"] = True
+            inputs, q = done[key]
+            self._replace(graph, node, inputs, q)
+            self.counts["imported"] += 1
+            for stale in (transpose, weight):
+                _remove_if_unused(graph, stale)
+        if done and self.form == "matmul_nbits":
+            model.opset_imports.setdefault(_MS_DOMAIN, 1)
+        return PassResult(model, modified=bool(done))
+
+    def _record(self, weight: ir.Value, transposed: bool) -> tuple[QuantizedWeight, list[str]] | None:
+        """The [N, K] record of the weight the MatMul reads, and the checkpoint weights it is made of."""
+        name = weight.name or ""
+        tensor = weight.const_value
+        # a packed weight (passes/pack_matmul.py) is its parts, when every one of them is imported alike
+        sources = [name] if name in self._imported else list(getattr(tensor, "sources", ()))
+        records = [self._imported[source] for source in sources if source in self._imported]
+        q = stack_rows(records) if records and len(records) == len(sources) else None
+        if q is None:
+            return None
+        rows, cols = tensor.shape.numpy()  # type: ignore[union-attr]
+        n, k = (rows, cols) if transposed else (cols, rows)
+        if q.codes.shape != (n, k):
+            raise ValueError(f"{name}: pre-quantized codes are {list(q.codes.shape)}, the graph reads [{n}, {k}]")
+        return q, sources
+
+    def _replace(self, graph: ir.Graph, node: ir.Node, inputs: tuple[ir.Value, ...], q: QuantizedWeight) -> None:
+        x = node.inputs[0]
+        if q.input_order is not None:
+            *weights, order = inputs
+            inputs = tuple(weights)
+            gather = ir.node("Gather", [x, order], {"axis": -1})
+            graph.insert_before(node, gather)
+            x = gather.outputs[0]
+            node.replace_input_with(0, x)
+        if self.form == "dequantize_linear":
+            dq = ir.node("DequantizeLinear", list(inputs), {"axis": 0, "block_size": q.block_size})
+            graph.insert_before(node, dq)
+            node.replace_input_with(1, dq.outputs[0])
+            return
+        n, k = q.codes.shape
+        attributes = {"K": k, "N": n, "bits": q.bits, "block_size": q.block_size}
+        if self.accuracy_level:
+            attributes["accuracy_level"] = self.accuracy_level
+        fused = ir.node("MatMulNBits", [x, *inputs], attributes, domain=_MS_DOMAIN)
+        graph.insert_before(node, fused)
+        replace_node(graph, node, fused.outputs[0])
+
+
+def stack_rows(records: Sequence[QuantizedWeight]) -> QuantizedWeight | None:
+    """The records of weights stacked along N (packed projections) as one, or None where they
+    differ in bits, block size, K or whether they have zero points."""
+    first = records[0]
+    if len(records) == 1:
+        return first
+    alike = all(
+        r.bits == first.bits
+        and r.block_size == first.block_size
+        and r.codes.shape[1] == first.codes.shape[1]
+        and (r.zero_points is None) == (first.zero_points is None)
+        and r.codes.dtype == first.codes.dtype
+        and _same_order(r.input_order, first.input_order)
+        for r in records
+    )
+    if not alike:
+        return None
+    zero_points = None if first.zero_points is None else np.concatenate([r.zero_points for r in records])  # type: ignore[misc]
+    return QuantizedWeight(
+        np.concatenate([r.codes for r in records]),
+        np.concatenate([r.scales for r in records]),
+        zero_points,
+        first.bits,
+        first.block_size,
+        first.input_order,
+    )
+
+
+def _same_order(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b))

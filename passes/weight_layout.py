@@ -70,9 +70,10 @@ class StackedRows(ir.LazyTensor):
     """`np.concatenate(parts)` of 2-D arrays with the same columns, without the copy: packed
     projections (passes/pack_matmul.py) are their parts, which the graph already holds. Written
     part by part; materialized only when something asks for its values (quantization does,
-    one weight at a time), and never kept materialized."""
+    one weight at a time), and never kept materialized. `sources`: the names of the weights the
+    parts were (a pre-quantized checkpoint's records are keyed by them)."""
 
-    def __init__(self, parts: Sequence[np.ndarray], dtype: ir.DataType, name: str) -> None:
+    def __init__(self, parts: Sequence[np.ndarray], dtype: ir.DataType, name: str, sources: Sequence[str] = ()) -> None:
         columns = {part.shape[1] for part in parts}
         if len(parts) == 0 or any(part.ndim != 2 for part in parts) or len(columns) != 1:
             raise ValueError(f"{name}: stacked parts must be 2-D with equal columns, got {[p.shape for p in parts]}")
@@ -85,6 +86,7 @@ class StackedRows(ir.LazyTensor):
             name=name,
         )
         self.parts = parts
+        self.sources = tuple(sources)
 
     def tofile(self, file: typing.BinaryIO) -> None:  # type: ignore[override]
         for part in self.parts:

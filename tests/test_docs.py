@@ -99,6 +99,7 @@ QUOTED_MESSAGES = [
     "missing; the artifact is incomplete, rebuild it with `kvforge build`",
     "exceeds the model's context of ",
     "`kvforge build CHECKPOINT -o OUT --logits all`",
+    "is not one kvforge imports (",
 ]
 
 

@@ -33,7 +33,7 @@ from runners.errors import ArtifactError, ParityError
 from runners.manifest import MANIFEST
 from runners.session import Session
 from toolchain import checkpoint as checkpoints
-from toolchain import emit, hashing, manifest, moe_graph, progress, stamp
+from toolchain import emit, hashing, manifest, moe_graph, prequantized, progress, stamp
 from toolchain import tune as tuning
 from toolchain.emit import genai
 from toolchain.emit import tensorrt as trt_engine
@@ -208,6 +208,8 @@ def _compile(
     # every weight a pass replaces (packing, quantization) alive next to its replacement.
     gc.collect()
     moe_layers = moe_graph.moe_layers(onnx_model, spec)
+    imported = ckpt.quantized_weights()
+    exact = {name: found.record for name, found in imported.items() if found.exact}
     tuner = (
         None
         if options.tune == tuning.DEFAULT_MODE or options.weights is None
@@ -226,9 +228,17 @@ def _compile(
                 on_pass=lambda done, total, _: progress.count(done, total, "passes"),
                 moe=moe_layers > 0,
                 choose=tuner,
+                imported=exact,
             )
+            del exact
         except UnsupportedByTensorRT as e:
             raise ArtifactError(f"{checkpoint_dir}: {e}") from e
+    imported_entry = (
+        None
+        if ckpt.quantization is None
+        else prequantized.manifest_entry(ckpt.quantization, imported, pass_report.imported, options.weights is not None)
+    )
+    del imported
     graph_io = _graph_contract(onnx_model, io, target, options.capacity)
     experts = moe_graph.experts(onnx_model, spec)
     engine_entry: dict[str, Any] | None = None
@@ -248,7 +258,8 @@ def _compile(
             # the files are final (the gate only reads the graph): hashed while it runs
             emitted = helpers.enter_context(hashing.Pending(staging.iterdir()))
             provider = gate_provider(target.providers)
-            with _timed(seconds, "verify"), verifiable(staging, graph_io, options.weights is None, provider) as session:
+            unquantized = options.weights is None and not pass_report.imported
+            with _timed(seconds, "verify"), verifiable(staging, graph_io, unquantized, provider) as session:
                 report = gate(progress.CountedSession(session))
                 if lowering.stamped and not report.passed:
                     raise _StampedGraphRefused(report.failures())
@@ -278,6 +289,7 @@ def _compile(
                     experts=experts,
                     kernels=None if tuner is None else tuning.kernels_entry(options.tune, pass_report.kernel_forms),
                     file_hashes=emitted.result(),
+                    imported=imported_entry,
                 )
                 if engine_entry is not None:
                     written = trt_engine.with_engine(written, staging, engine_entry)

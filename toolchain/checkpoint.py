@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from runners.errors import CheckpointError
-from toolchain import hashing, hub, progress, safetensors_check
+from toolchain import hashing, hub, prequantized, progress, safetensors_check
 from toolchain.safetensors_check import short_repr
 from toolchain.spec import POSITION_EMBEDDINGS, TOKEN_EMBEDDINGS, DecoderSpec
 
@@ -90,6 +90,8 @@ class Checkpoint:
     uses_pickle: bool
     index_file: Path | None = None  # model.safetensors.index.json when the weights are sharded
     hub: hub.HubSnapshot | None = None  # the Hugging Face cache snapshot the directory is, if it is one
+    # config.json's quantization_config: weights shipped quantized (AWQ, GPTQ), None otherwise
+    quantization: prequantized.Quantization | None = None
 
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """All weights as CPU tensors, floating ones converted to `dtype` if given.
@@ -98,15 +100,33 @@ class Checkpoint:
         as it arrives: a weight that a later stage replaces (packed, quantized) is freed with
         its last reference, where one mapping of the whole file would keep every page it ever
         touched resident; and a checkpoint built in a narrower dtype never sits in memory at
-        its stored width."""
+        its stored width.
+
+        Weights shipped quantized (`quantization`) come as the float weights they stand for
+        (`toolchain.prequantized.dequantize_into`), dequantized from their stored scales."""
         if self.uses_pickle:
-            return {name: _in_dtype(t, dtype) for name, t in _load_pickle(self.weight_files[0]).items()}
+            tensors = _load_pickle(self.weight_files[0])
+        else:
+            tensors = {}
+            origin: dict[str, Path] = {}
+            progress.total(len(_read_headers(self.weight_files)), "tensors")
+            for file in self.weight_files:
+                _merge(tensors, _read_safetensors(file, None if self.quantization else dtype), file, origin)
+        if self.quantization is not None:
+            prequantized.dequantize_into(tensors, self.quantization, self.path, dtype)
+        elif not self.uses_pickle:
+            return tensors
+        return {name: _in_dtype(t, dtype) for name, t in tensors.items()}
+
+    def quantized_weights(self) -> dict[str, prequantized.Imported]:
+        """The weights the checkpoint ships quantized, by the name of the float weight each
+        stands for (`toolchain.prequantized.records`); empty when it ships none."""
+        if self.quantization is None:
+            return {}
         tensors: dict[str, torch.Tensor] = {}
-        origin: dict[str, Path] = {}
-        progress.total(len(_read_headers(self.weight_files)), "tensors")
         for file in self.weight_files:
-            _merge(tensors, _read_safetensors(file, dtype), file, origin)
-        return tensors
+            tensors.update(_load_pickle(file) if self.uses_pickle else _read_safetensors(file, None))
+        return prequantized.records(tensors, self.quantization, self.path)
 
     def tensor_metadata(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Tensor name -> (safetensors dtype name such as "F32", shape), from headers only.
@@ -168,6 +188,7 @@ def load(path: str | Path, *, allow_pickle: bool = False, revision: str | None =
         uses_pickle=uses_pickle,
         index_file=index_file,
         hub=snapshot,
+        quantization=prequantized.read_config(config, directory / CONFIG),
     )
     if not uses_pickle:  # headers only: cheap, and every broken file is refused before any work
         headers = _read_headers(weight_files)
@@ -460,13 +481,19 @@ def check_parameter_count(locations: Locations, spec: DecoderSpec, config_file: 
     """
     per_layer = spec.hidden_size * spec.num_heads * spec.head_dim + spec.hidden_size * spec.intermediate_size
     needed = spec.vocab_size * spec.hidden_size + spec.num_layers * per_layer
-    stored = sum(math.prod(shape) for _, _, shape in locations.values())
+    stored = sum(math.prod(shape) * _values_per_element(name, dtype) for name, (_, dtype, shape) in locations.items())
     if needed > stored:
         raise CheckpointError(
             f"{config_file}: describes a model of at least {needed:,} parameters ({spec.num_layers} layers, "
             f"hidden size {spec.hidden_size}, intermediate size {spec.intermediate_size}, vocab {spec.vocab_size}), "
             f"but the weights hold {stored:,}; check that {CONFIG} belongs to these weights"
         )
+
+
+def _values_per_element(name: str, dtype: str) -> int:
+    """Parameters one stored element holds, at least: an int32 of a packed `qweight` holds four
+    8-bit codes (eight 4-bit ones)."""
+    return 4 if name.endswith(".qweight") and dtype == "I32" else 1
 
 
 def check_tokenizer_fits(checkpoint: Checkpoint, spec: DecoderSpec) -> None:

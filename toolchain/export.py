@@ -81,7 +81,8 @@ def _model_class(fields: dict[str, Any], spec: DecoderSpec) -> tuple[Any, Any]:
     return config, MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
-_NOT_FIELDS = ("model_type", "auto_map")
+# quantization_config: weights shipped quantized reach the model dequantized (`Checkpoint.state_dict`)
+_NOT_FIELDS = ("model_type", "auto_map", "quantization_config")
 
 
 def cache_layout(fields: dict[str, Any], spec: DecoderSpec) -> DecoderSpec:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from runners.contract import DecoderIO
 from runners.errors import CheckpointError, GenerationError, KvforgeError
 from toolchain.checkpoint import Checkpoint
+from toolchain.prequantized import float_metadata
 from toolchain.spec import (
     BUFFER_SUFFIXES,
     EXPERTS,
@@ -126,7 +127,9 @@ def footprint(
     (`DecoderIO.layer_windows`, `toolchain.export.layer_windows`) bounds the sliding layers'
     caches by their windows, as the default target keeps them; None: every layer holds every token."""
     _check_request(spec, batch, seq)
-    params = parameter_metadata(checkpoint, spec)
+    stored = parameter_metadata(checkpoint, spec)
+    # a checkpoint that ships quantized weights: the precisions count the float weights they stand for
+    params = stored if checkpoint.quantization is None else float_metadata(stored, checkpoint.quantization)
     by_dtype: dict[str, int] = {}
     for dtype, shape in params.values():
         by_dtype[dtype] = by_dtype.get(dtype, 0) + math.prod(shape)
@@ -140,7 +143,7 @@ def footprint(
     }
     return Footprint(
         parameters_by_dtype=dict(sorted(by_dtype.items())),
-        weight_bytes=sum(_stored_bytes(name, meta, checkpoint) for name, meta in params.items()),
+        weight_bytes=sum(_stored_bytes(name, meta, checkpoint) for name, meta in stored.items()),
         weight_bytes_at={p: _bytes_at(p, params, spec, compute_bytes) for p in WEIGHT_PRECISIONS},
         kv_bytes_per_token=per_token,
         kv_bytes_total={name: sum(kinds.values()) + state.get(name, 0) * batch for name, kinds in by_kind.items()},

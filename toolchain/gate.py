@@ -78,7 +78,8 @@ def verify(
     del model, eager
     gc.collect()
     if choice.runtime == "ort":
-        with verifiable(artifact, io, flags.get("weights") is None) as session:
+        unquantized = flags.get("weights") is None and "imported_weights" not in recorded
+        with verifiable(artifact, io, unquantized) as session:
             report = gate(session)
     else:
         report = gate(_device_session(artifact, recorded, io, choice))

@@ -53,10 +53,13 @@ def write(
     experts: Mapping[str, int] | None = None,
     kernels: Mapping[str, Any] | None = None,
     file_hashes: Mapping[str, str] | None = None,
+    imported: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`hub`: the Hugging Face cache snapshot the checkpoint was, recorded as `hub` (id and commit).
     `experts`: a mixture of experts' routed experts, experts per token and their weight bytes.
     `kernels`: the MatMulNBits forms `kvforge build --tune` chose (`toolchain.tune.kernels_entry`).
+    `imported`: a pre-quantized checkpoint's weights and the form each was imported in
+    (`toolchain.prequantized.manifest_entry`), recorded as `imported_weights`.
     `file_hashes`: the sha256 of files of `directory` already hashed since they were written,
     by name; every other file is hashed here."""
     known = file_hashes or {}
@@ -78,6 +81,7 @@ def write(
         "parity": dict(parity),
         **({"experts": dict(experts)} if experts is not None else {}),
         **({"kernels": dict(kernels)} if kernels is not None else {}),
+        **({"imported_weights": dict(imported)} if imported is not None else {}),
         "files": files,
     }
     write_json(directory / MANIFEST, manifest)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -9,7 +11,15 @@ import pytest
 from onnx import TensorProto, helper
 
 import passes.quantize as quantize_module
-from passes.quantize import LM_HEAD, QuantizeWeights, WeightQuantization, quantize_blockwise
+from passes.quantize import (
+    LM_HEAD,
+    ImportQuantizedWeights,
+    QuantizedWeight,
+    QuantizeWeights,
+    WeightQuantization,
+    quantize_blockwise,
+)
+from passes.weight_layout import StackedRows
 from tests.passes.fusion_testing import op_count, ort_outputs
 
 RNG = np.random.default_rng(0)
@@ -295,3 +305,84 @@ def test_the_8b_benchmarks_int4_grid_is_what_int4_reproduces_exactly() -> None:
     weight = on_int4_grid((64, 256), torch.Generator().manual_seed(0)).to(torch.float16).numpy()
     q = quantize_blockwise(weight, 4, 32, True)
     assert np.array_equal(q.dequantize(), weight.astype(np.float32))
+
+
+def prequantized(n: int, k: int, bits: int, block: int) -> QuantizedWeight:
+    """A record as a checkpoint ships it: any codes, fp16 scales, integer zero points per block."""
+    top = 2**bits - 1
+    return QuantizedWeight(
+        RNG.integers(0, top + 1, (n, k)).astype(np.uint8),
+        (RNG.random((n, k // block)) * 0.1 + 0.01).astype(np.float16),
+        RNG.integers(0, top + 1, (n, k // block)).astype(np.uint8),
+        bits,
+        block,
+    )
+
+
+@pytest.mark.parametrize("form, op", [("matmul_nbits", "MatMulNBits"), ("dequantize_linear", "DequantizeLinear")])
+@pytest.mark.parametrize("bits, block", [(4, 32), (4, 16), (8, 64)])
+def test_imported_weights_keep_their_codes_and_compute_x_times_the_dequantized_record(
+    form: str, op: str, bits: int, block: int
+) -> None:
+    k, n = 64, 24
+    q = prequantized(n, k, bits, block)
+    model = projection_graph(k, n, q.dequantize())  # the graph holds the dequantized weight, [N, K] as exported
+    x = RNG.standard_normal((2, 3, k)).astype(np.float32)
+    imports = ImportQuantizedWeights({"w": q}, form)
+    assert not ImportQuantizedWeights({"other": q}, form)(model).modified  # a weight it does not name stays
+    assert imports(model).modified and imports.counts == {"imported": 1}
+    assert (
+        op_count(model, op, "com.microsoft" if op == "MatMulNBits" else "") == 1 and "w" not in model.graph.initializers
+    )
+    assert imports.imported_forms == {
+        "w": {"form": form, "bits": bits, "block_size": block, "zero_points": True, "from": ["w"]}
+    }
+    codes = model.graph.initializers[f"w.q{bits}"].const_value.numpy()  # type: ignore[union-attr]
+    if form == "matmul_nbits" and bits == 4:
+        codes = np.stack([codes & 0x0F, codes >> 4], axis=-1)
+    elif form == "dequantize_linear":
+        codes = codes.astype(np.uint8).T  # [K, N] uint4 / uint8
+    assert np.array_equal(codes.reshape(n, k), q.codes)  # unchanged: no quantizer ran
+    (got,) = ort_outputs(model, {"x": x})
+    np.testing.assert_allclose(got, x @ q.dequantize().T, atol=2e-5, rtol=1e-5)
+    assert not imports(model).modified
+
+
+def test_a_packed_weight_imports_its_parts_stacked_and_mixed_parts_stay_float() -> None:
+    k = 64
+    parts = {name: prequantized(n, k, 4, 32) for name, n in (("q", 16), ("k", 8), ("v", 8))}
+
+    def packed(imported: dict[str, QuantizedWeight]) -> tuple[ir.Model, ImportQuantizedWeights]:
+        model = projection_graph(k, 32, np.zeros((32, k), np.float32), name="qkv")
+        stacked = StackedRows([q.dequantize() for q in parts.values()], ir.DataType.FLOAT, "qkv", list(parts))
+        model.graph.initializers["qkv"].const_value = stacked
+        imports = ImportQuantizedWeights(imported)
+        imports(model)
+        return model, imports
+
+    model, imports = packed(parts)
+    assert imports.counts == {"imported": 1} and imports.imported_forms["qkv"]["from"] == ["q", "k", "v"]
+    x = RNG.standard_normal((2, 3, k)).astype(np.float32)
+    (got,) = ort_outputs(model, {"x": x})
+    want = x @ np.concatenate([q.dequantize() for q in parts.values()]).T
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    # one part not imported, or imported with another block size: the packed weight stays float
+    assert packed({"q": parts["q"], "k": parts["k"]})[1].counts == {}
+    assert packed(parts | {"v": prequantized(8, k, 4, 16)})[1].counts == {}
+
+
+@pytest.mark.parametrize("form", ["matmul_nbits", "dequantize_linear"])
+def test_codes_stored_in_another_input_order_read_the_activations_in_that_order(form: str) -> None:
+    """GPTQ's act-order: the codes' columns are input features `input_order`; a Gather puts x in that order."""
+    k, n = 64, 16
+    q = replace(prequantized(n, k, 4, 32), input_order=RNG.permutation(k))
+    weight = q.dequantize()  # [N, K] in the features' own order
+    stored = replace(q, input_order=None).dequantize()
+    assert np.array_equal(weight[:, q.input_order], stored) and not np.array_equal(weight, stored)
+    model = projection_graph(k, n, weight)
+    imports = ImportQuantizedWeights({"w": q}, form)
+    assert imports(model).modified and op_count(model, "Gather") == 1
+    assert imports.imported_forms["w"]["input_order"] is True
+    x = RNG.standard_normal((2, 3, k)).astype(np.float32)
+    (got,) = ort_outputs(model, {"x": x})
+    np.testing.assert_allclose(got, x @ weight.T, atol=2e-5, rtol=1e-5)

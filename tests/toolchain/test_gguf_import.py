@@ -1,0 +1,94 @@
+"""GGUF's quantized tensors as records: the exact types keep the file's codes and scales, the
+others are rounded as chosen; checked against the gguf package's own dequantization."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import dequantize, quantize
+
+from passes.quantize import ImportQuantizedWeights
+from tests.passes.fusion_testing import ort_outputs
+from tests.passes.test_quantize import projection_graph
+from toolchain.gguf_import import decode, records
+
+RNG = np.random.default_rng(0)
+N, K = 24, 256
+T = GGMLQuantizationType
+
+
+def random_k_blocks(qtype: GGMLQuantizationType, block_bytes: int, halves: tuple[int, ...]) -> np.ndarray:
+    """[N, K / 256 * block_bytes] random k-quant blocks whose fp16 fields (at `halves`) are finite."""
+    blocks = RNG.integers(0, 256, (N * K // 256, block_bytes), dtype=np.uint8)
+    for at in halves:
+        blocks[:, at : at + 2] = (RNG.random((len(blocks), 1)) * 0.01 + 0.001).astype(np.float16).view(np.uint8)
+    return blocks.reshape(N, -1)
+
+
+@pytest.mark.parametrize(
+    "qtype, bits, block",
+    [(T.Q4_0, 4, 32), (T.Q8_0, 8, 32), (T.Q5_0, 8, 32), (T.Q6_K, 8, 16)],
+)
+def test_the_exact_types_keep_their_codes_and_dequantize_to_the_files_values(
+    qtype: GGMLQuantizationType, bits: int, block: int
+) -> None:
+    if qtype == T.Q6_K:  # the package has no Q6_K quantizer: any blocks are valid ones
+        raw = random_k_blocks(qtype, 210, (208,))
+    else:
+        raw = quantize(RNG.standard_normal((N, K)).astype(np.float32), qtype)
+    imported = decode(raw, qtype, (N, K))
+    assert imported is not None and imported.exact
+    q = imported.record
+    assert (q.bits, q.block_size, q.zero_points) == (bits, block, None)
+    expected = dequantize(raw, qtype).reshape(N, K)
+    np.testing.assert_array_equal(q.dequantize(), expected)  # the same floats, not merely close
+    # and MatMulNBits computes with them: x @ the file's weight, to float accumulation
+    model = projection_graph(K, N, expected)
+    ImportQuantizedWeights({"w": q})(model)
+    x = RNG.standard_normal((2, 3, K)).astype(np.float32)
+    (got,) = ort_outputs(model, {"x": x})
+    np.testing.assert_allclose(got, x @ expected.T, rtol=1e-5, atol=1e-5 * np.abs(x @ expected.T).max())
+
+
+@pytest.mark.parametrize("qtype, raw", [(T.Q4_1, None), (T.Q4_K, "k")])
+def test_a_free_minimum_is_rounded_as_chosen_and_said_so(qtype: GGMLQuantizationType, raw: str | None) -> None:
+    data = (
+        random_k_blocks(qtype, 144, (0, 2)) if raw else quantize(RNG.standard_normal((N, K)).astype(np.float32), qtype)
+    )
+    values = dequantize(data, qtype).reshape(N, K)
+    errors = {}
+    for form, bits in (("int4", 4), ("int8", 8)):
+        imported = decode(data, qtype, (N, K), form)
+        assert imported is not None and not imported.exact and "free minimum" in imported.reason
+        assert imported.record.bits == bits and imported.record.zero_points is not None
+        blocks = values.reshape(N, -1, 32)
+        span = np.maximum(blocks.max(-1), 0) - np.minimum(blocks.min(-1), 0)  # the range each block's codes cover
+        step = np.repeat(span / (2**bits - 1), 32, axis=1)
+        error = np.abs(imported.record.dequantize() - values)
+        assert (error <= step / 2 * (1 + 1e-3) + 1e-7).all()
+        errors[form] = error.mean()
+    assert errors["int8"] < errors["int4"] / 8
+    assert decode(data, qtype, (N, K), "float") is None
+
+
+def test_records_read_a_gguf_file_by_the_names_given(tmp_path: Path) -> None:
+    """ggml's dims are (K, N): the record is the [N, K] weight, named as the caller maps it."""
+    weight = RNG.standard_normal((N, K)).astype(np.float32)
+    writer = GGUFWriter(tmp_path / "m.gguf", "llama")
+    raw = quantize(weight, T.Q8_0)
+    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=T.Q8_0)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(K, np.float32))
+    writer.add_tensor("unnamed.weight", quantize(weight, T.Q4_0), raw_dtype=T.Q4_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    names = {"blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight", "blk.0.attn_norm.weight": "norm"}
+    found = records(GGUFReader(tmp_path / "m.gguf"), names)
+    assert list(found) == ["model.layers.0.mlp.down_proj.weight"]  # the 1-D norm and the unnamed tensor are not
+    np.testing.assert_array_equal(
+        found["model.layers.0.mlp.down_proj.weight"].record.dequantize(), dequantize(raw, T.Q8_0)
+    )

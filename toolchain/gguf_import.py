@@ -1,0 +1,106 @@
+"""GGUF's quantized tensors as pre-quantized records (`passes.quantize.QuantizedWeight`).
+
+A GGUF matrix of ggml dims (K, N) is the [N, K] weight of a Linear, quantized in blocks along
+K, as MatMulNBits' blocks run. Where a MatMulNBits form holds a tensor type as it is, its codes
+and scales are imported unchanged (`exact`):
+
+- Q4_0: weight = d * (q - 8), q 4-bit, blocks of 32: 4-bit codes, symmetric (the kernel's
+  default zero point is 8).
+- Q8_0: d * q, q int8, blocks of 32; Q5_0: d * (q - 16), q 5-bit: 8-bit codes, symmetric.
+- Q6_K: (d * scale) * (q - 32), q 6-bit, an int8 scale per 16 values: 8-bit codes in blocks
+  of 16, each block's scale d * scale (computed as the gguf package computes it, so the product
+  is the same float).
+
+The other types (Q4_1, Q5_1, Q4_K, Q5_K, Q2_K, Q3_K...) have a free minimum per block, which
+MatMulNBits' integer zero points do not hold, or codes wider than they allow. For those, `form`
+chooses what they become: `int4`, round to nearest 4-bit with an integer zero point in blocks
+of 32 (the fast form, its loss the rounding's), or `int8`, the same at 8 bits (within half an
+8-bit step, larger and slower). `float` keeps them dequantized, for the build's `--weights`
+recipe to decide. (Float zero points would hold the minimum exactly, but onnxruntime's CPU
+kernel takes its slow path for them: docs/performance.md.)
+
+A record that is not exact changes what the model computes: it belongs in a build judged by
+the distribution gate (`--weights`), while the exact ones also pass the float gate (the
+`exact` records alone, as `toolchain.build` imports a Hugging Face checkpoint's).
+
+The codes come from the gguf package's own dequantization (its public `gguf.quants.dequantize`),
+divided by each block's scale read from the block's bytes: the bit layout is the package's,
+never a second copy of it. The names are left to the caller: `records` takes GGUF tensor
+names to Hugging Face weight names, the interface the GGUF front door joins on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from passes.quantize import QuantizedWeight, quantize_blockwise
+from toolchain.prequantized import Imported
+
+FORMS = ("int4", "int8", "float")
+DEFAULT_FORM = "int4"  # the free-minimum types: the fast form, as today's int4 builds decode
+
+_T = GGMLQuantizationType
+# type -> (bytes per block, offset of its fp16 d, offset of its int8 sub-block scales or -1,
+# values per scale, the MatMulNBits bits that hold its codes)
+_EXACT: dict[GGMLQuantizationType, tuple[int, int, int, int, int]] = {
+    _T.Q4_0: (18, 0, -1, 32, 4),
+    _T.Q8_0: (34, 0, -1, 32, 8),
+    _T.Q5_0: (22, 0, -1, 32, 8),
+    _T.Q6_K: (210, 208, 192, 16, 8),
+}
+_FLOAT = (_T.F32, _T.F16, _T.BF16)
+
+
+def decode(
+    raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int], form: str = DEFAULT_FORM
+) -> Imported | None:
+    """The record of one GGUF tensor's blocks (`raw`, its bytes) of an [N, K] weight; None for a
+    float tensor (F32, F16, BF16: nothing to import) or a quantized one kept in float (`form`)."""
+    if form not in FORMS:
+        raise ValueError(f"GGUF import form {form!r}: one of {', '.join(FORMS)}")
+    if qtype in _FLOAT:
+        return None
+    n, k = shape
+    values = dequantize(raw, qtype).reshape(n, k).astype(np.float32)
+    if qtype in _EXACT:
+        return Imported(_exact(raw, qtype, values), True)
+    if form == "float":
+        return None
+    bits = 4 if form == "int4" else 8
+    q = quantize_blockwise(values, bits, 32, symmetric=False)
+    return Imported(
+        q, False, f"{qtype.name} has a free minimum per block: rounded to {bits}-bit codes with zero points"
+    )
+
+
+def _exact(raw: np.ndarray, qtype: GGMLQuantizationType, values: np.ndarray) -> QuantizedWeight:
+    block_bytes, d_at, scales_at, per_scale, bits = _EXACT[qtype]
+    n, k = values.shape
+    blocks = raw.reshape(-1).view(np.uint8).reshape(-1, block_bytes)
+    scales = blocks[:, d_at : d_at + 2].copy().view(np.float16).astype(np.float32)
+    if scales_at >= 0:  # d * each sub-block's scale, as the package multiplies them
+        sub = 256 // per_scale  # sub-blocks of a 256-value super-block
+        scales = scales * blocks[:, scales_at : scales_at + sub].copy().view(np.int8).astype(np.float32)
+    scales = scales.reshape(n, k // per_scale)
+    step = np.repeat(scales, per_scale, axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        codes = np.where(step != 0, np.rint(values / step), 0).astype(np.int8)
+    return QuantizedWeight(codes, scales, None, bits, per_scale)
+
+
+def records(reader: GGUFReader, names: Mapping[str, str], form: str = DEFAULT_FORM) -> dict[str, Imported]:
+    """The quantized 2-D tensors of a GGUF file by Hugging Face weight name: `names` maps a GGUF
+    tensor name to the weight it is (a tensor it does not name is not imported)."""
+    found: dict[str, Imported] = {}
+    for tensor in reader.tensors:
+        if tensor.name not in names or len(tensor.shape) != 2:
+            continue
+        k, n = (int(d) for d in tensor.shape)  # ggml dims: the contiguous one first
+        imported = decode(np.asarray(tensor.data), GGMLQuantizationType(tensor.tensor_type), (n, k), form)
+        if imported is not None:
+            found[names[tensor.name]] = imported
+    return found
