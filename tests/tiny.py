@@ -105,7 +105,7 @@ GENERIC_CONFIGS: dict[str, dict[str, Any]] = {
     ),
     "cohere": dict(LLAMA_LIKE, logit_scale=0.5),  # parallel block, logit scale
     "falcon": dict(_NO_GQA, new_decoder_architecture=True, num_kv_heads=2),  # parallel attention, grouped KV heads
-    "bloom": dict(_NO_GQA, n_layer=2, n_head=4),  # ALiBi
+    "bloom": dict(hidden_size=64, n_layer=2, n_head=4),  # ALiBi; as its real configs, no context length
     "gpt_bigcode": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, multi_query=True),  # one KV head
     "qwen3_moe": dict(  # MoE, softmax top-k
         LLAMA_LIKE, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[]
@@ -172,6 +172,9 @@ GENERIC_CONFIGS: dict[str, dict[str, Any]] = {
     ),
 }
 GENERIC = tuple(GENERIC_CONFIGS)
+# Families whose config.json names no context length: the `--context` (BuildOptions.context)
+# their tiny checkpoints are built with.
+BUILD_CONTEXT: dict[str, int] = {"bloom": 256}
 FAMILIES = SUPPORTED + GENERIC
 
 # Weights widened further, by family: lfm2's random convolution inputs are small, so its

@@ -17,7 +17,7 @@ from torch.export import Dim, ExportedProgram
 
 from runners.contract import STATE_KINDS, DecoderIO, LayerState
 from runners.errors import CheckpointError, ExportError
-from toolchain.checkpoint import Checkpoint, check_against_spec
+from toolchain.checkpoint import Checkpoint, check_against_spec, tokenizer_config
 from toolchain.recurrence import traceable_kernels
 from toolchain.spec import SDPA_IGNORED_FIELDS, DecoderSpec
 
@@ -392,9 +392,11 @@ def export_decoder(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO) -> 
         ) from e
 
 
-def read_spec(ckpt: Checkpoint) -> DecoderSpec:
-    """The checkpoint's spec, checked against its weights, with the KV cache's layout read
-    off the modeling code."""
-    spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
+def read_spec(ckpt: Checkpoint, context: int | None = None) -> DecoderSpec:
+    """The checkpoint's spec (of `context` positions where given), checked against its weights,
+    with the KV cache's layout read off the modeling code."""
+    spec = DecoderSpec.from_config(
+        ckpt.config, ckpt.generation_config, context=context, tokenizer_config=tokenizer_config(ckpt)
+    )
     check_against_spec(ckpt, spec)
     return cache_layout(ckpt.config, spec)
