@@ -511,6 +511,7 @@ GENERIC_TESTED: tuple[str, ...] = (
     "bamba",
     "granitemoehybrid",
     "nemotron_h",
+    "jamba",
 )
 
 # Standardized config attributes a spec reads; the config class resolves each (its

@@ -25,7 +25,7 @@ PROMPTS = ["def fibonacci(n):", "class Point:\n    def"]
 NEW_TOKENS = 24
 HIDDEN = GENERIC_CONFIGS["lfm2"]["hidden_size"]
 KERNEL = 3  # lfm2's conv_L_cache default
-STATEFUL = ("lfm2", "qwen3_5_text", "bamba", "nemotron_h")
+STATEFUL = ("lfm2", "qwen3_5_text", "bamba", "nemotron_h", "jamba")
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +101,28 @@ def test_manifest_records_linear_attention_states(built_artifact: Callable[..., 
     assert manifest["parity"]["passed"] is True
     errors = {e["name"] for e in manifest["parity"]["prefill"]}
     assert {"present_recurrent.0", "present_conv.2", "present.1.key"} <= errors  # the gate compares every state
+
+
+@pytest.mark.slow  # builds the tiny jamba artifact
+def test_manifest_records_selective_scan_states(built_artifact: Callable[..., Path]) -> None:
+    """jamba's Mamba-1 layers: a convolution over expand × hidden channels and a selective-scan
+    state per channel, traced as one Scan per layer (`toolchain.recurrence.selective_scan`)."""
+    import onnx
+
+    config = GENERIC_CONFIGS["jamba"]
+    channels = config["mamba_expand"] * config["hidden_size"]
+    artifact = built_artifact("jamba")
+    io = json.loads((artifact / "manifest.json").read_text())["io"]
+    mamba = {
+        "kind": "linear_attention",
+        "states": {"conv": [channels, config["mamba_d_conv"]], "recurrent": [channels, config["mamba_d_state"]]},
+    }
+    assert io["layers"] == [mamba, {"kind": "attention"}, mamba]
+    graph = onnx.load(artifact / "model.onnx", load_external_data=False)
+    ops = [node.op_type for node in graph.graph.node] + [
+        node.op_type for function in graph.functions for node in function.node
+    ]
+    assert ops.count("Scan") == 2  # one per Mamba layer, whatever the prompt's length
 
 
 @pytest.mark.slow  # builds the tiny lfm2 artifact
