@@ -162,6 +162,13 @@ GENERIC_CONFIGS: dict[str, dict[str, Any]] = {
         chunk_size=16,
         head_dim=16,
     ),
+    "falcon_h1": dict(  # every layer attention and a Mamba-2 mixer side by side, with falcon_h1's multipliers
+        _MAMBA2,
+        mamba_d_ssm=128,  # mamba_n_heads × mamba_d_head
+        key_multiplier=0.5,
+        ssm_out_multiplier=2.0,
+        lm_head_multiplier=0.5,
+    ),
     "jamba": dict(  # Mamba-1 layers (a convolution and a selective-scan state each) around an attention layer with MoE
         LLAMA_LIKE,
         num_hidden_layers=3,
@@ -197,6 +204,7 @@ _WIDER: dict[str, tuple[str, float]] = {
     "lfm2": (".conv.in_proj.", 3.0),
     "qwen3_5_text": (".linear_attn.", 3.0),
     "qwen3_next": (".linear_attn.", 3.0),
+    "falcon_h1": (".mamba.", 3.0),
 }
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

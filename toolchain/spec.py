@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from runners.contract import LayerState
+from runners.contract import KV_KINDS, LayerState
 from runners.errors import ArtifactError, CheckpointError, KvforgeError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
@@ -361,7 +361,7 @@ class DecoderSpec:
     @property
     def attention_layers(self) -> int:
         """How many layers keep a key/value pair."""
-        return self.num_layers if self.layers is None else sum(layer.kind == "attention" for layer in self.layers)
+        return self.num_layers if self.layers is None else sum(layer.kind in KV_KINDS for layer in self.layers)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of keys plus values that one token adds to the cache, over the attention layers.
@@ -512,6 +512,7 @@ GENERIC_TESTED: tuple[str, ...] = (
     "granitemoehybrid",
     "nemotron_h",
     "jamba",
+    "falcon_h1",
 )
 
 # Standardized config attributes a spec reads; the config class resolves each (its

@@ -45,12 +45,12 @@ def test_cache_layout_is_what_the_model_caches(model_type: str, tiny_checkpoint:
     assert len(cache.layers) == spec.num_layers
     kinds = [layer.kind for layer in spec.layers] if spec.layers is not None else ["attention"] * spec.num_layers
     for layer, kind, state in zip(cache.layers, kinds, spec.layers or [None] * spec.num_layers):
-        if kind == "attention":
+        if kind in ("attention", "hybrid"):
             assert tuple(layer.keys.shape) == (1, spec.num_kv_heads, 3, spec.head_dim)
             assert tuple(layer.values.shape) == (1, spec.num_kv_heads, 3, spec.value_head_dim)
-        else:
+        if kind != "attention":
             assert state is not None and (1, *state.states[0]) == tuple(layer.conv_states[0].shape)
-            if kind == "linear_attention":
+            if kind in ("linear_attention", "hybrid"):
                 assert (1, *state.states[1]) == tuple(layer.recurrent_states[0].shape)
 
 
