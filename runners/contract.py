@@ -40,13 +40,18 @@ IO_LIMITS = {"num_layers": 10_000, "num_kv_heads": 1 << 16, "head_dim": 1 << 16,
 # reads the state and returns the next one. `linear_attention` (transformers' layer type for
 # gated delta nets, qwen3_5 and qwen3_next, and for Mamba-2 layers): a short convolution's
 # state as above (`past_conv.{i}`) and the recurrent state, `[batch, heads, key size, value
-# size]` (`past_recurrent.{i}`), both of fixed size.
-LAYER_KINDS = ("attention", "conv", "linear_attention")
+# size]` (`past_recurrent.{i}`), both of fixed size. `hybrid` (falcon_h1, whose every layer
+# runs attention and a Mamba-2 mixer side by side): a key/value pair as `attention`, then the
+# two states of `linear_attention`.
+LAYER_KINDS = ("attention", "conv", "linear_attention", "hybrid")
 STATE_KINDS: dict[str, tuple[str, ...]] = {
     "attention": (),
     "conv": ("conv",),
     "linear_attention": ("conv", "recurrent"),
+    "hybrid": ("conv", "recurrent"),
 }
+# The kinds that keep a key/value pair (before their states, if any).
+KV_KINDS = ("attention", "hybrid")
 # A state's dimensions after batch: a few, each far beyond any real layer's.
 MAX_STATE_RANK, MAX_STATE_DIM = 4, 1 << 20
 
@@ -161,7 +166,7 @@ class DecoderIO:
         """The layers that keep a key/value pair."""
         if self.layers is None:
             return tuple(range(self.num_layers))
-        return tuple(i for i, layer in enumerate(self.layers) if layer.kind == "attention")
+        return tuple(i for i, layer in enumerate(self.layers) if layer.kind in KV_KINDS)
 
     @functools.cached_property
     def _states(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
@@ -206,7 +211,9 @@ class DecoderIO:
         kv = set(self.attention_layers)
         name = self.past_name if past else self.present_name
         return tuple(
-            n for i in range(self.num_layers) for n in ([name(i, "key"), name(i, "value")] if i in kv else states[i])
+            n
+            for i in range(self.num_layers)
+            for n in ([name(i, "key"), name(i, "value")] if i in kv else []) + states[i]
         )
 
     def kv_shape(self, name: str, batch: int, length: int) -> tuple[int, int, int, int]:

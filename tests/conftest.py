@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny import make_checkpoint
+from tests.tiny import BUILD_CONTEXT, make_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +27,7 @@ def built_artifact(
     tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[..., Path]:
     """Artifacts built from the tiny checkpoints, once per test session."""
-    from toolchain.build import build
+    from toolchain.build import BuildOptions, build
 
     built: dict[tuple[str, str], Path] = {}
 
@@ -35,7 +35,8 @@ def built_artifact(
         key = (model_type, dtype)
         if key not in built:
             out = tmp_path_factory.mktemp(f"art-{model_type}-{dtype}") / "out"
-            built[key] = build(tiny_checkpoint(model_type, dtype), out).output
+            options = BuildOptions(context=BUILD_CONTEXT.get(model_type))
+            built[key] = build(tiny_checkpoint(model_type, dtype), out, options).output
         return built[key]
 
     return get

@@ -98,6 +98,7 @@ QUOTED_MESSAGES = [
     "rebuild the artifact with this kvforge version",
     "missing; the artifact is incomplete, rebuild it with `kvforge build`",
     "exceeds the model's context of ",
+    "similar): pass --context N, the most positions (prompt plus new tokens) the artifact will serve",
     "`kvforge build CHECKPOINT -o OUT --logits all`",
     "is not one kvforge imports (",
 ]

@@ -105,7 +105,7 @@ GENERIC_CONFIGS: dict[str, dict[str, Any]] = {
     ),
     "cohere": dict(LLAMA_LIKE, logit_scale=0.5),  # parallel block, logit scale
     "falcon": dict(_NO_GQA, new_decoder_architecture=True, num_kv_heads=2),  # parallel attention, grouped KV heads
-    "bloom": dict(_NO_GQA, n_layer=2, n_head=4),  # ALiBi
+    "bloom": dict(hidden_size=64, n_layer=2, n_head=4),  # ALiBi; as its real configs, no context length
     "gpt_bigcode": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, multi_query=True),  # one KV head
     "qwen3_moe": dict(  # MoE, softmax top-k
         LLAMA_LIKE, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[]
@@ -162,6 +162,26 @@ GENERIC_CONFIGS: dict[str, dict[str, Any]] = {
         chunk_size=16,
         head_dim=16,
     ),
+    "falcon_h1": dict(  # every layer attention and a Mamba-2 mixer side by side, with falcon_h1's multipliers
+        _MAMBA2,
+        mamba_d_ssm=128,  # mamba_n_heads × mamba_d_head
+        key_multiplier=0.5,
+        ssm_out_multiplier=2.0,
+        lm_head_multiplier=0.5,
+    ),
+    "jamba": dict(  # Mamba-1 layers (a convolution and a selective-scan state each) around an attention layer with MoE
+        LLAMA_LIKE,
+        num_hidden_layers=3,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+    ),
     "qwen3_next": dict(  # qwen3_5's layers with MoE (softmax top-k) and a gated shared expert
         _GATED_DELTA_NETS,
         num_experts=4,
@@ -172,6 +192,9 @@ GENERIC_CONFIGS: dict[str, dict[str, Any]] = {
     ),
 }
 GENERIC = tuple(GENERIC_CONFIGS)
+# Families whose config.json names no context length: the `--context` (BuildOptions.context)
+# their tiny checkpoints are built with.
+BUILD_CONTEXT: dict[str, int] = {"bloom": 256}
 FAMILIES = SUPPORTED + GENERIC
 
 # Weights widened further, by family: lfm2's random convolution inputs are small, so its
@@ -181,6 +204,7 @@ _WIDER: dict[str, tuple[str, float]] = {
     "lfm2": (".conv.in_proj.", 3.0),
     "qwen3_5_text": (".linear_attn.", 3.0),
     "qwen3_next": (".linear_attn.", 3.0),
+    "falcon_h1": (".mamba.", 3.0),
 }
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -64,6 +64,9 @@ class BuildOptions:
     dtype: str = "float32"  # one of DTYPES' values
     weights: WeightQuantization | None = None  # None: weights stay in the compute dtype
     capacity: int | None = None  # a fixed-capacity target's KV-cache length S_max (None: the model's context)
+    # The positions the artifact serves (None: config.json's, else tokenizer_config.json's
+    # model_max_length); at most config.json's where it states one
+    context: int | None = None
     engine: trt_engine.EngineOptions = trt_engine.EngineOptions()  # an engine-emitting target, where one can be built
     # Refuse up front when the runtime footprint (weights + KV cache for memory_batch sequences
     # of memory_seq tokens; None: the model's context) exceeds this many bytes.
@@ -97,6 +100,7 @@ class BuildOptions:
                 "tolerance": self.tolerance,
             }
             | ({"capacity": self.capacity} if self.target.fixed_capacity else {})
+            | ({} if self.context is None else {"context": self.context})  # absent by default, as before
             | (
                 {"logits": self.logits} if self.logits != "last" else {}  # absent by default: older manifests unchanged
             )
@@ -135,7 +139,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     return_freed_memory()
     seconds: dict[str, float] = {}
     ckpt = checkpoints.load(checkpoint_dir, allow_pickle=options.allow_pickle, revision=options.revision)
-    spec = read_spec(ckpt)
+    spec = read_spec(ckpt, options.context)
     io = DecoderIO.for_spec(spec, kv_dtype=options.dtype)
     target = options.target
     _check_layer_states(io, target, spec)

@@ -34,7 +34,7 @@ import torch
 from runners.errors import CheckpointError
 from toolchain import hashing, hub, prequantized, progress, safetensors_check
 from toolchain.safetensors_check import short_repr
-from toolchain.spec import POSITION_EMBEDDINGS, TOKEN_EMBEDDINGS, DecoderSpec
+from toolchain.spec import POSITION_EMBEDDINGS, TOKEN_EMBEDDINGS, TOKENIZER_CONFIG_FILE, DecoderSpec
 
 logger = logging.getLogger(__name__)
 
@@ -450,6 +450,12 @@ def _find_tokenizer(directory: Path) -> tuple[Path, ...]:
         if file.suffix == ".json":
             _read_json(file, required=True)
     return (tokenizer, *optional)
+
+
+def tokenizer_config(checkpoint: Checkpoint) -> dict[str, Any] | None:
+    """tokenizer_config.json, parsed (`load` has checked it), or None where there is none."""
+    file = checkpoint.path / TOKENIZER_CONFIG_FILE
+    return _read_json(file, required=False) if file in checkpoint.tokenizer_files else None
 
 
 # --- checks against the config ----------------------------------------------------------

@@ -209,6 +209,13 @@ def main(verbose: bool) -> None:
     + ": the KV cache's fixed length S_max (prompt + new tokens). Default: the model's context.",
 )
 @click.option(
+    "--context",
+    type=click.IntRange(1),
+    default=None,
+    help="Positions (prompt + new tokens) the artifact serves, at most config.json's. Default: config.json's, else "
+    "tokenizer_config.json's model_max_length; needed where neither gives one (ALiBi models such as bloom).",
+)
+@click.option(
     "--dtype",
     type=click.Choice(["fp32", "fp16", "bf16"]),
     default=None,
@@ -314,6 +321,7 @@ def build(
     allow_pickle: bool,
     decode_steps: int,
     capacity: int | None,
+    context: int | None,
     whole_stack: bool,
     tolerance: float | None,
     logits: str,
@@ -358,6 +366,7 @@ def build(
         dtype=TARGETS[target].default_dtype if dtype is None else DTYPES[dtype],
         weights=quantization,
         capacity=capacity,
+        context=context,
         device_memory=None if device_memory is None else parse_bytes(device_memory),
         memory_batch=batch,
         memory_seq=seq,

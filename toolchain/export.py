@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch.export import Dim, ExportedProgram
 
-from runners.contract import STATE_KINDS, DecoderIO, LayerState
+from runners.contract import KV_KINDS, STATE_KINDS, DecoderIO, LayerState
 from runners.errors import CheckpointError, ExportError
-from toolchain.checkpoint import Checkpoint, check_against_spec
+from toolchain.checkpoint import Checkpoint, check_against_spec, tokenizer_config
 from toolchain.recurrence import traceable_kernels
 from toolchain.spec import SDPA_IGNORED_FIELDS, DecoderSpec
 
@@ -142,33 +142,39 @@ def _has_state_layers(config: Any) -> bool:
     return any(kind in _STATE_LAYER_TYPES for kind in getattr(config, "layer_types", None) or ())
 
 
-# transformers' layer_types whose cache objects keep a fixed-size state the contract carries.
-_STATE_LAYER_TYPES = ("conv", "linear_attention")
+# transformers' layer_types whose cache objects keep a fixed-size state the contract carries
+# (falcon_h1's "hybrid" layers keep one next to their keys and values).
+_STATE_LAYER_TYPES = ("conv", "linear_attention", "hybrid")
 
 
 def _layer_states(layers: list[Any], spec: DecoderSpec) -> tuple[LayerState, ...]:
     """Each cached layer's kind and state shapes (after batch), from the cache objects the
-    modeling code filled: attention layers hold keys and values, convolution layers a state."""
-    from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+    modeling code filled: attention layers hold keys and values, convolution layers a state,
+    hybrid layers (attention and a Mamba mixer in one) keys and values and two states."""
+    from transformers.cache_utils import (
+        DynamicLayer,
+        LinearAttentionAndFullAttentionLayer,
+        LinearAttentionCacheLayerMixin,
+    )
 
     result = []
     for index, layer in enumerate(layers):
-        if isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, DynamicLayer):
+        hybrid = type(layer) is LinearAttentionAndFullAttentionLayer
+        if isinstance(layer, LinearAttentionCacheLayerMixin) and (hybrid or not isinstance(layer, DynamicLayer)):
             conv = layer.conv_states.get(0) if layer.is_conv_states_initialized.get(0) else None
             recurrent = layer.recurrent_states.get(0) if layer.is_recurrent_states_initialized.get(0) else None
-            if conv is not None and layer.number_of_states == 1:
-                if recurrent is None:
-                    result.append(LayerState("conv", (tuple(conv.shape[1:]),)))
-                else:
-                    result.append(LayerState("linear_attention", (tuple(conv.shape[1:]), tuple(recurrent.shape[1:]))))
+            shapes = tuple(tuple(state.shape[1:]) for state in (conv, recurrent) if state is not None)
+            kind = {(False, 1): "conv", (False, 2): "linear_attention", (True, 2): "hybrid"}.get((hybrid, len(shapes)))
+            if conv is not None and layer.number_of_states == 1 and kind is not None:
+                result.append(LayerState(kind, shapes))
                 continue
         elif type(layer) is DynamicLayer:
             result.append(LayerState("attention"))
             continue
         raise ExportError(
             f"{spec.model_type}: layer {index} keeps a {type(layer).__name__} cache; kvforge's contract carries "
-            "attention layers' keys and values, convolution layers' states and linear-attention layers' "
-            "convolution and recurrent states only"
+            "attention layers' keys and values, convolution layers' states, linear-attention layers' "
+            "convolution and recurrent states, and hybrid layers' keys, values and both states only"
         )
     return tuple(result)
 
@@ -314,7 +320,7 @@ class DecoderWrapper(torch.nn.Module):
         past: Sequence[torch.Tensor],
     ) -> tuple[torch.Tensor, ...]:
         from transformers import DynamicCache
-        from transformers.cache_utils import LinearAttentionLayer
+        from transformers.cache_utils import LinearAttentionAndFullAttentionLayer, LinearAttentionLayer
 
         io = self.io
         assert io is not None and io.layers is not None
@@ -330,7 +336,13 @@ class DecoderWrapper(torch.nn.Module):
         self._bound(cache, history, lambda i: (tensors[io.past_name(i, "key")], tensors[io.past_name(i, "value")]))
         for i, layer in enumerate(io.layers):
             if layer.kind != "attention":  # a conv state, and a recurrent one where the kind keeps it
-                state = LinearAttentionLayer()
+                state: LinearAttentionLayer
+                if layer.kind == "hybrid":  # keys and values too, as the attention layers'
+                    both = LinearAttentionAndFullAttentionLayer()
+                    both.update(tensors[io.past_name(i, "key")], tensors[io.past_name(i, "value")])
+                    state = both
+                else:
+                    state = LinearAttentionLayer()
                 conv = tensors[io.state_past_name(i, "conv")]
                 state.dtype, state.device = conv.dtype, conv.device  # type: ignore[assignment]
                 # a copy: the cache object updates its state in place
@@ -353,9 +365,9 @@ class DecoderWrapper(torch.nn.Module):
         present: list[torch.Tensor] = []
         for i, layer in enumerate(io.layers):
             held = cache.layers[i]
-            if layer.kind == "attention":
+            if layer.kind in KV_KINDS:  # keys and values first, then any states
                 present += [held.keys, held.values]  # type: ignore[union-attr, list-item]
-            else:  # in the contract's order of the kind's states
+            if layer.kind != "attention":  # in the contract's order of the kind's states
                 held_states = {"conv": held.conv_states[0], "recurrent": held.recurrent_states[0]}  # type: ignore[union-attr]
                 present += [held_states[name] for name in STATE_KINDS[layer.kind]]  # type: ignore[misc]
         return (out.logits.float(), *present)
@@ -399,9 +411,11 @@ def export_decoder(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO) -> 
         ) from e
 
 
-def read_spec(ckpt: Checkpoint) -> DecoderSpec:
-    """The checkpoint's spec, checked against its weights, with the KV cache's layout read
-    off the modeling code."""
-    spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
+def read_spec(ckpt: Checkpoint, context: int | None = None) -> DecoderSpec:
+    """The checkpoint's spec (of `context` positions where given), checked against its weights,
+    with the KV cache's layout read off the modeling code."""
+    spec = DecoderSpec.from_config(
+        ckpt.config, ckpt.generation_config, context=context, tokenizer_config=tokenizer_config(ckpt)
+    )
     check_against_spec(ckpt, spec)
     return cache_layout(ckpt.config, spec)

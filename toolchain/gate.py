@@ -70,7 +70,7 @@ def verify(
             f"{checkpoint_dir}: files differ from the checkpoint {artifact} was built from "
             f"(see sources in {artifact / MANIFEST}); pass the original checkpoint"
         )
-    spec = read_spec(ckpt)
+    spec = read_spec(ckpt, flags.get("context"))
     io = DecoderIO.from_dict(recorded["io"])
     model = eager_model(ckpt, spec, getattr(torch, flags.get("dtype", "float32")))
     eager = eager_session(model, spec, replace(io, kv_mode="concat"))

@@ -72,9 +72,62 @@ def gated_delta_rule(
     return out.to(dtype), (final if output_final_state else None)
 
 
+def selective_scan(
+    module: Any,  # the Mamba mixer: A_log, D, dt_proj, layer_idx
+    hidden_states: torch.Tensor,
+    time_step: torch.Tensor,
+    B: torch.Tensor,  # noqa: N803 (the state space model's names)
+    C: torch.Tensor,  # noqa: N803
+    gate: torch.Tensor,
+    cache: Any,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """A Mamba-1 layer's selective scan from the state its cache holds, one token per scan step;
+    the signature of transformers' `mamba_scan_forward` (jamba's Mamba layers): `hidden_states`,
+    `time_step` and `gate` are [batch, channels, seq], `B` and `C` [batch, seq, state size]; the
+    layer's `A_log`, `D` and `dt_proj.bias` are read from `module`, and its recurrent state
+    [batch, channels, state size] from and back into `cache`.
+
+    transformers' own form starts every prompt of more than one token from a zero state (its
+    full-sequence kernel takes no initial state) and takes the one-token update where
+    `seq_len == 1`; this one starts from the cached state at any length, which is the same
+    for a prompt after an empty cache and for one-token decoding, and right for a chunked prefill.
+    """
+    del kwargs
+    dtype = hidden_states.dtype
+    layer = module.layer_idx
+    state = cache.get_recurrent_state(layer, state_idx=0) if cache is not None else None
+    A = -torch.exp(module.A_log.float())  # noqa: N806  [channels, state size]
+    dt = time_step.float()
+    bias = module.dt_proj.bias
+    if bias is not None:
+        dt = dt + bias.float()[:, None]
+    dt = torch.nn.functional.softplus(dt).transpose(1, 2)  # [batch, seq, channels]
+    x = hidden_states.float().transpose(1, 2)
+    # discretized per token, as transformers' full-sequence kernel does: [batch, seq, channels, state size]
+    decay = torch.exp(dt[..., None] * A)
+    update = (dt * x)[..., None] * B.float()[:, :, None, :]
+    if state is None:
+        state = torch.zeros(x.shape[0], *A.shape, dtype=torch.float32, device=x.device)
+
+    def step(state: torch.Tensor, token: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        decay, update, c = token  # [batch, channels, state size] twice, [batch, state size]
+        state = decay * state + update
+        return state, (state * c[:, None, :]).sum(dim=-1)
+
+    final, out = scan(step, state.float(), (decay, update, C.float()), dim=1)  # out: [batch, seq, channels]
+    out = (out + x * module.D.float()).transpose(1, 2) * torch.nn.functional.silu(gate.float())
+    if cache is not None:
+        cache.update_recurrent_state(final.to(state.dtype), layer)
+    return out.to(dtype)
+
+
 # Kernels of transformers' modeling modules replaced while a decoder is traced, by name. A
 # family whose modeling code calls one of these names is traced with the replacement.
-TRACEABLE: dict[str, Callable[..., Any]] = {"torch_chunk_gated_delta_rule": gated_delta_rule}
+TRACEABLE: dict[str, Callable[..., Any]] = {
+    "torch_chunk_gated_delta_rule": gated_delta_rule,
+    "mamba_scan_forward": selective_scan,
+}
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from runners.contract import LayerState
+from runners.contract import KV_KINDS, LayerState
 from runners.errors import ArtifactError, CheckpointError, KvforgeError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
@@ -276,14 +276,24 @@ class DecoderSpec:
         cls,
         config: Mapping[str, Any],
         generation_config: Mapping[str, Any] | None = None,
+        *,
+        context: int | None = None,
+        tokenizer_config: Mapping[str, Any] | None = None,
     ) -> DecoderSpec:
-        """Normalize a parsed config.json (and generation_config.json, if any)."""
+        """Normalize a parsed config.json (and generation_config.json, if any).
+
+        The context (`max_positions`) is `context` where given (`kvforge build --context`), at
+        most what config.json states; else config.json's; else, for a family whose config names
+        none (bloom: ALiBi has no position limit), `tokenizer_config`'s `model_max_length` where
+        it is a real length."""
         reader = _Reader(config, CONFIG_FILE)
         model_type = _model_type(reader)
         layout = LAYOUTS.get(model_type)
         if layout is None:
             reader, layout = _generic_layout(reader, model_type)
-        shape = _read_shape(reader, layout)
+        shape = _read_shape(reader, layout) | {
+            "max_positions": _read_context(reader, layout, context, tokenizer_config)
+        }
         rope = _read_rope(reader, layout, shape)
         tokens = _read_tokens(reader, layout, generation_config)
         spec = cls(
@@ -351,7 +361,7 @@ class DecoderSpec:
     @property
     def attention_layers(self) -> int:
         """How many layers keep a key/value pair."""
-        return self.num_layers if self.layers is None else sum(layer.kind == "attention" for layer in self.layers)
+        return self.num_layers if self.layers is None else sum(layer.kind in KV_KINDS for layer in self.layers)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of keys plus values that one token adds to the cache, over the attention layers.
@@ -501,6 +511,8 @@ GENERIC_TESTED: tuple[str, ...] = (
     "bamba",
     "granitemoehybrid",
     "nemotron_h",
+    "jamba",
+    "falcon_h1",
 )
 
 # Standardized config attributes a spec reads; the config class resolves each (its
@@ -611,13 +623,41 @@ def _read_shape(reader: _Reader, layout: _Layout) -> dict[str, Any]:
         "hidden_size": hidden,
         "intermediate_size": _read_intermediate(reader, layout, hidden),
         "vocab_size": _bounded(reader, layout.vocab_size, reader.required_int(layout.vocab_size), "vocab_size"),
-        "max_positions": _bounded(
-            reader,
-            layout.max_positions,
-            reader.required_int(layout.max_positions),
-            "max_positions",
-        ),
     }
+
+
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+def _read_context(
+    reader: _Reader, layout: _Layout, context: int | None, tokenizer_config: Mapping[str, Any] | None
+) -> int:
+    """The positions the artifact serves (see `DecoderSpec.from_config`)."""
+    key = layout.max_positions
+    limit = _LIMITS["max_positions"]
+    if context is not None and (isinstance(context, bool) or not isinstance(context, int) or not 1 <= context <= limit):
+        raise KvforgeError(f"--context must be an integer between 1 and {limit:,}, got {context!r}")
+    if reader.has(key):
+        stated = _bounded(reader, key, reader.required_int(key), "max_positions")
+        if context is not None and context > stated:
+            raise KvforgeError(
+                f"--context {context} is beyond the model's context: {CONFIG_FILE} field "
+                f"'{reader.aliases.get(key, key)}' = {stated}; pass --context {stated} or less"
+            )
+        return stated if context is None else context
+    if context is not None:
+        return context
+    length = (tokenizer_config or {}).get("model_max_length")
+    if not isinstance(length, bool) and isinstance(length, int) and 1 <= length <= limit:
+        logger.info("context: %d positions, %s's model_max_length", length, TOKENIZER_CONFIG_FILE)
+        return length
+    # transformers writes a placeholder of about 1e30 where a tokenizer has no length of its own
+    told = "" if length is None else f" (its model_max_length {str(length)[:40]} is no context length)"
+    raise CheckpointError(
+        f"{CONFIG_FILE}: field '{reader.aliases.get(key, key)}' is missing and {TOKENIZER_CONFIG_FILE} gives no "
+        f"model_max_length in its place{told}; the model's positions have no limit of their own (ALiBi or "
+        "similar): pass --context N, the most positions (prompt plus new tokens) the artifact will serve"
+    )
 
 
 def _bounded(reader: _Reader, key: str, value: int, limit: str) -> int:

@@ -25,7 +25,7 @@ PROMPTS = ["def fibonacci(n):", "class Point:\n    def"]
 NEW_TOKENS = 24
 HIDDEN = GENERIC_CONFIGS["lfm2"]["hidden_size"]
 KERNEL = 3  # lfm2's conv_L_cache default
-STATEFUL = ("lfm2", "qwen3_5_text", "bamba", "nemotron_h")
+STATEFUL = ("lfm2", "qwen3_5_text", "bamba", "nemotron_h", "jamba", "falcon_h1")
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +101,53 @@ def test_manifest_records_linear_attention_states(built_artifact: Callable[..., 
     assert manifest["parity"]["passed"] is True
     errors = {e["name"] for e in manifest["parity"]["prefill"]}
     assert {"present_recurrent.0", "present_conv.2", "present.1.key"} <= errors  # the gate compares every state
+
+
+@pytest.mark.slow  # builds the tiny jamba artifact
+def test_manifest_records_selective_scan_states(built_artifact: Callable[..., Path]) -> None:
+    """jamba's Mamba-1 layers: a convolution over expand × hidden channels and a selective-scan
+    state per channel, traced as one Scan per layer (`toolchain.recurrence.selective_scan`)."""
+    import onnx
+
+    config = GENERIC_CONFIGS["jamba"]
+    channels = config["mamba_expand"] * config["hidden_size"]
+    artifact = built_artifact("jamba")
+    io = json.loads((artifact / "manifest.json").read_text())["io"]
+    mamba = {
+        "kind": "linear_attention",
+        "states": {"conv": [channels, config["mamba_d_conv"]], "recurrent": [channels, config["mamba_d_state"]]},
+    }
+    assert io["layers"] == [mamba, {"kind": "attention"}, mamba]
+    graph = onnx.load(artifact / "model.onnx", load_external_data=False)
+    ops = [node.op_type for node in graph.graph.node] + [
+        node.op_type for function in graph.functions for node in function.node
+    ]
+    assert ops.count("Scan") == 2  # one per Mamba layer, whatever the prompt's length
+
+
+@pytest.mark.slow  # builds the tiny falcon_h1 artifact
+def test_manifest_records_hybrid_layers(built_artifact: Callable[..., Path]) -> None:
+    """falcon_h1 runs attention and a Mamba-2 mixer side by side in every layer: each layer keeps
+    a key/value pair and a convolution and an SSM state, in that order."""
+    config = GENERIC_CONFIGS["falcon_h1"]
+    heads, head, state = config["mamba_n_heads"], config["mamba_d_head"], config["mamba_d_state"]
+    channels = heads * head + 2 * config["mamba_n_groups"] * state  # x, B and C through one convolution
+    manifest = json.loads((built_artifact("falcon_h1") / "manifest.json").read_text())
+    io = manifest["io"]
+    hybrid = {
+        "kind": "hybrid",
+        "states": {"conv": [channels, config["mamba_d_conv"]], "recurrent": [heads, head, state]},
+    }
+    assert io["layers"] == [hybrid, hybrid]
+    assert [t["name"] for t in io["inputs"][3:7]] == [
+        "past_key_values.0.key",
+        "past_key_values.0.value",
+        "past_conv.0",
+        "past_recurrent.0",
+    ]
+    assert io["kv_mode"] == "shared" and manifest["parity"]["passed"] is True
+    errors = {e["name"] for e in manifest["parity"]["prefill"]}
+    assert {"present.0.key", "present_conv.0", "present_recurrent.1"} <= errors  # the gate compares every state
 
 
 @pytest.mark.slow  # builds the tiny lfm2 artifact
@@ -184,7 +231,7 @@ def test_speculative_decoding_is_refused_naming_the_states(engine: Engine) -> No
     by shortening the KV cache), so speculation is refused rather than silently wrong."""
     from runners.errors import GenerationError
 
-    with pytest.raises(GenerationError, match=r"\['(conv|linear_attention)'\] layers \(io.layers"):
+    with pytest.raises(GenerationError, match=r"\['(conv|linear_attention|hybrid)'\] layers \(io.layers"):
         engine.generate(PROMPTS[0], max_new_tokens=4, speculative="prompt-lookup")
 
 
@@ -218,6 +265,30 @@ def test_layers_round_trip_and_malformed_layers_are_refused() -> None:
         DecoderIO.from_dict(bad)
     with pytest.raises(ArtifactError, match="each of the 2 layers"):
         DecoderIO.from_dict(io.to_dict() | {"layers": [{"kind": "attention"}]})
+
+
+def test_a_hybrid_layer_keeps_keys_values_and_both_states_in_that_order() -> None:
+    io = DecoderIO(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=384,
+        layers=(LayerState("hybrid", ((40, 4), (2, 16, 8))), LayerState("attention")),
+    )
+    assert DecoderIO.from_dict(io.to_dict()) == io
+    assert io.cache_names == (
+        "past_key_values.0.key",
+        "past_key_values.0.value",
+        "past_conv.0",
+        "past_recurrent.0",
+        "past_key_values.1.key",
+        "past_key_values.1.value",
+    )
+    assert io.past_names == io.cache_names[:2] + io.cache_names[4:]  # both layers keep a key/value pair
+    assert io.kv_bytes_by_kind(1) == {"full": 2 * 2 * (16 + 16) * 4}  # two layers, 2 KV heads × 16
+    assert io.state_bytes_per_sequence() == (40 * 4 + 2 * 16 * 8) * 4
+    cache = empty_cache(io, batch=3, capacity=10)
+    assert cache["past_recurrent.0"].shape == (3, 2, 16, 8) and cache["past_key_values.0.key"].shape == (3, 2, 0, 16)
 
 
 def test_targets_without_state_support_are_refused(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:

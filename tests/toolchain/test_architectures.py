@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 from runners.engine import Engine
-from tests.tiny import FAMILIES, GENERIC, LLAMA_LIKE, hf_greedy, make_checkpoint
+from runners.errors import CheckpointError, KvforgeError
+from tests.tiny import BUILD_CONTEXT, FAMILIES, GENERIC, LLAMA_LIKE, hf_greedy, make_checkpoint
 from toolchain import checkpoint as checkpoints
 from toolchain.export import cache_layout
 from toolchain.footprint import footprint
@@ -24,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _spec(directory: Path) -> DecoderSpec:
     ckpt = checkpoints.load(directory)
-    return cache_layout(ckpt.config, DecoderSpec.from_config(ckpt.config, ckpt.generation_config))
+    context = BUILD_CONTEXT.get(ckpt.config["model_type"])
+    return cache_layout(ckpt.config, DecoderSpec.from_config(ckpt.config, ckpt.generation_config, context=context))
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -42,12 +45,12 @@ def test_cache_layout_is_what_the_model_caches(model_type: str, tiny_checkpoint:
     assert len(cache.layers) == spec.num_layers
     kinds = [layer.kind for layer in spec.layers] if spec.layers is not None else ["attention"] * spec.num_layers
     for layer, kind, state in zip(cache.layers, kinds, spec.layers or [None] * spec.num_layers):
-        if kind == "attention":
+        if kind in ("attention", "hybrid"):
             assert tuple(layer.keys.shape) == (1, spec.num_kv_heads, 3, spec.head_dim)
             assert tuple(layer.values.shape) == (1, spec.num_kv_heads, 3, spec.value_head_dim)
-        else:
+        if kind != "attention":
             assert state is not None and (1, *state.states[0]) == tuple(layer.conv_states[0].shape)
-            if kind == "linear_attention":
+            if kind in ("linear_attention", "hybrid"):
                 assert (1, *state.states[1]) == tuple(layer.recurrent_states[0].shape)
 
 
@@ -72,6 +75,38 @@ def test_inspect_counts_active_parameters(model_type: str, tiny_checkpoint: Call
     stored = {t.data_ptr(): t.numel() for t in model.state_dict().values()}  # buffers too (routing biases)
     assert fp.parameters == sum(stored.values())
     assert fp.parameters - fp.active_parameters == routed // 2  # 2 of 4 experts idle per token
+
+
+def test_a_model_without_a_context_length_takes_context_or_the_tokenizers(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """bloom (ALiBi) names no context length, as its real configs: `--context` gives it, else
+    tokenizer_config.json's model_max_length where that is a length; else the error says to pass
+    --context. Where config.json states one, --context may only lower it."""
+    from toolchain.export import read_spec
+
+    bloom = checkpoints.load(tiny_checkpoint("bloom"))
+    assert not {"max_position_embeddings", "seq_length", "n_positions"} & set(bloom.config)
+    with pytest.raises(CheckpointError) as exc:
+        read_spec(bloom)
+    assert "pass --context N" in str(exc.value) and "model_max_length" in str(exc.value)
+    assert read_spec(bloom, 300).max_positions == 300
+
+    directory = tmp_path / "bloom"
+    shutil.copytree(tiny_checkpoint("bloom"), directory)
+    tokenizer = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**tokenizer, "model_max_length": 512}))
+    assert read_spec(checkpoints.load(directory)).max_positions == 512
+    assert read_spec(checkpoints.load(directory), 64).max_positions == 64
+    # transformers' placeholder where a tokenizer has no length of its own is no context length
+    (directory / "tokenizer_config.json").write_text(json.dumps({**tokenizer, "model_max_length": int(1e30)}))
+    with pytest.raises(CheckpointError, match="is no context length.*pass --context N"):
+        read_spec(checkpoints.load(directory))
+
+    llama = checkpoints.load(tiny_checkpoint("llama"))  # max_position_embeddings 256
+    assert read_spec(llama).max_positions == 256 and read_spec(llama, 128).max_positions == 128
+    with pytest.raises(KvforgeError, match="--context 257 is beyond the model's context.*256"):
+        read_spec(llama, 257)
 
 
 def test_every_tested_family_has_a_tiny_checkpoint_and_a_docs_row() -> None:

@@ -101,6 +101,15 @@ def test_verify_reruns_the_gate_and_rejects_another_checkpoint(
         verify(built_artifact("llama"), tiny_checkpoint("qwen2"))
 
 
+def test_a_context_given_to_the_build_is_recorded_and_verify_reads_it(
+    tiny_checkpoint: Callable[..., Path], built_artifact: Callable[..., Path]
+) -> None:
+    artifact = built_artifact("bloom")  # built with BuildOptions(context=256): its config names none
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["flags"]["context"] == manifest["spec"]["max_positions"] == 256
+    assert verify(artifact, tiny_checkpoint("bloom")).passed
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_checkpoints_build(dtype: str, tmp_path: Path, tiny_checkpoint: Callable[..., Path]) -> None:
     result = build(tiny_checkpoint("llama", dtype), tmp_path / "out")

@@ -48,6 +48,18 @@ def test_unsupported_architecture_lists_supported(tmp_path: Path, tiny_checkpoin
     assert "gpt_neox" in result.output and "deepseek_v3" in result.output  # the families the tests prove
 
 
+def test_a_model_without_a_context_length_says_to_pass_context(
+    tmp_path: Path, tiny_checkpoint: Callable[..., Path]
+) -> None:
+    result = CliRunner().invoke(main, ["build", str(tiny_checkpoint("bloom")), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2 and not (tmp_path / "out").exists()
+    assert len(result.output.strip().splitlines()) == 1 and "pass --context N" in result.output
+    llama = str(tiny_checkpoint("llama"))  # max_position_embeddings 256
+    result = CliRunner().invoke(main, ["build", llama, "-o", str(tmp_path / "out"), "--context", "257"])
+    assert result.exit_code == 2 and not (tmp_path / "out").exists()
+    assert "--context 257 is beyond the model's context" in result.output
+
+
 @pytest.mark.slow
 def test_generate_streams_only_the_new_text_and_reports_timing(built_artifact: Callable[..., Path]) -> None:
     artifact = built_artifact("llama")
