@@ -36,6 +36,14 @@ _REVISION = click.option(
     "--revision", default=None, help="With a Hub id: the branch, tag or commit to use from the cache. Default: main."
 )
 
+_CONTEXT = click.option(
+    "--context",
+    type=click.IntRange(1),
+    default=None,
+    help="Positions (prompt + new tokens) the artifact serves, at most config.json's. Default: config.json's, else "
+    "tokenizer_config.json's model_max_length; needed where neither gives one (ALiBi models such as bloom).",
+)
+
 # --dtype by the dtype it names (toolchain.build.DTYPES, inverted), for the help text
 _SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
@@ -208,13 +216,7 @@ def main(verbose: bool) -> None:
     help=", ".join(t.name for t in TARGETS.values() if t.fixed_capacity)
     + ": the KV cache's fixed length S_max (prompt + new tokens). Default: the model's context.",
 )
-@click.option(
-    "--context",
-    type=click.IntRange(1),
-    default=None,
-    help="Positions (prompt + new tokens) the artifact serves, at most config.json's. Default: config.json's, else "
-    "tokenizer_config.json's model_max_length; needed where neither gives one (ALiBi models such as bloom).",
-)
+@_CONTEXT
 @click.option(
     "--dtype",
     type=click.Choice(["fp32", "fp16", "bf16"]),
@@ -959,13 +961,20 @@ def verify(
 @_REVISION
 @click.option("--batch", default=1, show_default=True, type=click.IntRange(1), help="Sequences held at once.")
 @click.option("--seq", default=None, type=click.IntRange(1), help="Tokens per sequence. Default: the model's context.")
+@_CONTEXT
 @click.option(
     "--allow-pickle", is_flag=True, help="Accept pytorch_model.bin (read with torch.load(weights_only=True))."
 )
 @_json_option("the figures")
 @_guarded
 def inspect(
-    checkpoint: str, revision: str | None, batch: int, seq: int | None, allow_pickle: bool, as_json: bool
+    checkpoint: str,
+    revision: str | None,
+    batch: int,
+    seq: int | None,
+    context: int | None,
+    allow_pickle: bool,
+    as_json: bool,
 ) -> None:
     """Parameters, weight bytes per precision and KV-cache bytes of CHECKPOINT (a directory or a cached Hub id)."""
     _require_checkpoint_path(checkpoint, revision)
@@ -975,7 +984,10 @@ def inspect(
     from toolchain.spec import DecoderSpec
 
     ckpt = checkpoints.load(checkpoint, allow_pickle=allow_pickle, revision=revision)
-    spec = cache_layout(ckpt.config, DecoderSpec.from_config(ckpt.config, ckpt.generation_config))
+    read = DecoderSpec.from_config(
+        ckpt.config, ckpt.generation_config, context=context, tokenizer_config=checkpoints.tokenizer_config(ckpt)
+    )
+    spec = cache_layout(ckpt.config, read)
     # the KV cache as the default target keeps it: sliding layers bounded by their windows
     windows = layer_windows(ckpt.config, spec) if TARGETS[DEFAULT_TARGET].bounded_windows else None
     fp = footprint(ckpt, spec, batch=batch, seq=seq or spec.max_positions, layer_windows=windows)

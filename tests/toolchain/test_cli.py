@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -183,3 +184,11 @@ def test_quiet_gate_refusal_prints_only_the_error_line(tmp_path: Path) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvforge: error: ") and "NaN or Inf" in lines[0], lines
     assert not (tmp_path / "out").exists()
+
+
+def test_inspect_takes_the_context_a_config_without_one_needs(tiny_checkpoint: Callable[..., Path]) -> None:
+    """bloom's config names no context: inspect reads it from --context, as build does."""
+    ckpt = str(tiny_checkpoint("bloom"))
+    result = CliRunner().invoke(main, ["inspect", ckpt, "--context", "96", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["footprint"]["seq"] == 96
