@@ -28,8 +28,8 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from runners.bench import memory_bandwidth
+from runners.cpus import usable_cpus
 from runners.hugepages import huge_pages_for_new_memory
-from runners.session import usable_cpus
 
 
 def nbits_shapes(artifact: Path) -> list[tuple[int, int]]:

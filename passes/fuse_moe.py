@@ -65,14 +65,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import pattern
+from onnxscript.rewriter import MatchContext, pattern
 from onnxscript.rewriter.pattern import MatchResult, OpsetPatternBuilder
 
 from passes.fuse_norm import known_dims
 from passes.rewrite import FusionPass
 
-if TYPE_CHECKING:  # onnxscript exports these only from private modules: annotations only, never at run time
-    from onnxscript.rewriter._basics import MatchContext
+if TYPE_CHECKING:  # annotations only: onnxscript names these in no public module
     from onnxscript.rewriter._context import TapeBuilder
     from onnxscript.rewriter._pattern_ir import ValuePattern
 

@@ -174,7 +174,7 @@ QUANTIZE_THREADS = 0
 def _usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask, which a container's cpuset narrows).
 
-    `runners.session.usable_cpus` counts the same way; passes import nothing of the runners."""
+    `runners.cpus.usable_cpus` counts the same way; passes import nothing of the runners."""
     affinity = getattr(os, "sched_getaffinity", None)
     return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 

@@ -30,12 +30,12 @@ from typing import Any
 import numpy as np
 
 from runners.contract import DecoderIO
+from runners.cpus import usable_cpus
 from runners.decoding import batch_decoders
 from runners.engine import Engine
 from runners.generate import generate_steps
 from runners.manifest import read_manifest
 from runners.sampling import SamplingParams
-from runners.session import usable_cpus
 
 _BANDWIDTH_BYTES = 256 << 20  # far beyond any CPU cache, so the read streams from memory
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from runners.contract import DecoderIO
+from runners.cpus import usable_cpus
 from runners.errors import ArtifactError
 
 MANIFEST = "manifest.json"
@@ -135,8 +136,6 @@ class FileHashes:
     """
 
     def __init__(self, directory: Path, files: Mapping[str, str], workers: int | None = None) -> None:
-        from runners.session import usable_cpus  # not at the top: runners.session imports this module
-
         names = sorted(files, key=lambda name: (_size(directory / name), name))
         workers = max(1, min(len(names), workers or usable_cpus()))
         executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvforge-sha256")

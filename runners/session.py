@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
 import weakref
 from collections.abc import Sequence, Set
 from pathlib import Path
@@ -19,6 +18,7 @@ import numpy as np
 
 from runners.cache import HOST, Device, OrtDevice, on_host
 from runners.contract import DecoderIO
+from runners.cpus import usable_cpus
 from runners.errors import ArtifactError
 from runners.external_data import check_external_data
 from runners.hugepages import huge_pages_for_new_memory
@@ -28,13 +28,6 @@ if TYPE_CHECKING:
     import onnxruntime as ort
 
     from runners.manifest import FileHashes
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on: its affinity mask where the OS has one, which a container's
-    cpuset narrows (onnxruntime's own default counts the host's cores and would oversubscribe)."""
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 # Cache bindings an `OrtSession` keeps: a server's batch and the prompt it is prefilling,
@@ -93,7 +86,7 @@ class OrtSession:
 
         `prepack=False` leaves float MatMul weights as stored instead of copying each into its
         kernel's layout at load: MLAS packs them per product then, the same products to float32
-        rounding (2.4e-6 at most on the 125M reference), slower, and loading never holds a
+        rounding (docs/performance.md), slower, and loading never holds a
         weight and its packed copy at once (the verification gate of an unquantized build;
         quantized kernels compute differently without theirs prepacked).
 

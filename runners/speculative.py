@@ -15,8 +15,8 @@ Exactness. The drafter only decides which positions are computed in one call, ne
 token is chosen: each token is drawn from the same distribution with the same random draw
 as in plain decoding (one uniform per generated token, in the same order), so greedy and
 seeded sampling give the tokens plain decoding gives, as far as the logits of a multi-token
-step equal those of one-token steps (float rounding of a different kernel shape; 1e-6
-relative on the CPU targets). This acceptance rule accepts a draft only when the sampled
+step equal those of one-token steps (float rounding of a different kernel shape; how close
+they are on the CPU targets is in docs/performance.md). This acceptance rule accepts a draft only when the sampled
 token equals it: under sampling it accepts less often than rejection sampling
 (Leviathan et al.) would, and it keeps plain decoding's exact tokens per seed, which
 rejection sampling does not.
@@ -60,10 +60,8 @@ MAX_DRAFT_TOKENS = 64
 # positions a step can take back (every draft of a verify step and the token fed before them):
 # what a layer bounded by a sliding window keeps beyond its window while speculating
 ROLLBACK = MAX_DRAFT_TOKENS + 1
-# n-gram sizes prompt lookup matches, longest first. On examples/model (benchmarks/speculative.py,
-# K 8), matching down to one token and preferring the latest match with a full continuation
-# made 3.52 tokens per verify step on the edit-like prompts (2.36 with two tokens at least and
-# the latest match whatever its continuation) and 1.72 on the open ones (1.51).
+# n-gram sizes prompt lookup matches, longest first: down to one token, which made more tokens
+# per verify step than two at least (docs/performance.md, Speculative decoding)
 NGRAM_MAX, NGRAM_MIN = 3, 1
 
 

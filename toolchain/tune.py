@@ -107,7 +107,7 @@ def machine_key() -> str:
     """What timings hold for: the CPU model, the cores a runner uses, the onnxruntime version."""
     import onnxruntime as ort
 
-    from runners.session import usable_cpus
+    from runners.cpus import usable_cpus
 
     return f"{cpu_model()} | {usable_cpus()} cores | onnxruntime {ort.__version__}"
 
@@ -330,7 +330,7 @@ def _matmul_nbits_session(
     from onnx import TensorProto, helper, numpy_helper
 
     from passes.quantize import matmul_nbits_inputs, quantize_blockwise
-    from runners.session import usable_cpus
+    from runners.cpus import usable_cpus
 
     weight = np.random.default_rng(0).standard_normal((n, k), dtype=np.float32) * 0.02
     b, scales, zero_points = matmul_nbits_inputs(quantize_blockwise(weight, bits, form.block_size, symmetric))
