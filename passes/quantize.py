@@ -38,7 +38,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple, dataclass, replace
 
@@ -326,13 +326,7 @@ class QuantizeWeights(InPlacePass):
         # a weight read by several MatMuls the same way is quantized once; read both directly and
         # through Transpose, it is two different [N, K] matrices
         quantized: dict[tuple[str, bool], tuple[ir.Value, ...]] = {}
-        for node in list(graph):
-            if node.op_type != "MatMul" or node.domain != "":
-                continue
-            found = _constant_weight(node)
-            if found is None:
-                continue
-            weight, transpose = found
+        for node, weight, transpose in constant_matmuls(graph):
             name = weight.name or ""
             reason = self._skip_reason(node, weight, kept_head)
             if reason:
@@ -443,6 +437,16 @@ def replace_node(graph: ir.Graph, node: ir.Node, new: ir.Value) -> None:
     ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
     new.name = old.name
     graph.remove(node, safe=True)
+
+
+def constant_matmuls(graph: ir.Graph) -> Iterator[tuple[ir.Node, ir.Value, ir.Node | None]]:
+    """Each standard MatMul whose B is a constant 2-D float weight (`_constant_weight`): the node,
+    the weight, and the Transpose it is read through (None: read directly)."""
+    for node in list(graph):
+        if node.op_type == "MatMul" and node.domain == "":
+            found = _constant_weight(node)
+            if found is not None:
+                yield node, *found
 
 
 def _constant_weight(node: ir.Node) -> tuple[ir.Value, ir.Node | None] | None:
@@ -579,13 +583,7 @@ class ImportQuantizedWeights(InPlacePass):
         self.imported_forms = {}
         graph = model.graph
         done: dict[tuple[str, bool], tuple[tuple[ir.Value, ...], QuantizedWeight]] = {}
-        for node in list(graph):
-            if node.op_type != "MatMul" or node.domain != "":
-                continue
-            found = _constant_weight(node)
-            if found is None:
-                continue
-            weight, transpose = found
+        for node, weight, transpose in constant_matmuls(graph):
             name = weight.name or ""
             key = (name, transpose is not None)
             if key not in done:
