@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from runners.contract import DecoderIO
+from runners.errors import GenerationError
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -89,6 +90,38 @@ class OrtDevice:
         return self.from_host(tensor) if on_host(tensor) else tensor
 
 
+def full_names(io: DecoderIO) -> list[str]:
+    """The past names of the key/value layers that keep their whole history (in `shared` mode, the
+    buffers the graph writes in place)."""
+    return [name for name in io.past_names if io.window_of(name) is None]
+
+
+def bounded_names(io: DecoderIO) -> list[str]:
+    """The past names of the key/value layers bounded by a sliding window (each step's past is the
+    previous present's last positions: never a buffer written in place)."""
+    return [name for name in io.past_names if io.window_of(name) is not None]
+
+
+def in_place(io: DecoderIO) -> bool:
+    """Whether the graph writes the new positions into the past buffers (`shared`), so a caller
+    keeps one preallocated buffer per full layer; else every step returns the past grown."""
+    return io.shared_kv
+
+
+def columns_fed(io: DecoderIO, buffer: np.ndarray, width: int) -> np.ndarray:
+    """What a step over the first `width` columns of a host buffer [rows, heads, capacity, dim] is fed:
+    the buffer itself where the graph writes in place, else a copy of the columns in use (the
+    graph takes exactly the positions held, and returns them grown)."""
+    return buffer if io.shared_kv else np.ascontiguousarray(buffer[:, :, :width])
+
+
+def keep_columns(io: DecoderIO, buffer: np.ndarray, present: np.ndarray, rows: slice, width: int, seq: int) -> None:
+    """After a step fed `columns_fed(io, buffer, width)` for `rows`: the `seq` new positions, which a
+    graph writing in place has already put into `buffer`, copied there from `present` otherwise."""
+    if not io.shared_kv:
+        buffer[rows, :, width : width + seq] = present[:, :, width : width + seq]
+
+
 def device_of(session: Any) -> Device:
     """Where `session` keeps its cache: its `device`, or the host for a session that names none."""
     return getattr(session, "device", HOST)
@@ -114,8 +147,15 @@ class Cache(dict[str, Any]):
     def empty(cls, io: DecoderIO, batch: int, capacity: int, device: Device = HOST) -> Cache:
         """The cache before the first step: keys and values empty (`concat`) or `capacity` positions
         preallocated (`shared`); a window-bounded layer empty; fixed-size states zero. A graph with a
-        fixed capacity (`io.capacity`) takes buffers of exactly that length."""
+        fixed capacity (`io.capacity`) takes buffers of exactly that length, and a `capacity` beyond it
+        is refused."""
         if io.capacity is not None and io.shared_kv:
+            if capacity > io.capacity:
+                raise GenerationError(
+                    f"prompt plus max_new_tokens need {capacity} cache positions, but the artifact's KV cache holds "
+                    f"{io.capacity} (io.capacity in its manifest); shorten the prompt, lower --max-new-tokens, or "
+                    "rebuild with a larger --capacity"
+                )
             capacity = io.capacity
         length = capacity if io.shared_kv else 0
         dtype = np.dtype(io.kv_dtype)

@@ -56,12 +56,6 @@ def empty_cache(io: DecoderIO, batch: int, capacity: int, device: Device = HOST)
     """The cache before the first step (`Cache.empty`) on `device`, with room for `capacity` positions:
     the prompt and every token to be generated. A graph with a fixed capacity (`io.capacity`) holds
     at most that many."""
-    if io.capacity is not None and io.shared_kv and capacity > io.capacity:
-        raise GenerationError(
-            f"prompt plus max_new_tokens need {capacity} cache positions, but the artifact's KV cache holds "
-            f"{io.capacity} (io.capacity in its manifest); shorten the prompt, lower --max-new-tokens, or "
-            "rebuild with a larger --capacity"
-        )
     return Cache.empty(io, batch, capacity, device)
 
 

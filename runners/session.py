@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from runners.cache import HOST, Device, OrtDevice, on_host
+from runners.cache import HOST, Device, OrtDevice, bounded_names, full_names, in_place, on_host
 from runners.contract import DecoderIO
 from runners.cpus import usable_cpus
 from runners.errors import ArtifactError
@@ -150,15 +150,16 @@ class OrtSession:
         self._states = tuple(zip(io.state_names, io.state_present_names))
         # Layers bounded by a window take a new past every step and return a longer present
         # (`DecoderIO.layer_windows`); only the others' buffers are bound in place.
-        self._in_place = [(p, q) for p, q in zip(io.past_names, io.present_names) if io.window_of(p) is None]
-        self._bounded = [(p, q) for p, q in zip(io.past_names, io.present_names) if io.window_of(p) is not None]
+        pairs = dict(zip(io.past_names, io.present_names))
+        self._in_place = [(p, pairs[p]) for p in full_names(io)]
+        self._bounded = [(p, pairs[p]) for p in bounded_names(io)]
         # The most recently used cache bindings, each kept while its buffers live (see _run_in_place).
         self._bindings: collections.OrderedDict[tuple[int, ...], _CacheBinding] = collections.OrderedDict()
 
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
         if self.device is not HOST:
             return self._run_on_device(feeds)
-        if self.io.shared_kv:
+        if in_place(self.io):
             return self._run_in_place(feeds)
         outputs = self._session.run(self._output_names, feeds)
         return dict(zip(self._output_names, outputs))
@@ -252,7 +253,7 @@ class OrtSession:
         outputs: dict[str, Any] = {"logits": logits}
         allocated: list[str] = []  # presents the device allocates, in the order bound
         held: list[np.ndarray] = []  # host inputs alive until the run
-        in_place = set(self._in_place)
+        written_in_place = set(self._in_place) if in_place(self.io) else set()
         for past, present in zip(self.io.cache_names, self.io.cache_present_names):
             tensor = feeds[past]
             if on_host(tensor):
@@ -260,7 +261,7 @@ class OrtSession:
                 binding.bind_cpu_input(past, held[-1])
             else:
                 binding.bind_ortvalue_input(past, tensor)
-            if (past, present) in in_place and self.io.shared_kv:
+            if (past, present) in written_in_place:
                 if on_host(tensor):  # written back into the array bound as its past
                     array = held[-1]
                     binding.bind_output(present, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from runners.cache import bounded_names, columns_fed, full_names, keep_columns
 from runners.contract import DecoderIO
 from runners.errors import KvforgeError
 from runners.generate import empty_states
@@ -49,7 +50,7 @@ class KVBatch:
         # leave room past the context for the padding that builds up between compactions.
         self.fixed_capacity: int | None = io.capacity
         self.capacity_limit = self.fixed_capacity or max_positions + max(MIN_COMPACTION, max_positions // 4)
-        self.full_names = [name for name in io.past_names if io.window_of(name) is None]
+        self.full_names = full_names(io)
         self.lengths: list[int] = []  # positions cached, per row
         self.spans: list[int] = []  # columns from a row's first cached position to the width (length plus holes)
         self.width = 0
@@ -72,9 +73,7 @@ class KVBatch:
     def empty_bounded(self, rows: int = 0) -> dict[str, np.ndarray]:
         """The window-bounded layers' caches of `rows` rows holding no position."""
         return {
-            name: np.zeros(self.io.kv_shape(name, rows, 0), dtype=self.io.kv_dtype)
-            for name in self.io.past_names
-            if self.io.window_of(name) is not None
+            name: np.zeros(self.io.kv_shape(name, rows, 0), dtype=self.io.kv_dtype) for name in bounded_names(self.io)
         }
 
     # -- a step -------------------------------------------------------------------------
@@ -102,9 +101,7 @@ class KVBatch:
         else:  # one row's verify step: no states, no bounded layers (speculation refuses them)
             cache = {name: buffer[row : row + 1] for name, buffer in self._kv.items()}
             states, bounded = {}, {}
-        full = {name: cache[name] for name in self._kv}
-        if not self.io.shared_kv:
-            full = {name: np.ascontiguousarray(buffer[:, :, :width]) for name, buffer in full.items()}
+        full = {name: columns_fed(self.io, cache[name], width) for name in self._kv}
         return full | bounded | states
 
     def store(self, present: dict[str, np.ndarray], row: int | None, width: int, seq: int) -> None:
@@ -112,9 +109,8 @@ class KVBatch:
         keys and values (already in place in `shared` mode), the rows' next states and, for a
         whole-batch step, the window-bounded layers' next caches."""
         rows = slice(0, self.rows) if row is None else slice(row, row + 1)
-        if not self.io.shared_kv:
-            for name, buffer in self._kv.items():
-                buffer[rows, :, width : width + seq] = present[name][:, :, width : width + seq]
+        for name, buffer in self._kv.items():
+            keep_columns(self.io, buffer, present[name], rows, width, seq)
         if row is None:
             for name, state in self._states.items():
                 state[rows] = present[name]

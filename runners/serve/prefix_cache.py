@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from runners.cache import bounded_names
 from runners.contract import DecoderIO
 from runners.errors import KvforgeError
 from runners.serve.metrics import Metrics
@@ -60,7 +61,7 @@ def default_budget() -> int:
 
 def unsupported(io: DecoderIO) -> str | None:
     """Why an artifact cannot have a prefix cache, or None when it can."""
-    if any(io.window_of(name) is not None for name in io.past_names):
+    if bounded_names(io):
         return "its layers bounded by a sliding window cannot be rebuilt from a block prefix"
     if io.state_names:
         return "its fixed-size layer states (convolutions) cannot be rebuilt from a block prefix"

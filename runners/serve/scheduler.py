@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from runners.cache import bounded_names, columns_fed
 from runners.decoding import TokenLogprob
 from runners.engine import Engine, Speculation
 from runners.errors import KvforgeError
@@ -190,7 +191,7 @@ class BatchScheduler:
         self.prefix_cache = prefix_cache
         if speculation is not None:
             require_all_logits(self.io)
-            if self.io.layer_windows and any(self.io.window_of(name) is not None for name in self.io.past_names):
+            if bounded_names(self.io):
                 raise KvforgeError(
                     "speculative decoding in the server's continuous batch (--speculative) is not available for "
                     "layers whose cache is bounded by a sliding window (io.layer_windows in the manifest): a draft "
@@ -509,9 +510,7 @@ class BatchScheduler:
                 for name in self._batch.full_names
             }
         start = 0 if self.prefix_cache is None else self.prefix_cache.restore(request.ids, self._prefill_kv)
-        full = self._prefill_kv
-        if not self.io.shared_kv:  # the graph takes exactly the positions held, and returns them grown
-            full = {name: np.ascontiguousarray(buffer[:, :, :start]) for name, buffer in full.items()}
+        full = {name: columns_fed(self.io, buffer, start) for name, buffer in self._prefill_kv.items()}
         return full | self._batch.empty_bounded(1) | empty_states(self.io, 1), start
 
     def _join(self, request: Request, cache: dict[str, np.ndarray], token: int) -> None:

@@ -25,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from runners.cache import full_names
 from runners.decoding import TokenLogprob
 from runners.engine import Engine
 from runners.errors import KvforgeError
@@ -482,7 +483,7 @@ def prefix_cache_for(
         return None
     budget = default_budget() if budget is None else budget
     identity = hashlib.sha256((artifact / "manifest.json").read_bytes()).digest()
-    names = [name for name in io.past_names if io.window_of(name) is None]
+    names = full_names(io)
     announce(f"prefix cache: {budget / (1 << 20):.0f} MiB in blocks of {BLOCK} tokens")
     return PrefixCache(budget, identity, names, metrics)
 
