@@ -100,7 +100,7 @@ def test_chunked_prefill_through_the_graph_matches_one_prefill(tensorrt_artifact
 
 
 def test_cli_build_passes_the_capacity_and_prints_the_build_engine_step(
-    tensorrt_artifact: Callable, monkeypatch: pytest.MonkeyPatch
+    tensorrt_artifact: Callable, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from click.testing import CliRunner
 
@@ -114,7 +114,9 @@ def test_cli_build_passes_the_capacity_and_prints_the_build_engine_step(
         return result
 
     monkeypatch.setattr("toolchain.build.build", fake_build)
-    run = CliRunner().invoke(main, ["build", "ckpt", "-o", "out", "--target", "tensorrt", "--capacity", "128"])
+    # the CLI checks the checkpoint path and -o before it builds: both real, the build faked
+    args = ["build", str(tmp_path), "-o", str(tmp_path / "out"), "--target", "tensorrt", "--capacity", "128"]
+    run = CliRunner().invoke(main, args)
     assert run.exit_code == 0, run.output
     assert f"kvforge build-engine {result.output}" in run.output
     options = seen["options"]
