@@ -29,9 +29,9 @@ from passes.targets import DEFAULT_TARGET, TARGETS
 from runners.errors import ArtifactError, CheckpointError, KvforgeError, ParityError
 from toolchain import tune as tuning
 
-# A checkpoint directory, or a Hub id (ORG/NAME) resolved in the local Hugging Face cache: a string,
-# so that what was typed decides (an existing path wins over an id).
-_CHECKPOINT = click.Path(exists=False, file_okay=False)
+# A checkpoint directory, a GGUF file, or a Hub id (ORG/NAME) resolved in the local Hugging Face
+# cache: a string, so that what was typed decides (an existing path wins over an id).
+_CHECKPOINT = click.Path(exists=False)
 _REVISION = click.option(
     "--revision", default=None, help="With a Hub id: the branch, tag or commit to use from the cache. Default: main."
 )
@@ -331,8 +331,9 @@ def build(
 ) -> None:
     """Export CHECKPOINT, lower it to ONNX, verify it against the eager model, publish it to -o.
 
-    CHECKPOINT is a checkpoint directory, or a Hub id (ORG/NAME) already in the local Hugging Face
-    cache (HF_HUB_CACHE, else HF_HOME/hub); nothing is downloaded.
+    CHECKPOINT is a checkpoint directory, a GGUF file (or a directory holding one), or a Hub id
+    (ORG/NAME) already in the local Hugging Face cache (HF_HUB_CACHE, else HF_HOME/hub); nothing
+    is downloaded.
     """
     from toolchain.publish import check_output, check_writable
 
