@@ -100,10 +100,15 @@ def _write_checkpoint(file: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
-        model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
-    except ImportError as e:  # the gguf package is transformers' optional dependency
-        raise CheckpointError(f"{file}: reading GGUF files needs the gguf package ({_first_line(e)})") from e
+        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            file.parent, gguf_file=file.name, dtype=torch.float32, local_files_only=True
+        )
+    except ImportError as e:  # gguf and accelerate: optional dependencies of transformers
+        raise CheckpointError(
+            f"{file}: reading GGUF files needs a package that is not installed ({_first_line(e)}); "
+            "install kvforge[build]"
+        ) from e
     except Exception as e:  # transformers raises ValueError, KeyError, struct errors... for a file it cannot read
         raise CheckpointError(
             f"{file}: transformers' GGUF loader cannot read it ({type(e).__name__}: {_first_line(e)}); "
