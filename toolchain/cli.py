@@ -53,6 +53,12 @@ EXIT_GATE_REFUSED = 3
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a process Ctrl-C ended
 
 
+# What `pip install kvforge[build]` adds to the runtime's packages: what build, verify and inspect import.
+_BUILD_PACKAGES = frozenset(
+    {"torch", "transformers", "onnx", "onnx_ir", "onnxscript", "safetensors", "huggingface_hub", "gguf", "accelerate"}
+)
+
+
 def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     """One line on stderr and the documented exit status for every failure the user can act on;
     with --json (`as_json`), the same error as one JSON object on stdout."""
@@ -70,6 +76,13 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         except KeyboardInterrupt:
             click.echo(file=sys.stderr)  # end the line ^C was typed on
             _fail(_interrupted_note(fn.__name__), EXIT_INTERRUPTED, as_json, kind="interrupted", prefix="kvforge: ")
+        except ModuleNotFoundError as e:
+            if (e.name or "").partition(".")[0] not in _BUILD_PACKAGES:
+                raise
+            command = click.get_current_context().info_name
+            message = f"`kvforge {command}` needs {e.name}, which the runtime install leaves out"
+            message += "; install kvforge[build]"
+            _fail(message, EXIT_BAD_INPUT, as_json, kind="input")
 
     return wrapper
 
