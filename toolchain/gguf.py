@@ -22,7 +22,8 @@ import gc
 import json
 import logging
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from runners.errors import CheckpointError
+from toolchain import progress
 
 if TYPE_CHECKING:
     from toolchain.checkpoint import Checkpoint
@@ -70,13 +72,28 @@ def load(file: Path) -> Checkpoint:
     _check_magic(file)
     scratch = tempfile.TemporaryDirectory(prefix="kvforge-gguf-")
     try:
-        _write_checkpoint(file, Path(scratch.name))
+        with progress.stage("gguf"), _no_transformers_bars():
+            _write_checkpoint(file, Path(scratch.name))
         ckpt = checkpoints.load(scratch.name)
     except BaseException:
         scratch.cleanup()
         raise
     logger.info("%s: dequantized to float32 into %s", file, scratch.name)
     return dataclasses.replace(ckpt, gguf=file, scratch=scratch)
+
+
+@contextmanager
+def _no_transformers_bars() -> Iterator[None]:
+    """transformers' own progress bars off while it reads the file: the stage reports it."""
+    from transformers.utils import logging as transformers_logging
+
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            transformers_logging.enable_progress_bar()
 
 
 def _check_magic(file: Path) -> None:
