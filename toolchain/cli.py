@@ -53,9 +53,11 @@ EXIT_GATE_REFUSED = 3
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a process Ctrl-C ended
 
 
-# What `pip install kvforge[build]` adds to the runtime's packages: what build, verify and inspect import.
+# What `pip install kvforge[build]` adds to the runtime's packages: what build, verify and inspect
+# import, and what those import first (onnx-ir's ml_dtypes, say).
 _BUILD_PACKAGES = frozenset(
     {"torch", "transformers", "onnx", "onnx_ir", "onnxscript", "safetensors", "huggingface_hub", "gguf", "accelerate"}
+    | {"ml_dtypes", "typing_extensions"}
 )
 
 
