@@ -22,6 +22,7 @@ import gc
 import json
 import logging
 import tempfile
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -70,6 +71,10 @@ def load(file: Path) -> Checkpoint:
 
     file = file.resolve()
     _check_magic(file)
+    stat = file.stat()
+    key = (str(file), stat.st_size, stat.st_mtime_ns)
+    if (held := _LOADED.get(key)) is not None:
+        return held
     scratch = tempfile.TemporaryDirectory(prefix="kvforge-gguf-")
     try:
         with progress.stage("gguf"), _no_transformers_bars():
@@ -79,7 +84,15 @@ def load(file: Path) -> Checkpoint:
         scratch.cleanup()
         raise
     logger.info("%s: dequantized to float32 into %s", file, scratch.name)
-    return dataclasses.replace(ckpt, gguf=file, scratch=scratch)
+    ckpt = dataclasses.replace(ckpt, gguf=file, scratch=scratch)
+    _LOADED[key] = ckpt
+    return ckpt
+
+
+# The checkpoints made from GGUF files that something still holds, by file, size and mtime: a
+# second load of an unchanged file in the same process (a test session building it at several
+# precisions, say) reuses the dequantized copy rather than reading the file again.
+_LOADED: weakref.WeakValueDictionary[tuple[str, int, int], Checkpoint] = weakref.WeakValueDictionary()
 
 
 @contextmanager

