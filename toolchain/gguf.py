@@ -69,7 +69,7 @@ def load(file: Path) -> Checkpoint:
     cannot read it (an architecture its GGUF loader does not know, a truncated file)."""
     from toolchain import checkpoint as checkpoints
 
-    file = file.resolve()
+    file = file.absolute()  # not resolved: a link (a Hub snapshot's, into blobs/) keeps its name
     _check_magic(file)
     stat = file.stat()
     key = (str(file), stat.st_size, stat.st_mtime_ns)

@@ -134,7 +134,7 @@ def test_loading_dequantizes_into_a_checkpoint_whose_only_input_is_the_file(
     tiny_gguf: Path, tiny_checkpoint: Callable[..., Path]
 ) -> None:
     ckpt = checkpoints.load(tiny_gguf)
-    assert ckpt.input_files() == (tiny_gguf.resolve(),)
+    assert ckpt.input_files() == (tiny_gguf.absolute(),)
     assert ckpt.source_hashes() == {tiny_gguf.name: hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()}
     assert ckpt.config["model_type"] == "llama" and "quantization_config" not in ckpt.config
     assert {f.name for f in ckpt.tokenizer_files} >= {"tokenizer.json", "chat_template.jinja"}
@@ -180,3 +180,15 @@ def test_kvforge_build_of_a_gguf_file_generates_what_transformers_generates_from
     reference = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name, dtype=torch.float32)
     expected = hf_greedy(reference.eval(), prompt, 12)
     assert engine.generate_tokens([prompt], max_new_tokens=12, temperature=0.0)[0] == expected
+
+
+def test_a_link_to_a_gguf_file_keeps_its_own_name(tiny_gguf: Path, tmp_path: Path) -> None:
+    """As in a Hugging Face cache snapshot, where model.gguf links to a blob named by its hash."""
+    blob = tmp_path / "blobs" / "3f2a9c"
+    blob.parent.mkdir()
+    blob.write_bytes(tiny_gguf.read_bytes())
+    (tmp_path / "snapshot").mkdir()
+    (tmp_path / "snapshot" / "model.gguf").symlink_to(blob)
+    ckpt = checkpoints.load(tmp_path / "snapshot")
+    assert list(ckpt.source_hashes()) == ["model.gguf"]
+    assert ckpt.config["model_type"] == "llama"
