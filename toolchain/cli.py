@@ -138,8 +138,8 @@ def _require_checkpoint_path(checkpoint: str, revision: str | None) -> None:
     located = hub.locate(checkpoint, revision)  # an id missing from the cache is refused here
     if not os.path.lexists(located):
         raise CheckpointError(
-            f"{located}: no such directory; expected a local checkpoint directory, or a Hub id ORG/NAME in the "
-            "local Hugging Face cache"
+            f"{located}: no such directory; expected a local checkpoint directory, a .gguf file, or a Hub id "
+            "ORG/NAME in the local Hugging Face cache"
         )
 
 
