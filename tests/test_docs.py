@@ -110,3 +110,16 @@ def test_troubleshooting_quotes_real_messages(fragment: str) -> None:
     assert fragment in source, f"no raise site says {fragment!r} any more; update docs/troubleshooting.md"
     rendered = fragment.format(CONFIG="config.json", MANIFEST="manifest.json", SCHEMA_VERSION=SCHEMA_VERSION)
     assert rendered in (ROOT / "docs" / "troubleshooting.md").read_text()
+
+
+def test_the_family_lists_in_the_docs_are_the_suites() -> None:
+    from tests.tiny import FAMILIES  # the families the suite builds and compares with transformers
+
+    guide = (ROOT / "docs" / "getting-started.md").read_text()
+    listing = guide.split("The `model_type`s the test suite builds")[1].split(". The hybrids")[0]
+    assert re.findall(r"`([a-z0-9_]+)`", listing) == list(FAMILIES)
+    readme = (ROOT / "README.md").read_text()
+    paragraph = readme.split("Architectures: ")[1].split("\n\n")[0]
+    count = re.search(r"(\d+) families are built", paragraph)
+    assert count is not None and int(count.group(1)) == len(FAMILIES)
+    assert set(FAMILIES) <= set(re.findall(r"[a-z0-9_]+", paragraph))

@@ -24,7 +24,7 @@ import logging
 import math
 import mmap
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from runners.errors import CheckpointError
-from toolchain import hashing, hub, prequantized, progress, safetensors_check
+from toolchain import gguf, hashing, hub, prequantized, progress, safetensors_check
 from toolchain.safetensors_check import short_repr
 from toolchain.spec import POSITION_EMBEDDINGS, TOKEN_EMBEDDINGS, TOKENIZER_CONFIG_FILE, DecoderSpec
 
@@ -92,6 +92,10 @@ class Checkpoint:
     hub: hub.HubSnapshot | None = None  # the Hugging Face cache snapshot the directory is, if it is one
     # config.json's quantization_config: weights shipped quantized (AWQ, GPTQ), None otherwise
     quantization: prequantized.Quantization | None = None
+    # a GGUF file the directory was made from (`toolchain.gguf`): then the build's only input
+    gguf: Path | None = None
+    # what keeps a made directory alive (a tempfile.TemporaryDirectory, removed with its last reference)
+    scratch: Any = field(default=None, repr=False, compare=False)
 
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """All weights as CPU tensors, floating ones converted to `dtype` if given.
@@ -152,7 +156,10 @@ class Checkpoint:
         return hashing.sha256_files(self.input_files())
 
     def input_files(self) -> tuple[Path, ...]:
-        """Every file the build reads: config, weights (and index), tokenizer, generation config."""
+        """Every file the build reads: config, weights (and index), tokenizer, generation config;
+        or the GGUF file they were made from."""
+        if self.gguf is not None:
+            return (self.gguf,)
         files = [self.path / CONFIG, *self.weight_files, *self.tokenizer_files]
         if self.index_file is not None:
             files.append(self.index_file)
@@ -162,14 +169,19 @@ class Checkpoint:
 
 
 def load(path: str | Path, *, allow_pickle: bool = False, revision: str | None = None) -> Checkpoint:
-    """Validate a local checkpoint directory (or a Hub id's cached snapshot) and describe its files.
+    """Validate a local checkpoint directory (or a Hub id's cached snapshot) and describe its files;
+    a GGUF file (or a directory holding one) is read by `toolchain.gguf`.
 
     Raises CheckpointError naming the file and what to do when anything is missing,
     malformed or unsafe (remote code, shard names escaping the directory, pickles
     without `allow_pickle`, safetensors headers that do not describe their file, an
     index that disagrees with its shards, a cache snapshot's link leading out of its blobs).
     """
-    directory = _checkpoint_dir(hub.locate(path, revision))
+    located = hub.locate(path, revision)
+    gguf_file = gguf.find(located)
+    if gguf_file is not None:
+        return gguf.load(gguf_file)
+    directory = _checkpoint_dir(located)
     snapshot = hub.snapshot_of(directory)
     if snapshot is not None:
         for name in _READ_BY_NAME:
@@ -244,7 +256,10 @@ _READ_BY_NAME = (
     *OPTIONAL_TOKENIZER_FILES,
 )
 
-_EXPECTED = f"a local checkpoint directory with {CONFIG}, {TOKENIZER} and {SAFETENSORS} (or {SAFETENSORS_INDEX})"
+_EXPECTED = (
+    f"a local checkpoint directory with {CONFIG}, {TOKENIZER} and {SAFETENSORS} (or {SAFETENSORS_INDEX}), "
+    "or a .gguf file"
+)
 
 
 def _checkpoint_dir(path: str | Path) -> Path:

@@ -29,9 +29,9 @@ from passes.targets import DEFAULT_TARGET, TARGETS
 from runners.errors import ArtifactError, CheckpointError, KvforgeError, ParityError
 from toolchain import tune as tuning
 
-# A checkpoint directory, or a Hub id (ORG/NAME) resolved in the local Hugging Face cache: a string,
-# so that what was typed decides (an existing path wins over an id).
-_CHECKPOINT = click.Path(exists=False, file_okay=False)
+# A checkpoint directory, a GGUF file, or a Hub id (ORG/NAME) resolved in the local Hugging Face
+# cache: a string, so that what was typed decides (an existing path wins over an id).
+_CHECKPOINT = click.Path(exists=False)
 _REVISION = click.option(
     "--revision", default=None, help="With a Hub id: the branch, tag or commit to use from the cache. Default: main."
 )
@@ -53,6 +53,14 @@ EXIT_GATE_REFUSED = 3
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a process Ctrl-C ended
 
 
+# What `pip install kvforge[build]` adds to the runtime's packages: what build, verify and inspect
+# import, and what those import first (onnx-ir's ml_dtypes, say).
+_BUILD_PACKAGES = frozenset(
+    {"torch", "transformers", "onnx", "onnx_ir", "onnxscript", "safetensors", "huggingface_hub", "gguf", "accelerate"}
+    | {"ml_dtypes", "typing_extensions"}
+)
+
+
 def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     """One line on stderr and the documented exit status for every failure the user can act on;
     with --json (`as_json`), the same error as one JSON object on stdout."""
@@ -70,6 +78,13 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         except KeyboardInterrupt:
             click.echo(file=sys.stderr)  # end the line ^C was typed on
             _fail(_interrupted_note(fn.__name__), EXIT_INTERRUPTED, as_json, kind="interrupted", prefix="kvforge: ")
+        except ModuleNotFoundError as e:
+            if (e.name or "").partition(".")[0] not in _BUILD_PACKAGES:
+                raise
+            command = click.get_current_context().info_name
+            message = f"`kvforge {command}` needs {e.name}, which the runtime install leaves out"
+            message += "; install kvforge[build]"
+            _fail(message, EXIT_BAD_INPUT, as_json, kind="input")
 
     return wrapper
 
@@ -123,8 +138,8 @@ def _require_checkpoint_path(checkpoint: str, revision: str | None) -> None:
     located = hub.locate(checkpoint, revision)  # an id missing from the cache is refused here
     if not os.path.lexists(located):
         raise CheckpointError(
-            f"{located}: no such directory; expected a local checkpoint directory, or a Hub id ORG/NAME in the "
-            "local Hugging Face cache"
+            f"{located}: no such directory; expected a local checkpoint directory, a .gguf file, or a Hub id "
+            "ORG/NAME in the local Hugging Face cache"
         )
 
 
@@ -331,8 +346,9 @@ def build(
 ) -> None:
     """Export CHECKPOINT, lower it to ONNX, verify it against the eager model, publish it to -o.
 
-    CHECKPOINT is a checkpoint directory, or a Hub id (ORG/NAME) already in the local Hugging Face
-    cache (HF_HUB_CACHE, else HF_HOME/hub); nothing is downloaded.
+    CHECKPOINT is a checkpoint directory, a GGUF file (or a directory holding one), or a Hub id
+    (ORG/NAME) already in the local Hugging Face cache (HF_HUB_CACHE, else HF_HOME/hub); nothing
+    is downloaded.
     """
     from toolchain.publish import check_output, check_writable
 

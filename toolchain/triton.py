@@ -203,8 +203,9 @@ try:
 except ImportError as error:
     raise ImportError(
         f"kvforge's runtime package is not importable in Triton's Python backend environment ({error}); "
-        "install it there without torch: pip install --no-deps kvforge==@VERSION@, then "
-        "pip install onnxruntime tokenizers jinja2 (see the repository's README.md)"
+        "install it there without torch: pip install --no-deps kvforge-@VERSION@-py3-none-any.whl (the wheel "
+        "`pip wheel --no-deps -w dist .` makes in kvforge's source tree), then "
+        "pip install onnxruntime tokenizers jinja2 llguidance (see the repository's README.md)"
     ) from error
 
 __all__ = ["TritonPythonModel"]
@@ -257,7 +258,8 @@ Inputs (each `[1, 1]`, `stop_words` `[1, n]`): `text_input` (string, required), 
 (bool), `max_tokens` (int32), `stop_words` (strings), `temperature`, `top_p` (fp32), `top_k`
 (int32), `frequency_penalty`, `presence_penalty` (fp32, only 0 is accepted), `seed` (uint64),
 `return_num_input_tokens`, `return_num_output_tokens` (bool), `guided_decoding_guide_type`,
-`guided_decoding_guide` (strings; refused unless empty). Outputs: `text_output`,
+`guided_decoding_guide` (strings: guided decoding with guide type `json`, `json_schema` or
+`regex`, as TensorRT-LLM's backend takes them; other guide types are refused). Outputs: `text_output`,
 `num_input_tokens`, `num_output_tokens` (int32). With `stream` true each response carries the
 new text and `num_output_tokens` the tokens since the previous response; otherwise one
 response carries everything. A request Triton cancels (its client went away) is aborted in
@@ -280,13 +282,16 @@ repository was written under Python {python}) and imports packages from the firs
 on `PATH`. That environment needs:
 
 ```
-pip install --no-deps kvforge=={version}     # kvforge's runtime package, without torch
-pip install {ort} tokenizers jinja2
+pip wheel --no-deps -w dist /path/to/kvforge          # in kvforge's source tree: its wheel
+pip install --no-deps dist/kvforge-{version}-py3-none-any.whl
+pip install {ort} tokenizers jinja2 llguidance
 ```
 
 and numpy in the version the Python backend of your Triton release accepts (`numpy<2` for
-Triton 2.51). kvforge is installed from wherever you install it (a wheel made with
-`pip wheel --no-deps .` in its source tree works). torch is not needed at run time.
+Triton 2.51). kvforge is not on a package index: install the wheel built from the source tree
+this repository was exported with (`pip install --no-deps /path/to/kvforge` does the same
+without a wheel file). `--no-deps` keeps pip from replacing `{ort}` or numpy; torch is not
+needed at run time. llguidance serves guided decoding.
 
 ## Serve it with tritonserver
 
@@ -296,7 +301,8 @@ In NGC's Triton container, with the environment above added to it:
 cat > Dockerfile <<'EOF'
 FROM nvcr.io/nvidia/tritonserver:24.10-py3
 COPY kvforge-{version}-py3-none-any.whl /tmp/
-RUN pip install --no-deps /tmp/kvforge-{version}-py3-none-any.whl && pip install {ort} tokenizers jinja2 "numpy<2"
+RUN pip install --no-deps /tmp/kvforge-{version}-py3-none-any.whl && \\
+    pip install {ort} tokenizers jinja2 llguidance "numpy<2"
 EOF
 docker build -t kvforge-triton .
 docker run --rm -p 8000:8000 -p 8001:8001 -p 8002:8002 -v "$(pwd)/{repo}:/models" kvforge-triton \\
@@ -317,8 +323,8 @@ package `nvidia-pytriton` 0.7.0 (Triton 2.51, Python backend only) serves it:
 
 ```
 python3 -m venv .venv-triton
-.venv-triton/bin/pip install nvidia-pytriton==0.7.0 "numpy<2" onnxruntime tokenizers jinja2
-.venv-triton/bin/pip install --no-deps kvforge=={version}
+.venv-triton/bin/pip install nvidia-pytriton==0.7.0 "numpy<2" onnxruntime tokenizers jinja2 llguidance
+.venv-triton/bin/pip install --no-deps /path/to/kvforge    # its source tree, or the wheel built from it
 SP=$(.venv-triton/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 PY=$(.venv-triton/bin/python -c 'import sys; print(f"{{sys.version_info[0]}}.{{sys.version_info[1]}}")')
 LIBPYTHON=$(.venv-triton/bin/python -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
@@ -346,6 +352,7 @@ curl -N localhost:9000/v1/completions -H 'Content-Type: application/json' \\
 ```
 
 `--tokenizer` points at the artifact, which holds the model's tokenizer files; the frontend
-needs it for chat completions (it applies the chat template itself). Tools that force a
-tool call are refused (guided decoding is not supported).
+needs it for chat completions (it applies the chat template itself). What the frontend sends
+as guided decoding (`guided_decoding_guide_type` json, json_schema or regex) is honored; other
+guide types are refused with a message naming the type.
 """

@@ -1,6 +1,6 @@
-"""Real trained checkpoints (tests/real/models.py), converted once and cached under pytest's
-cache directory (`.pytest_cache`, keyed by the shipping package's version), and their
-artifacts, built once per session."""
+"""Real trained checkpoints (tests/real/models.py) as the GGUF files their packages ship (a file
+assembled from parts is cached under pytest's cache directory, keyed by the package's version),
+and their artifacts, built from those files once per session."""
 
 from __future__ import annotations
 
@@ -10,21 +10,25 @@ from pathlib import Path
 
 import pytest
 
-from tests.real.models import MODELS, convert, missing
+from tests.real.models import MODELS, missing
 
 BUILD_SECONDS: dict[str, float] = {}  # what each build took, printed at the end of the run
 
 
 @pytest.fixture(scope="session")
 def real_checkpoint(request: pytest.FixtureRequest) -> Callable[[str], Path]:
+    from toolchain import checkpoint as checkpoints
+
     made: dict[str, Path] = {}
+    held: list[checkpoints.Checkpoint] = []  # each file read once: loads of it reuse this while held
 
     def get(name: str) -> Path:
         model = MODELS[name]
         if (why := missing(model)) is not None:
             pytest.skip(f"{model.name}: {why}")
         if name not in made:
-            made[name] = convert(model, Path(request.config.cache.mkdir("kvforge-real-checkpoints")))
+            made[name] = model.gguf_path(Path(request.config.cache.mkdir("kvforge-real-gguf")))
+            held.append(checkpoints.load(made[name]))
         return made[name]
 
     return get
@@ -34,7 +38,7 @@ def real_checkpoint(request: pytest.FixtureRequest) -> Callable[[str], Path]:
 def real_artifact(
     real_checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[..., Path]:
-    """The artifact of a real checkpoint at `weights` (None: fp32), built once per session."""
+    """The artifact of a real checkpoint's GGUF file at `weights` (None: fp32), built once per session."""
     from passes.quantize import WeightQuantization
     from toolchain.build import BuildOptions, build
 
@@ -45,7 +49,7 @@ def real_artifact(
         if key not in built:
             quantization = None if weights is None else WeightQuantization(int(weights[3:]), 32, True, ())
             out = tmp_path_factory.mktemp(f"real-{name}-{weights or 'fp32'}") / "out"
-            checkpoint = real_checkpoint(name)  # converted, the first time, before the clock starts
+            checkpoint = real_checkpoint(name)  # assembled and read, the first time, before the clock starts
             start = time.perf_counter()
             built[key] = build(checkpoint, out, BuildOptions(weights=quantization)).output
             BUILD_SECONDS[f"{name} {weights or 'fp32'}"] = time.perf_counter() - start

@@ -1,4 +1,4 @@
-"""Real trained checkpoints (tests/real/models.py): each builds at fp32 and int8 with the
+"""Real trained checkpoints (tests/real/models.py): each GGUF file builds at fp32 and int8 with the
 gate's defaults, answers its prompt exactly as transformers does (greedy, token for token,
 through `Engine`, `Engine.stream`, `kvforge generate` and `kvforge serve` with the
 official `openai` client), and the streaming detokenizer
@@ -10,6 +10,7 @@ fallback, 262k tokens, sliding and full attention layers)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,8 +49,12 @@ MODELS = pytest.mark.parametrize("name", list(CASES))
 
 
 @MODELS
-def test_fp32_builds_and_passes_the_gate_with_the_defaults(real_artifact: Callable[..., Path], name: str) -> None:
+def test_fp32_builds_and_passes_the_gate_with_the_defaults(
+    real_checkpoint: Callable[[str], Path], real_artifact: Callable[..., Path], name: str
+) -> None:
     manifest = json.loads((real_artifact(name) / "manifest.json").read_text())
+    gguf = real_checkpoint(name)  # the build's one input, the file as the package ships it
+    assert manifest["sources"] == {gguf.name: hashlib.sha256(gguf.read_bytes()).hexdigest()}
     parity = manifest["parity"]
     assert parity["passed"] and parity["tolerance"] == {"relative": 2e-4}
     assert manifest["flags"]["tolerance"] is None and manifest["spec"]["num_layers"] == CASES[name].num_layers
@@ -103,7 +108,7 @@ class Reference:
 
 @pytest.fixture(scope="module")
 def transformers_answer(real_checkpoint: Callable[[str], Path]) -> Callable[[str], Reference]:
-    """transformers' own greedy answer to each model's prompt, from the checkpoint directory."""
+    """transformers' own greedy answer to each model's prompt, from the GGUF file."""
     answers: dict[str, Reference] = {}
 
     def get(name: str) -> Reference:
@@ -114,12 +119,12 @@ def transformers_answer(real_checkpoint: Callable[[str], Path]) -> Callable[[str
     return get
 
 
-def _transformers_greedy(directory: Path, case: Case) -> Reference:
+def _transformers_greedy(gguf: Path, case: Case) -> Reference:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     if case.chat:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": case.prompt}], tokenize=False, add_generation_prompt=True
@@ -217,13 +222,15 @@ SAMPLES = [
 
 @pytest.fixture(scope="module")
 def real_tokenizer(real_checkpoint: Callable[[str], Path]) -> Callable[[str], Any]:
-    from tokenizers import Tokenizer
+    """The `tokenizers` tokenizer transformers makes of each GGUF file's vocabulary."""
+    from transformers import AutoTokenizer
 
     loaded: dict[str, Any] = {}
 
     def get(name: str) -> Any:
         if name not in loaded:
-            loaded[name] = Tokenizer.from_file(str(real_checkpoint(name) / "tokenizer.json"))
+            gguf = real_checkpoint(name)
+            loaded[name] = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).backend_tokenizer
         return loaded[name]
 
     return get

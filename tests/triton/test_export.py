@@ -111,6 +111,10 @@ def test_model_py_imports_the_adapter_and_the_readme_has_the_commands(repository
         "onnxruntime-gpu",  # --kind gpu
     ):
         assert command in readme, command
+    # kvforge is on no package index: both install the wheel built from its source tree
+    for text in (readme, model_py):
+        assert "kvforge==" not in text and "py3-none-any.whl" in text
+    assert "json_schema" in readme and "not supported" not in readme  # guided decoding is served
 
 
 def test_the_same_inputs_give_the_same_bytes(tiny_artifact: Path, tmp_path: Path) -> None:

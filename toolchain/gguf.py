@@ -1,0 +1,263 @@
+"""GGUF files (llama.cpp's format) as checkpoints: `kvforge build model.gguf`.
+
+A GGUF file carries the config, the tokenizer with its chat template, and the weights (most
+of them quantized). Everything kvforge reads from one is read here:
+
+- `find` says whether a path names a GGUF file (the file itself, or a directory holding
+  exactly one and no config.json);
+- `load` reads the file through transformers' GGUF loader (`from_pretrained(...,
+  gguf_file=...)`), which parses it with the gguf package (a memory map and numpy arrays:
+  nothing in the file is executed) and dequantizes the weights to float32. The config, the
+  tokenizer and the weights are written to a scratch directory as an ordinary checkpoint and
+  loaded by `toolchain.checkpoint`, so the pipeline and its checks are those of every
+  checkpoint; the `Checkpoint` names the GGUF file as its only input (the manifest's sources)
+  and keeps the scratch directory alive until it is dropped;
+- `tensors` gives the file's own tensors, still in their GGUF types, by Hugging Face name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import logging
+import tempfile
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from runners.errors import CheckpointError
+from toolchain import progress
+
+if TYPE_CHECKING:
+    from toolchain.checkpoint import Checkpoint
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".gguf"
+MAGIC = b"GGUF"
+
+
+def find(path: Path) -> Path | None:
+    """The GGUF file `path` names: `path` itself if it is one, or the one `.gguf` file of a
+    directory without config.json; None for anything else (the checkpoint loader reports it)."""
+    if path.is_file():
+        return path if path.suffix.lower() == SUFFIX else None
+    if not path.is_dir() or (path / "config.json").exists():
+        return None
+    try:
+        found = sorted(p for p in path.iterdir() if p.suffix.lower() == SUFFIX and p.is_file())
+    except OSError:
+        return None  # the checkpoint loader names the directory and why it cannot be listed
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found[:4])
+        raise CheckpointError(
+            f"{path}: holds {len(found)} GGUF files ({names}); pass the one to build: kvforge build {found[0]} ..."
+        )
+    return found[0] if found else None
+
+
+def load(file: Path) -> Checkpoint:
+    """The checkpoint a GGUF file holds, dequantized to float32 (see the module's docstring).
+
+    Raises CheckpointError naming the file when it is not a GGUF file, or when transformers
+    cannot read it (an architecture its GGUF loader does not know, a truncated file)."""
+    from toolchain import checkpoint as checkpoints
+
+    file = file.absolute()  # not resolved: a link (a Hub snapshot's, into blobs/) keeps its name
+    _check_magic(file)
+    stat = file.stat()
+    key = (str(file), stat.st_size, stat.st_mtime_ns)
+    if (held := _LOADED.get(key)) is not None:
+        return held
+    scratch = tempfile.TemporaryDirectory(prefix="kvforge-gguf-")
+    try:
+        with progress.stage("gguf"), _no_transformers_bars():
+            _write_checkpoint(file, Path(scratch.name))
+        ckpt = checkpoints.load(scratch.name)
+    except BaseException:
+        scratch.cleanup()
+        raise
+    logger.info("%s: dequantized to float32 into %s", file, scratch.name)
+    ckpt = dataclasses.replace(ckpt, gguf=file, scratch=scratch)
+    _LOADED[key] = ckpt
+    return ckpt
+
+
+# The checkpoints made from GGUF files that something still holds, by file, size and mtime: a
+# second load of an unchanged file in the same process (a test session building it at several
+# precisions, say) reuses the dequantized copy rather than reading the file again.
+_LOADED: weakref.WeakValueDictionary[tuple[str, int, int], Checkpoint] = weakref.WeakValueDictionary()
+
+
+@contextmanager
+def _no_transformers_bars() -> Iterator[None]:
+    """transformers' own progress bars off while it reads the file: the stage reports it."""
+    from transformers.utils import logging as transformers_logging
+
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            transformers_logging.enable_progress_bar()
+
+
+def _check_magic(file: Path) -> None:
+    try:
+        with file.open("rb") as f:
+            head = f.read(len(MAGIC))
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot be read ({e.strerror or e}); check the file's permissions") from e
+    if head != MAGIC:
+        raise CheckpointError(
+            f"{file}: not a GGUF file (it does not start with {MAGIC.decode()}); pass a .gguf file or a checkpoint "
+            "directory"
+        )
+
+
+def _write_checkpoint(file: Path, out: Path) -> None:
+    """config.json, generation_config.json, the tokenizer's files (its chat template included)
+    and model.safetensors (float32) of `file`, written into `out` by transformers' GGUF loader."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            file.parent, gguf_file=file.name, dtype=torch.float32, local_files_only=True
+        )
+    except ImportError as e:  # gguf and accelerate: optional dependencies of transformers
+        raise CheckpointError(
+            f"{file}: reading GGUF files needs a package that is not installed ({_first_line(e)}); "
+            "install kvforge[build]"
+        ) from e
+    except Exception as e:  # transformers raises ValueError, KeyError, struct errors... for a file it cannot read
+        raise CheckpointError(
+            f"{file}: transformers' GGUF loader cannot read it ({type(e).__name__}: {_first_line(e)}); "
+            "check that transformers supports its architecture, or convert the model to a checkpoint directory"
+        ) from e
+    # the weights are written dequantized: the checkpoint is an ordinary float32 one
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    _keep_only_the_files_tokens(out / "tokenizer.json", _token_count(file))
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:  # one tensor under two names: safetensors stores it once
+        state.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    del model, state
+    gc.collect()
+
+
+def _token_count(file: Path) -> int:
+    tokens = _reader(file).get_field("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise CheckpointError(f"{file}: metadata key 'tokenizer.ggml.tokens' is missing; the file has no tokenizer")
+    return len(tokens.data)
+
+
+def _keep_only_the_files_tokens(tokenizer_json: Path, count: int) -> None:
+    """Drop the added tokens past the file's `count` tokens. transformers' loader builds a
+    byte-level vocabulary with GPT-2's defaults, which add `<|endoftext|>` where the file has
+    no such token (Llama 3's files, say): an id past the embedding table, not the model's."""
+    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    added = data.get("added_tokens") or []
+    kept = [token for token in added if token["id"] < count]
+    if len(kept) != len(added):
+        dropped = ", ".join(repr(t["content"]) for t in added if t["id"] >= count)
+        logger.info("%s: dropped token(s) %s, which the GGUF file does not list", tokenizer_json, dropped)
+        data["added_tokens"] = kept
+        tokenizer_json.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+
+
+# --- the file's own tensors -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor as the GGUF file stores it."""
+
+    gguf_name: str  # its name in the file, e.g. "blk.0.attn_q.weight"
+    type: Any  # gguf.GGMLQuantizationType: F32, F16, Q8_0, Q4_K...
+    shape: tuple[int, ...]  # in PyTorch's order (outermost first); GGUF lists it innermost first
+    data: np.ndarray  # the stored bytes (or elements, for unquantized types), memory-mapped from the file
+
+
+def tensors(file: Path, hf_names: Iterable[str]) -> dict[str, GGUFTensor]:
+    """The file's tensors by Hugging Face name, in their GGUF types, without dequantizing.
+
+    `hf_names` (a checkpoint's tensor names: `Checkpoint.tensor_metadata()`'s keys) map to
+    the file's names through the gguf package's own table for the file's architecture, the
+    one llama.cpp's converter names tensors by. A name the file has no tensor for (a tied
+    `lm_head.weight`, a buffer) is left out.
+
+    What the file stores is llama.cpp's layout, which is not always the Hugging Face one: for
+    the llama architecture the query and key rows are in llama.cpp's rotary order, and
+    transformers' loader undoes that after dequantizing; a consumer of the raw data must too.
+    """
+    import gguf
+
+    reader = _reader(file)
+    arch_name = _field(reader, file, "general.architecture")
+    arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch_name), None)
+    if arch is None:
+        raise CheckpointError(f"{file}: architecture {arch_name!r} is unknown to the gguf package; upgrade gguf")
+    blocks = int(_field(reader, file, f"{arch_name}.block_count"))
+    stored = {t.name: t for t in reader.tensors}
+    table = gguf.get_tensor_name_map(arch, blocks)
+    found: dict[str, GGUFTensor] = {}
+    for hf_name in hf_names:
+        gguf_name = _gguf_name(table, hf_name)
+        tensor = stored.get(gguf_name) if gguf_name is not None else None
+        if tensor is not None:
+            shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+            found[hf_name] = GGUFTensor(tensor.name, tensor.tensor_type, shape, tensor.data)
+    return found
+
+
+def _reader(file: Path) -> Any:
+    import gguf
+
+    _check_magic(file)
+    try:
+        return gguf.GGUFReader(file, "r")
+    except Exception as e:  # the reader raises ValueError, IndexError... for a malformed file
+        raise CheckpointError(
+            f"{file}: the gguf package cannot read it ({type(e).__name__}: {_first_line(e)}); re-download it"
+        ) from e
+
+
+def _field(reader: Any, file: Path, key: str) -> Any:
+    field = reader.get_field(key)
+    if field is None:
+        raise CheckpointError(f"{file}: metadata key {key!r} is missing; the file is incomplete or not a model")
+    return field.contents()
+
+
+def _gguf_name(table: Any, hf_name: str) -> str | None:
+    """The GGUF name of `hf_name`, trying it without its leading module names too (a
+    causal LM's `model.` prefix, where the table lists the base model's names)."""
+    stem, _, suffix = hf_name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        stem, suffix = hf_name, ""
+    parts = stem.split(".")
+    for start in range(len(parts)):
+        name = table.get_name(".".join(parts[start:]))
+        if name is not None:
+            return f"{name}.{suffix}" if suffix else name
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0][:300] if lines else type(error).__name__
