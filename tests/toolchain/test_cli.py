@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from runners.engine import Engine
 from toolchain import cli
-from toolchain.cli import main
+from toolchain.cli import EXIT_GATE_REFUSED, main
 
 
 def kvforge(*args: str) -> subprocess.CompletedProcess[str]:
@@ -180,7 +180,7 @@ def test_quiet_gate_refusal_prints_only_the_error_line(tmp_path: Path) -> None:
     weights["model.layers.0.mlp.down_proj.weight"][3, 5] = float("nan")
     save_file(weights, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
     result = kvforge("build", str(ckpt), "-o", str(tmp_path / "out"), "-q")
-    assert result.returncode == 2
+    assert result.returncode == EXIT_GATE_REFUSED
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvforge: error: ") and "NaN or Inf" in lines[0], lines
     assert not (tmp_path / "out").exists()
