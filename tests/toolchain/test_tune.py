@@ -275,6 +275,9 @@ class FailedReport:
     def failures(self) -> str:
         return "distribution FAILED (int4): top-1 agreement 0.000"
 
+    def to_dict(self) -> dict[str, object]:  # what a refusal carries to --json
+        return {"passed": False}
+
 
 def test_a_tuned_build_the_gate_refuses_says_to_build_with_tune_off() -> None:
     from runners.errors import ParityError
