@@ -8,9 +8,10 @@ the last row away.
 With `to_keep`, the graph takes how many last positions to return as an input,
 `logits_to_keep` (int64 [1]), as transformers' `logits_to_keep` argument does: one graph
 serves a prefill (1: the last position only) and a speculative verify step (k + 1: every
-position it fed). The input has an initializer of the same name holding [1], which ONNX
-makes a default the caller may override, so a runtime that does not know the input gets
-the last position.
+position it fed). The input has an initializer of the same name holding [0], which ONNX
+makes a default the caller may override: 0 keeps every position (Slice from -0), so a
+runtime that does not know the input gets logits [batch, seq, vocab], the shape it
+expects of a graph whose positions dim is not 1 (onnxruntime-genai allocates the logits so).
 """
 
 from __future__ import annotations
@@ -22,8 +23,12 @@ from onnx_ir.passes import InPlacePass, PassResult
 # Position-wise ops the walk from the logits back to the LM head may pass through: each
 # computes every position from that position alone, so slicing before them is exact.
 _POSITION_WISE = {"Cast", "Div", "Mul", "Add", "Sub", "Tanh", "Softcap"}
-# The graph input saying how many last positions get logits (runners.contract's KEEP_INPUT).
+# The graph input saying how many last positions get logits (runners.contract's KEEP_INPUT),
+# and its default: 0, every position
 KEEP_INPUT = "logits_to_keep"
+KEEP_DEFAULT = 0
+# The logits' positions dim under `to_keep` (runners.contract's KEPT_DIM)
+KEPT_DIM = "kept"
 
 
 class LastPositionLogits(InPlacePass):
@@ -37,10 +42,10 @@ class LastPositionLogits(InPlacePass):
     The LM head is the MatMul with a constant weight found by walking back from the
     output through position-wise ops; anything else leaves the graph unchanged.
 
-    `to_keep`: the slice starts at `-logits_to_keep`, a new graph input defaulting to [1]
-    (an initializer of the same name): logits [batch, logits_to_keep, vocab].
+    `to_keep`: the slice starts at `-logits_to_keep`, a new graph input defaulting to [0], every
+    position (an initializer of the same name): logits [batch, kept, vocab].
     ```
-    h [B,S,H] ─► Slice(axis 1, starts=Neg(logits_to_keep)) ─► MatMul(W) ─► ... ─► logits [B,K,V]
+    h [B,S,H] ─► Slice(axis 1, starts=Neg(logits_to_keep)) ─► MatMul(W) ─► ... ─► logits [B,kept,V]
     ```
     """
 
@@ -65,7 +70,7 @@ class LastPositionLogits(InPlacePass):
             graph.register_initializer(value)
         if self.to_keep:
             starts = self._keep_input(graph, head)
-            positions: int | ir.SymbolicDim = ir.SymbolicDim(KEEP_INPUT)
+            positions: int | ir.SymbolicDim = ir.SymbolicDim(KEPT_DIM)
         else:
             starts = ir.val("last_position_starts", const_value=ir.tensor(np.array([-1], dtype=np.int64)))
             graph.register_initializer(starts)
@@ -79,8 +84,9 @@ class LastPositionLogits(InPlacePass):
 
     @staticmethod
     def _keep_input(graph: ir.Graph, head: ir.Node) -> ir.Value:
-        """The `logits_to_keep` input (with its default [1]) and `Neg` of it, the slice's start."""
-        keep = ir.val(KEEP_INPUT, ir.DataType.INT64, ir.Shape([1]), const_value=ir.tensor(np.array([1], np.int64)))
+        """The `logits_to_keep` input (with its default) and `Neg` of it, the slice's start."""
+        default = ir.tensor(np.array([KEEP_DEFAULT], np.int64))
+        keep = ir.val(KEEP_INPUT, ir.DataType.INT64, ir.Shape([1]), const_value=default)
         graph.inputs.append(keep)
         graph.register_initializer(keep)
         negate = ir.node("Neg", [keep], name="last_position_starts")

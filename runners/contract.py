@@ -24,10 +24,12 @@ KV_MODES = ("concat", "shared")
 # `all`: logits for every input position. `last`: only for the last one, the only one
 # generation samples from (prompts are left-padded, so it is every row's last token);
 # a prefill then skips the LM head for all other positions. `keep`: for the last
-# `logits_to_keep` positions, an int64 [1] input (KEEP_INPUT) whose default in the graph is 1:
-# a prefill or decode step asks for 1, a speculative verify step for every position it feeds.
+# `logits_to_keep` positions, an int64 [1] input (KEEP_INPUT): kvforge's runner asks for 1 at a
+# prefill or decode step, for every position it feeds at a speculative verify step. Its
+# default in the graph, for a runtime that does not feed it, is 0: every position.
 LOGITS_POSITIONS = ("all", "last", "keep")
 KEEP_INPUT = "logits_to_keep"
+KEPT_DIM = "kept"  # the logits' positions dim under `keep`
 # What graphs exchange with the runner. bfloat16 KV caches are a TensorRT (GPU) artifact's:
 # numpy has no bfloat16, and onnxruntime's CPU provider cannot compute one (OrtSession says so).
 TENSOR_DTYPES = ("float32", "float16", "bfloat16")
@@ -333,7 +335,7 @@ class DecoderIO:
     def logits_rows(self, feeds: Mapping[str, Any]) -> int:
         """How many positions a step over `feeds` returns logits for: every one fed (`all`), the
         last (`last`), or the last `logits_to_keep` of them (`keep`; the graph slices, so 0 or
-        more than were fed gives every one)."""
+        more than were fed gives every one; not fed: 1, what `OrtSession` feeds then)."""
         seq = int(feeds["input_ids"].shape[1])
         if self.logits_positions == "all":
             return seq
@@ -344,7 +346,7 @@ class DecoderIO:
 
     @property
     def outputs(self) -> tuple[TensorSpec, ...]:
-        positions: str | int = {"all": "seq", "keep": KEEP_INPUT}.get(self.logits_positions, 1)
+        positions: str | int = {"all": "seq", "keep": KEPT_DIM}.get(self.logits_positions, 1)
         return (
             TensorSpec("logits", self.logits_dtype, ("batch", positions, self.vocab_size)),
             *(self._cache_spec(n, "total") for n in self.cache_present_names),

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 # Cache bindings an `OrtSession` keeps: a server's batch and the prompt it is prefilling,
 # with room for the four configurations `kvforge bench` steps in turn.
 _KEPT_BINDINGS = 4
-# `logits_to_keep` when the caller does not say: the last position, as the graph's default
+# `logits_to_keep` when the caller does not say: the last position, what generation reads
+# (the graph's own default, for other runtimes, is every position)
 _LAST_POSITION = np.ones(1, dtype=np.int64)
 
 
@@ -162,7 +163,7 @@ class OrtSession:
         self._bindings: collections.OrderedDict[tuple[int, ...], _CacheBinding] = collections.OrderedDict()
 
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
-        if self.io.keeps_logits and KEEP_INPUT not in feeds:  # the graph's own default: the last position
+        if self.io.keeps_logits and KEEP_INPUT not in feeds:
             feeds = {**feeds, KEEP_INPUT: _LAST_POSITION}
         if self.device is not HOST:
             return self._run_on_device(feeds)

@@ -1,5 +1,5 @@
 """LastPositionLogits: the LM head (and a softcap after it) runs on the last position only, or
-(`to_keep`) on the last `logits_to_keep` positions, an input that defaults to 1.
+(`to_keep`) on the last `logits_to_keep` positions, an input that defaults to 0 (every position).
 
 Inline graphs of the head as the canonical graph has it (MatMul with a transposed constant weight, constants
 with known values), heads it must leave alone, then the canonicalized graphs of tiny checkpoints.
@@ -157,18 +157,18 @@ def test_logits_to_keep_input_picks_how_many_last_positions(head: Head) -> None:
 
     keep = model.graph.inputs[-1]
     assert keep.name == "logits_to_keep" and keep.dtype == ir.DataType.INT64 and keep.shape == ir.Shape([1])
-    assert "logits_to_keep" in model.graph.initializers and const_ints(keep) == [1]  # the default: the last position
+    assert "logits_to_keep" in model.graph.initializers and const_ints(keep) == [0]  # the default: every position
     (last,) = slices(model)
     assert last.name == "last_position" and last.inputs[1] is not None
     negate = last.inputs[1].producer()
     assert negate is not None and negate.op_type == "Neg" and negate.inputs[0] is keep
     assert len(model.graph) == nodes_before + 2  # Neg and Slice
     (logits,) = model.graph.outputs
-    assert logits.shape is not None and [str(d) for d in logits.shape] == ["batch", "logits_to_keep", str(VOCAB)]
+    assert logits.shape is not None and [str(d) for d in logits.shape] == ["batch", "kept", str(VOCAB)]
 
-    (default,) = ort_outputs(model, feeds)  # not fed: the initializer's [1]
-    assert default.shape == (2, 1, VOCAB)
-    np.testing.assert_allclose(default, want[:, -1:], atol=ATOL, rtol=RTOL)
+    (default,) = ort_outputs(model, feeds)  # not fed: the initializer's [0], every position
+    assert default.shape == (2, seq, VOCAB)
+    np.testing.assert_allclose(default, want, atol=ATOL, rtol=RTOL)
     for kept in (1, 3, seq):
         (got,) = ort_outputs(model, {**feeds, "logits_to_keep": np.array([kept], np.int64)})
         assert got.shape == (2, kept, VOCAB)
@@ -263,6 +263,8 @@ def test_tiny_decoder_logits_are_the_last_position(arch: str, to_keep: bool, scr
     logits, *presents = ort_outputs(model, feeds)
     assert LastPositionLogits(to_keep=to_keep)(model).modified
     assert [n.name for n in slices(model)].count("last_position") == 1
+    if to_keep:  # as the runner feeds a prefill
+        feeds["logits_to_keep"] = np.array([1], np.int64)
     got_logits, *got_presents = ort_outputs(model, feeds)
     assert got_logits.shape == (2, 1, VOCAB_SIZE)
     np.testing.assert_allclose(got_logits, logits[:, -1:], atol=ATOL, rtol=RTOL)

@@ -100,12 +100,12 @@ def test_older_last_and_all_sections_load_unchanged(positions: str, dims: list[o
 
 
 def test_keep_takes_logits_to_keep_and_returns_that_many_positions() -> None:
-    data = _old_io("keep", ["batch", "logits_to_keep", 384])
+    data = _old_io("keep", ["batch", "kept", 384])
     data["inputs"] = [*data["inputs"], {"name": "logits_to_keep", "dtype": "int64", "dims": [1]}]  # type: ignore[misc]
     io = DecoderIO.from_dict(data)
     assert io.keeps_logits and io.to_dict() == data
     ids = np.zeros((2, 5), np.int64)
-    assert io.logits_rows({"input_ids": ids}) == 1  # not fed: the graph's default
+    assert io.logits_rows({"input_ids": ids}) == 1  # not fed: the last position, which OrtSession feeds then
     assert [io.logits_rows({"input_ids": ids, "logits_to_keep": np.array([k])}) for k in (1, 3, 5, 9, 0)] == [
         1,
         3,

@@ -96,7 +96,7 @@ def test_default_build_takes_logits_to_keep_and_the_flag_is_recorded(
     default = json.loads((engine.directory / "manifest.json").read_text())
     assert default["io"]["logits_positions"] == "keep" and "logits" not in default["flags"]
     assert default["io"]["inputs"][-1] == {"name": "logits_to_keep", "dtype": "int64", "dims": [1]}
-    assert default["io"]["outputs"][0]["dims"] == ["batch", "logits_to_keep", engine.session.io.vocab_size]
+    assert default["io"]["outputs"][0]["dims"] == ["batch", "kept", engine.session.io.vocab_size]
     for case, positions in (("logits-all", "all"), ("logits-last", "last")):
         manifest = json.loads((artifacts(case) / "manifest.json").read_text())
         assert manifest["io"]["logits_positions"] == positions and manifest["flags"]["logits"] == positions
