@@ -77,9 +77,10 @@ class BuildOptions:
     # The parity gate's relative tolerance in place of the table's (TOLERANCES) for the dtype
     tolerance: float | None = None
     # The positions the graph returns logits for: "keep" (the last `logits_to_keep` ones, an input
-    # defaulting to 1: a prefill computes the LM head on one position, a speculative verify step
-    # on every one it feeds), "last" (the last one only) or "all" (every one). None: "keep", or
-    # "last" on a target whose graph cannot take the input (`Target.logits_to_keep`)
+    # the runner sets to 1 for a prefill, which then computes the LM head on one position, and to
+    # the step's length for a speculative verify step), "last" (the last one only) or "all"
+    # (every one). None: "keep", or "last" on a target whose graph cannot take the input
+    # (`Target.logits_to_keep`)
     logits: str | None = None
     # Trace each distinct layer kind once and stamp out the stack (`toolchain.stamp`); False:
     # export and lower the whole stack
