@@ -3,13 +3,12 @@
 Every artifact is built with the defaults, whose graph takes `logits_to_keep` (a verify step asks
 for every position it feeds, a prefill for the last), except the two that check `--logits all`
 (still speculates) and `--logits last` (refused). Every kv mode is covered: `ort-cpu`
-(GroupQueryAttention over the shared in-place cache),
-`onnx` (TensorScatter over the shared cache) and gemma2 (eager softcapped attention with a
-sliding window: the concat cache, its sliding layers bounded by the window, so a rejected
-draft is taken back out of a bounded cache too). Each is compared with plain decoding on the same
-artifact, with both drafters: prompt lookup, and a draft artifact (the target itself,
-which accepts nearly everything, and another tiny model with the same tokenizer, which
-rejects often).
+(GroupQueryAttention over the shared in-place cache), `onnx` (TensorScatter over the shared
+cache) and gemma2 (eager softcapped attention with a sliding window: the concat cache, its
+sliding layers bounded by the window, so a rejected draft is taken back out of a bounded cache
+too). Each is compared with plain decoding on the same artifact, with both drafters: prompt
+lookup, and a draft artifact (the target itself, which accepts nearly everything, and another
+tiny model with the same tokenizer, which rejects often).
 """
 
 from __future__ import annotations
