@@ -735,17 +735,29 @@ def _block_shape(x: ir.Value | None, q: QuantizedWeight) -> list[int] | None:
 
 def stack_rows(records: Sequence[QuantizedWeight]) -> QuantizedWeight | None:
     """The records of weights stacked along N (packed projections) as one, or None where they
-    differ in bits, block size, K or whether they have zero points."""
+    differ in K, input order, or (with zero points) in bits, block size or whether they have them.
+
+    Symmetric records of different bits or block sizes (a GGUF file's 4-bit q and 8-bit v, in
+    blocks of 32 and 16) stack in the widest bits and the smallest block, when each block is a
+    whole number of those: a 4-bit code is the same 8-bit code, a block's scale (and min term)
+    the scale of each of its parts, so the stacked record stands for the same weights."""
     first = records[0]
     if len(records) == 1:
         return first
+    k = first.codes.shape[1]
+    if not all(r.codes.shape[1] == k and _same_order(r.input_order, first.input_order) for r in records):
+        return None
+    if all(r.zero_points is None for r in records):
+        bits, block = max(r.bits for r in records), min(r.block_size for r in records)
+        if any(r.block_size % block for r in records):
+            return None
+        records = [_widened(r, bits, block) for r in records]
+    first = records[0]
     alike = all(
         r.bits == first.bits
         and r.block_size == first.block_size
-        and r.codes.shape[1] == first.codes.shape[1]
         and (r.zero_points is None) == (first.zero_points is None)
         and r.codes.dtype == first.codes.dtype
-        and _same_order(r.input_order, first.input_order)
         for r in records
     )
     if not alike:
@@ -763,6 +775,20 @@ def stack_rows(records: Sequence[QuantizedWeight]) -> QuantizedWeight | None:
         first.input_order,
         mins,
     )
+
+
+def _widened(q: QuantizedWeight, bits: int, block: int) -> QuantizedWeight:
+    """A symmetric record in `bits` (at least its own) and blocks of `block` (dividing its own)."""
+    if (q.bits, q.block_size) == (bits, block):
+        return q
+    blocks = -(-q.codes.shape[1] // block)
+    split = q.block_size // block
+
+    def per_block(values: np.ndarray) -> np.ndarray:
+        return np.repeat(values, split, axis=1)[:, :blocks]
+
+    mins = None if q.mins is None else per_block(q.mins)
+    return replace(q, codes=q.codes.astype(np.int8), scales=per_block(q.scales), bits=bits, block_size=block, mins=mins)
 
 
 def _same_order(a: np.ndarray | None, b: np.ndarray | None) -> bool:

@@ -448,3 +448,22 @@ def test_packed_parts_stack_their_mins_zeros_for_a_part_without_and_share_one_bl
     got, got_down = ort_outputs(model, {"x": x})
     np.testing.assert_allclose(got, x @ stacked.dequantize().T, atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(got_down, x @ down.dequantize().T, atol=2e-5, rtol=1e-5)
+
+
+def test_symmetric_parts_of_other_bits_and_blocks_stack_in_the_widest_bits_and_smallest_block() -> None:
+    """A GGUF file's q in 4-bit blocks of 32 with mins beside a v in 8-bit blocks of 16 (Q6_K)."""
+    k = 96
+    q = with_mins(16, k, 4)
+    v = QuantizedWeight(
+        RNG.integers(-32, 32, (8, k)).astype(np.int8), (RNG.random((8, k // 16)) * 0.1).astype(np.float32), None, 8, 16
+    )
+    stacked = stack_rows([q, v])
+    assert stacked is not None and (stacked.bits, stacked.block_size) == (8, 16)
+    np.testing.assert_allclose(stacked.dequantize(), np.concatenate([q.dequantize(), v.dequantize()]), rtol=1e-6)
+    model = projection_graph(k, 24, np.concatenate([q.dequantize(), v.dequantize()]))
+    assert ImportQuantizedWeights({"w": stacked})(model).modified
+    x = RNG.standard_normal((2, 3, k)).astype(np.float32)
+    (got,) = ort_outputs(model, {"x": x})
+    np.testing.assert_allclose(got, x @ stacked.dequantize().T, atol=2e-5, rtol=1e-5)
+    # blocks that do not split into the smallest (48 into 32) do not stack
+    assert stack_rows([q, replace(v, block_size=48, scales=v.scales[:, :2])]) is None
