@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".gguf"
+TOKEN_EMBEDDING, OUTPUT, LM_HEAD = "token_embd.weight", "output.weight", "lm_head.weight"
 MAGIC = b"GGUF"
 
 
@@ -237,11 +238,15 @@ def quantized_weights(file: Path, hf_names: Iterable[str], config: Mapping[str, 
     rows (codes, scales, mins) take the same order: the order is read from transformers' own
     tensor processor for the file's architecture, given the row indices. A tensor the processor
     changes otherwise (its values, shape or name) is not imported: the dequantized checkpoint
-    holds it in float."""
+    holds it in float. A file without an output matrix ties the LM head to the token
+    embedding table: its record is the LM head's (`lm_head.weight`) too."""
     from toolchain.gguf_import import decode
 
-    arch_name = str(_field(_reader(file), file, "general.architecture"))
+    reader = _reader(file)
+    arch_name = str(_field(reader, file, "general.architecture"))
+    stored = {t.name for t in reader.tensors}
     found: dict[str, Imported] = {}
+    tied: Imported | None = None
     for hf_name, tensor in tensors(file, hf_names).items():
         if len(tensor.shape) != 2:
             continue
@@ -259,6 +264,10 @@ def quantized_weights(file: Path, hf_names: Iterable[str], config: Mapping[str, 
             zero_points = None if q.zero_points is None else q.zero_points[order]
             q = dataclasses.replace(q, codes=q.codes[order], scales=q.scales[order], zero_points=zero_points, mins=mins)
         found[hf_name] = dataclasses.replace(imported, record=q, stored_as=tensor.type.name)
+        if tensor.gguf_name == TOKEN_EMBEDDING and OUTPUT not in stored:
+            tied = found[hf_name]  # the LM head reads the table: the graph may name it either way
+    if tied is not None:
+        found.setdefault(LM_HEAD, tied)
     return found
 
 

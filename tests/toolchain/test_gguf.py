@@ -239,7 +239,7 @@ MIXED = {
     "ffn_gate": (T.Q5_1, 8, True),
     "ffn_up": (T.Q5_0, 8, True),  # stacked with gate, whose min term it shares (zeros for its rows)
     "ffn_down": (T.Q4_0, 4, False),
-    "output": (T.Q8_0, 8, False),
+    "token_embd": (T.Q8_0, 8, False),  # tied: the LM head is imported from the table, which the lookup reads in float
 }
 
 
@@ -255,7 +255,9 @@ def test_a_gguf_files_quantized_tensors_are_imported_exactly_and_pass_the_float_
     from tests.tiny import hf_greedy, make_checkpoint
     from toolchain.cli import main
 
-    source = make_checkpoint(tmp_path / "ckpt", "llama", hidden_size=256, intermediate_size=256)  # k-quants: K % 256
+    source = make_checkpoint(  # k-quants: K a multiple of 256
+        tmp_path / "ckpt", "llama", hidden_size=256, intermediate_size=256, tie_word_embeddings=True
+    )
     file = tmp_path / "gguf" / "mixed.gguf"
     file.parent.mkdir()
     written = write_gguf(source, file, {role: kind for role, (kind, _, _) in MIXED.items()})
@@ -268,17 +270,16 @@ def test_a_gguf_files_quantized_tensors_are_imported_exactly_and_pass_the_float_
     assert (entry["method"], entry["file"]) == ("gguf", file.name)
     assert entry["sha256"] == hashlib.sha256(file.read_bytes()).hexdigest()
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
-    matrices = [
-        n for n in checkpoints.load(source).tensor_metadata() if n.endswith("proj.weight") or n == "lm_head.weight"
-    ]
+    matrices = [n for n in checkpoints.load(source).tensor_metadata() if n.endswith("proj.weight")] + ["lm_head.weight"]
     # the embedding table is gathered, not multiplied by: it stays float, and says so
     embedding = entry["weights"].pop("model.embed_tokens.weight")
     assert (embedding["stored_as"], embedding["form"], embedding["exact"]) == ("Q8_0", "float", False)
     assert sorted(entry["weights"]) == sorted(matrices)
+    assert "output.weight" not in written
     for hf_name, form in entry["weights"].items():
-        role = names.get_name(hf_name.rpartition(".")[0]).split(".")[-1]
-        kind, bits, mins = MIXED[role]
-        assert written[f"{names.get_name(hf_name.rpartition('.')[0])}.weight"] == kind
+        gguf_name = "token_embd" if hf_name == "lm_head.weight" else names.get_name(hf_name.rpartition(".")[0])
+        kind, bits, mins = MIXED[gguf_name.split(".")[-1]]
+        assert written[f"{gguf_name}.weight"] == kind
         assert (form["stored_as"], form["exact"], form["bits"], form.get("mins", False)) == (
             kind.name,
             True,
