@@ -238,15 +238,20 @@ def manifest_entry(
     `Quantization.to_dict()`, or what a GGUF file's entry says of the file), and for each of its
     quantized weights the form it has in the graph (`graph_forms`: what the import pass wrote,
     by graph weight, with the checkpoint weights each holds), or `float` and why."""
-    placed = {source: (weight, form) for weight, form in graph_forms.items() for source in form["from"]}  # type: ignore[union-attr]
+    placed: dict[str, list[tuple[str, Mapping[str, Any]]]] = {}
+    for weight, form in graph_forms.items():
+        for source in form["from"]:
+            placed.setdefault(source, []).append((weight, form))
     weights: dict[str, Any] = {}
     for name in sorted(found):
         imported = found[name]
         stored = {"stored_as": imported.stored_as} if imported.stored_as else {}
-        if name in placed:
-            weight, form = placed[name]
-            entry = stored | {k: v for k, v in form.items() if k != "from"} | {"exact": True}
-            weights[name] = entry | ({"graph_weight": weight} if weight != name else {})
+        if name in placed:  # a tied table is the LM head's weight and the lookup's: the first, then `also`
+            forms = [
+                {k: v for k, v in form.items() if k != "from"} | ({"graph_weight": weight} if weight != name else {})
+                for weight, form in placed[name]
+            ]
+            weights[name] = stored | forms[0] | {"exact": True} | ({"also": forms[1:]} if forms[1:] else {})
             continue
         if imported.exact:
             why = "the graph reads it in no MatMul the import writes (or the target keeps imported weights float)"

@@ -239,7 +239,7 @@ MIXED = {
     "ffn_gate": (T.Q5_1, 8, True),
     "ffn_up": (T.Q5_0, 8, True),  # stacked with gate, whose min term it shares (zeros for its rows)
     "ffn_down": (T.Q4_0, 4, False),
-    "token_embd": (T.Q8_0, 8, False),  # tied: the LM head is imported from the table, which the lookup reads in float
+    "token_embd": (T.Q8_0, 8, False),  # tied: the LM head and the lookup both read the table's codes
 }
 
 
@@ -271,9 +271,15 @@ def test_a_gguf_files_quantized_tensors_are_imported_exactly_and_pass_the_float_
     assert entry["sha256"] == hashlib.sha256(file.read_bytes()).hexdigest()
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
     matrices = [n for n in checkpoints.load(source).tensor_metadata() if n.endswith("proj.weight")] + ["lm_head.weight"]
-    # the embedding table is gathered, not multiplied by: it stays float, and says so
+    # the table is looked up with its own codes too, and is the LM head's weight
     embedding = entry["weights"].pop("model.embed_tokens.weight")
-    assert (embedding["stored_as"], embedding["form"], embedding["exact"]) == ("Q8_0", "float", False)
+    assert (embedding["stored_as"], embedding["form"], embedding["exact"], embedding["bits"]) == (
+        "Q8_0",
+        "gather_block_quantized",
+        True,
+        8,
+    )
+    assert [form["form"] for form in entry["weights"]["lm_head.weight"]["also"]] == ["gather_block_quantized"]
     assert sorted(entry["weights"]) == sorted(matrices)
     assert "output.weight" not in written
     for hf_name, form in entry["weights"].items():
