@@ -57,6 +57,7 @@ FORMS = ("matmul_nbits", "dequantize_linear", "dequantize_linear_channel")
 LM_HEAD = "lm_head"  # in `keep`: the projection that produces the logits, whatever its weight is named
 _MS_DOMAIN = "com.microsoft"
 _Tensor = ir.TensorProtocol
+FLOAT_TERM = "kvforge.float_term"  # Value.meta key of the initializers a later quantizer must leave in float
 
 
 @dataclass(frozen=True, order=True)
@@ -474,6 +475,8 @@ def _constant_weight(node: ir.Node) -> tuple[ir.Value, ir.Node | None] | None:
             return None
     if not b.is_initializer() or b.is_graph_input() or b.const_value is None or len(b.const_value.shape) != 2:
         return None
+    if b.meta.get(FLOAT_TERM):  # an imported weight's min term: part of its exact form, never quantized
+        return None
     return b, transpose
 
 
@@ -629,6 +632,7 @@ class ImportQuantizedWeights(InPlacePass):
                 if q.mins is not None:  # [blocks, N], as MatMul reads its B
                     mins_t = np.ascontiguousarray(q.mins.T).astype(tensor.dtype.numpy())
                     mins = register_initializer(graph, f"{base}.mins", mins_t)
+                    mins.meta[FLOAT_TERM] = True
                 done[key] = (tuple(registered), q, mins)
                 self.imported_forms[name] = {
                     "form": self.form,

@@ -421,6 +421,10 @@ def test_a_min_per_block_is_added_through_the_block_sums_of_the_input(form: str,
     want = x.astype(np.float64) @ weight.T.astype(np.float64)
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=1e-5)
     assert not imports(model).modified
+    # a --weights recipe after the import leaves the min term's float MatMul as it is
+    quantize = QuantizeWeights(4, form=form)
+    assert not quantize(model).modified and quantize.counts == {}
+    np.testing.assert_array_equal(ort_outputs(model, {"x": x})[0], got)
 
 
 def test_packed_parts_stack_their_mins_zeros_for_a_part_without_and_share_one_block_sum() -> None:
