@@ -184,7 +184,11 @@ def fixed_cache() -> list[PassBase]:
 
 
 def quantize(
-    target: Target, weights: WeightQuantization, moe: bool = False, choose: FormChooser | None = None
+    target: Target,
+    weights: WeightQuantization,
+    moe: bool = False,
+    choose: FormChooser | None = None,
+    imported: dict[str, QuantizedWeight] | None = None,
 ) -> list[PassBase]:
     """Weight-only quantization in the form the target's runtime reads (its record's
     `quantization_forms`: onnxruntime's MatMulNBits for its own targets, standard block-wise
@@ -199,7 +203,7 @@ def quantize(
     if moe and target.expert_quantization is not None:
         passes.append(QuantizeExperts(weights.bits, weights.block_size, target.expert_quantization, weights.symmetric))
     if target.embedding_form is not None:
-        passes.append(QuantizeEmbedding.from_weights(weights, target.embedding_form))
+        passes.append(QuantizeEmbedding.from_weights(weights, target.embedding_form, imported))
     return passes
 
 
@@ -336,7 +340,7 @@ def phases(
     result = [(phase, _make(make_passes, settings)) for phase, make_passes in (PHASES[p] for p in target.phases)]
     quantizing = import_quantized(target, imported, weights) if imported else []
     if weights is not None:
-        quantizing += quantize(target, weights, moe, choose)
+        quantizing += quantize(target, weights, moe, choose, imported)
     if quantizing:
         result.insert(len(result) - 1, ("quantize", quantizing))
     return result
@@ -353,7 +357,10 @@ def import_quantized(
     form = target.quantization_form(4)
     if form not in ("matmul_nbits", "dequantize_linear") or target.symmetric_only:
         return []
-    return [ImportQuantizedWeights(imported, form, 0 if weights is None else weights.accuracy_level)]
+    passes: list[PassBase] = [ImportQuantizedWeights(imported, form, 0 if weights is None else weights.accuracy_level)]
+    if weights is None and target.embedding_form is not None:  # the table too, where it ships quantized
+        passes.append(QuantizeEmbedding(8, form=target.embedding_form, imported=imported, only_imported=True))
+    return passes
 
 
 def run(
@@ -405,7 +412,7 @@ def run(
                 report.missed[name] = [str(miss) for miss in p.explain(model)]
             if isinstance(p, QuantizeWeights):
                 report.kernel_forms.update(p.forms)
-            if isinstance(p, ImportQuantizedWeights):
+            if isinstance(p, (ImportQuantizedWeights, QuantizeEmbedding)):
                 report.imported.update(p.imported_forms)
             if isinstance(p, QuantizeWeights) and p.counts["skipped"]:
                 report.missed[name] = [f"{w}: {why}" for w, why in p.skipped.items() if not why.startswith("kept")]

@@ -57,6 +57,7 @@ FORMS = ("matmul_nbits", "dequantize_linear", "dequantize_linear_channel")
 LM_HEAD = "lm_head"  # in `keep`: the projection that produces the logits, whatever its weight is named
 _MS_DOMAIN = "com.microsoft"
 _Tensor = ir.TensorProtocol
+FLOAT_TERM = "kvforge.float_term"  # Value.meta key of the initializers a later quantizer must leave in float
 
 
 @dataclass(frozen=True, order=True)
@@ -95,6 +96,10 @@ class QuantizedWeight:
     # The input features in the order the codes store them (column j of `codes` is input
     # feature input_order[j]: a GPTQ act-order checkpoint's groups); None: their own order
     input_order: np.ndarray | None = None
+    # [N, ⌈K / block⌉] float32: a term added to every weight of its block (a GGUF free-minimum
+    # type's min, with what the codes' offset takes away), None: none. The graph computes it as
+    # ReduceSum of each block of inputs times these (`ImportQuantizedWeights`)
+    mins: np.ndarray | None = None
 
     def dequantize(self) -> np.ndarray:
         """The [N, K] float weight the codes stand for, its input features in their own order."""
@@ -102,7 +107,10 @@ class QuantizedWeight:
         codes = self.padded_codes().reshape(n, -1, self.block_size).astype(np.float32)
         if self.zero_points is not None:
             codes = codes - self.zero_points[..., None]
-        stored = (codes * self.scales[..., None].astype(np.float32)).reshape(n, -1)[:, :k]
+        stored = codes * self.scales[..., None].astype(np.float32)
+        if self.mins is not None:
+            stored = stored + self.mins[..., None].astype(np.float32)
+        stored = stored.reshape(n, -1)[:, :k]
         if self.input_order is None:
             return stored
         weight = np.empty_like(stored)
@@ -467,6 +475,8 @@ def _constant_weight(node: ir.Node) -> tuple[ir.Value, ir.Node | None] | None:
             return None
     if not b.is_initializer() or b.is_graph_input() or b.const_value is None or len(b.const_value.shape) != 2:
         return None
+    if b.meta.get(FLOAT_TERM):  # an imported weight's min term: part of its exact form, never quantized
+        return None
     return b, transpose
 
 
@@ -563,6 +573,16 @@ class ImportQuantizedWeights(InPlacePass):
     Codes and zero points reach MatMulNBits (or DequantizeLinear) unchanged; scales are cast to
     the graph's float dtype. `imported_forms` says what each weight got, `counts` how many.
     Weights not in `imported` are left for `QuantizeWeights` (or stay float).
+
+    A record with `mins` (a float term per block, which no integer zero point holds) adds it
+    through the block sums of the input, as x @ W^T = sum over blocks b of
+    (x_b @ codes_b^T) * scale_b + sum(x_b) * min_b::
+
+        x ──> MatMulNBits(codes, scales) ─────────────────────────────> Add ──> y
+         └──> Reshape [..., K / block, block] ─> ReduceSum(-1) ─> MatMul(mins^T) ─┘
+
+    a float MatMul 1/block the size of the weight, its block sums shared by every weight that
+    reads the same input.
     """
 
     def __init__(
@@ -577,12 +597,14 @@ class ImportQuantizedWeights(InPlacePass):
         self.counts: Counter[str] = Counter()
         # graph weight name -> its form and the checkpoint weights it holds
         self.imported_forms: dict[str, dict[str, object]] = {}
+        self._block_sums: dict[tuple[str, int], ir.Value] = {}
 
     def call(self, model: ir.Model) -> PassResult:
         self.counts = Counter()
         self.imported_forms = {}
+        self._block_sums = {}
         graph = model.graph
-        done: dict[tuple[str, bool], tuple[tuple[ir.Value, ...], QuantizedWeight]] = {}
+        done: dict[tuple[str, bool], tuple[tuple[ir.Value, ...], QuantizedWeight, ir.Value | None]] = {}
         for node, weight, transpose in constant_matmuls(graph):
             name = weight.name or ""
             key = (name, transpose is not None)
@@ -591,6 +613,9 @@ class ImportQuantizedWeights(InPlacePass):
                 if record is None:
                     continue
                 q, sources = record
+                if q.mins is not None and _block_shape(node.inputs[0], q) is None:
+                    self.counts["skipped"] += 1  # the input's rank unknown, or K not whole blocks
+                    continue
                 tensor = weight.const_value
                 assert tensor is not None
                 q = replace(q, scales=q.scales.astype(tensor.dtype.numpy()))
@@ -603,7 +628,12 @@ class ImportQuantizedWeights(InPlacePass):
                 if q.input_order is not None:  # the activations' features in the codes' order
                     order = q.input_order.astype(np.int64)
                     registered.append(register_initializer(graph, f"{base}.input_order", order))
-                done[key] = (tuple(registered), q)
+                mins = None
+                if q.mins is not None:  # [blocks, N], as MatMul reads its B
+                    mins_t = np.ascontiguousarray(q.mins.T).astype(tensor.dtype.numpy())
+                    mins = register_initializer(graph, f"{base}.mins", mins_t)
+                    mins.meta[FLOAT_TERM] = True
+                done[key] = (tuple(registered), q, mins)
                 self.imported_forms[name] = {
                     "form": self.form,
                     "bits": q.bits,
@@ -613,8 +643,10 @@ class ImportQuantizedWeights(InPlacePass):
                 }
                 if q.input_order is not None:
                     self.imported_forms[name]["input_order"] = True
-            inputs, q = done[key]
-            self._replace(graph, node, inputs, q)
+                if q.mins is not None:
+                    self.imported_forms[name]["mins"] = True
+            inputs, q, mins = done[key]
+            self._replace(graph, node, inputs, q, mins)
             self.counts["imported"] += 1
             for stale in (transpose, weight):
                 _remove_if_unused(graph, stale)
@@ -638,47 +670,106 @@ class ImportQuantizedWeights(InPlacePass):
             raise ValueError(f"{name}: pre-quantized codes are {list(q.codes.shape)}, the graph reads [{n}, {k}]")
         return q, sources
 
-    def _replace(self, graph: ir.Graph, node: ir.Node, inputs: tuple[ir.Value, ...], q: QuantizedWeight) -> None:
+    def _replace(
+        self, graph: ir.Graph, node: ir.Node, inputs: tuple[ir.Value, ...], q: QuantizedWeight, mins: ir.Value | None
+    ) -> None:
         x = node.inputs[0]
+        assert x is not None
         if q.input_order is not None:
             *weights, order = inputs
             inputs = tuple(weights)
             gather = ir.node("Gather", [x, order], {"axis": -1})
             graph.insert_before(node, gather)
             x = gather.outputs[0]
+            x.shape = node.inputs[0].shape  # type: ignore[union-attr]
             node.replace_input_with(0, x)
         if self.form == "dequantize_linear":
             dq = ir.node("DequantizeLinear", list(inputs), {"axis": 0, "block_size": q.block_size})
             graph.insert_before(node, dq)
-            node.replace_input_with(1, dq.outputs[0])
-            return
-        n, k = q.codes.shape
-        attributes = {"K": k, "N": n, "bits": q.bits, "block_size": q.block_size}
-        if self.accuracy_level:
-            attributes["accuracy_level"] = self.accuracy_level
-        fused = ir.node("MatMulNBits", [x, *inputs], attributes, domain=_MS_DOMAIN)
-        graph.insert_before(node, fused)
-        replace_node(graph, node, fused.outputs[0])
+            if mins is None:
+                node.replace_input_with(1, dq.outputs[0])
+                return
+            product = ir.node("MatMul", [x, dq.outputs[0]])
+        else:
+            n, k = q.codes.shape
+            attributes = {"K": k, "N": n, "bits": q.bits, "block_size": q.block_size}
+            if self.accuracy_level:
+                attributes["accuracy_level"] = self.accuracy_level
+            product = ir.node("MatMulNBits", [x, *inputs], attributes, domain=_MS_DOMAIN)
+        graph.insert_before(node, product)
+        result = product.outputs[0]
+        if mins is not None:
+            term = ir.node("MatMul", [self._block_sum(graph, node, x, q), mins])
+            add = ir.node("Add", [result, term.outputs[0]])
+            graph.insert_before(node, term)
+            graph.insert_before(node, add)
+            result = add.outputs[0]
+        replace_node(graph, node, result)
+
+    def _block_sum(self, graph: ir.Graph, node: ir.Node, x: ir.Value, q: QuantizedWeight) -> ir.Value:
+        """[..., K / block]: the sum of each block of `x`'s last axis, made once per input."""
+        key = (x.name or str(id(x)), q.block_size)
+        if key in self._block_sums:
+            return self._block_sums[key]
+        shape = _block_shape(x, q)
+        assert shape is not None
+        shape_name = "kvforge.block_sum.shape." + "_".join(map(str, shape))
+        if shape_name not in graph.initializers:
+            register_initializer(graph, shape_name, np.array(shape, np.int64))
+        if "kvforge.block_sum.axes" not in graph.initializers:
+            register_initializer(graph, "kvforge.block_sum.axes", np.array([-1], np.int64))
+        reshape = ir.node("Reshape", [x, graph.initializers[shape_name]])
+        total = ir.node(
+            "ReduceSum", [reshape.outputs[0], graph.initializers["kvforge.block_sum.axes"]], {"keepdims": 0}
+        )
+        graph.insert_before(node, reshape)
+        graph.insert_before(node, total)
+        self._block_sums[key] = total.outputs[0]
+        return total.outputs[0]
+
+
+def _block_shape(x: ir.Value | None, q: QuantizedWeight) -> list[int] | None:
+    """Reshape's shape that splits `x`'s last axis into blocks of `q`'s (the leading axes kept:
+    0), or None where `x`'s rank is unknown or K is not whole blocks."""
+    k = q.codes.shape[1]
+    if x is None or x.shape is None or k % q.block_size:
+        return None
+    return [0] * (len(x.shape) - 1) + [k // q.block_size, q.block_size]
 
 
 def stack_rows(records: Sequence[QuantizedWeight]) -> QuantizedWeight | None:
     """The records of weights stacked along N (packed projections) as one, or None where they
-    differ in bits, block size, K or whether they have zero points."""
+    differ in K, input order, or (with zero points) in bits, block size or whether they have them.
+
+    Symmetric records of different bits or block sizes (a GGUF file's 4-bit q and 8-bit v, in
+    blocks of 32 and 16) stack in the widest bits and the smallest block, when each block is a
+    whole number of those: a 4-bit code is the same 8-bit code, a block's scale (and min term)
+    the scale of each of its parts, so the stacked record stands for the same weights."""
     first = records[0]
     if len(records) == 1:
         return first
+    k = first.codes.shape[1]
+    if not all(r.codes.shape[1] == k and _same_order(r.input_order, first.input_order) for r in records):
+        return None
+    if all(r.zero_points is None for r in records):
+        bits, block = max(r.bits for r in records), min(r.block_size for r in records)
+        if any(r.block_size % block for r in records):
+            return None
+        records = [_widened(r, bits, block) for r in records]
+    first = records[0]
     alike = all(
         r.bits == first.bits
         and r.block_size == first.block_size
-        and r.codes.shape[1] == first.codes.shape[1]
         and (r.zero_points is None) == (first.zero_points is None)
         and r.codes.dtype == first.codes.dtype
-        and _same_order(r.input_order, first.input_order)
         for r in records
     )
     if not alike:
         return None
     zero_points = None if first.zero_points is None else np.concatenate([r.zero_points for r in records])  # type: ignore[misc]
+    mins = None
+    if any(r.mins is not None for r in records):  # a part without a min term adds zeros
+        mins = np.concatenate([np.zeros(r.scales.shape, np.float32) if r.mins is None else r.mins for r in records])
     return QuantizedWeight(
         np.concatenate([r.codes for r in records]),
         np.concatenate([r.scales for r in records]),
@@ -686,7 +777,22 @@ def stack_rows(records: Sequence[QuantizedWeight]) -> QuantizedWeight | None:
         first.bits,
         first.block_size,
         first.input_order,
+        mins,
     )
+
+
+def _widened(q: QuantizedWeight, bits: int, block: int) -> QuantizedWeight:
+    """A symmetric record in `bits` (at least its own) and blocks of `block` (dividing its own)."""
+    if (q.bits, q.block_size) == (bits, block):
+        return q
+    blocks = -(-q.codes.shape[1] // block)
+    split = q.block_size // block
+
+    def per_block(values: np.ndarray) -> np.ndarray:
+        return np.repeat(values, split, axis=1)[:, :blocks]
+
+    mins = None if q.mins is None else per_block(q.mins)
+    return replace(q, codes=q.codes.astype(np.int8), scales=per_block(q.scales), bits=bits, block_size=block, mins=mins)
 
 
 def _same_order(a: np.ndarray | None, b: np.ndarray | None) -> bool:

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import onnx_ir as ir
@@ -69,6 +70,7 @@ from passes.quantize import (
     QuantizeWeights,
     WeightQuantization,
     _lm_head,
+    holds_block,
     matmul_nbits_inputs,
     quantize_blockwise,
     register_initializer,
@@ -100,6 +102,8 @@ class QuantizeEmbedding(QuantizeWeights):
         symmetric: bool = True,
         form: str = "gather_block_quantized",
         keep: tuple[str, ...] = (),
+        imported: dict[str, QuantizedWeight] | None = None,
+        only_imported: bool = False,
     ) -> None:
         InPlacePass.__init__(self)
         if bits not in BITS or block_size not in BLOCK_SIZES or form not in EMBEDDING_FORMS:
@@ -115,19 +119,29 @@ class QuantizeEmbedding(QuantizeWeights):
         self.counts: Counter[str] = Counter()
         self.skipped: dict[str, str] = {}
         self.forms = {}  # the table's form is --block-size's, never chosen per weight
+        # A table a checkpoint ships quantized (a GGUF file's token_embd: `imported`, by the
+        # table's name) is looked up with its own codes and scales where they are symmetric
+        # blocks the lookup reads, quantized otherwise; `only_imported`: the other tables stay.
+        # `imported_forms` says what each imported table got, as ImportQuantizedWeights does.
+        self._imported = imported or {}
+        self._only_imported = only_imported
+        self.imported_forms: dict[str, dict[str, object]] = {}
 
     @classmethod
-    def from_weights(cls, weights: WeightQuantization, form: str) -> QuantizeEmbedding:
+    def from_weights(
+        cls, weights: WeightQuantization, form: str, imported: dict[str, QuantizedWeight] | None = None
+    ) -> QuantizeEmbedding:
         """The lookup's counterpart of `weights.make_pass`: 8-bit codes where the form gathers
         standard types (an int4 request stores the table at 8 bits, the bytes its 4-bit codes
         would take once widened for Gather, with a finer step), or where `--int8 embeddings`
         asks for them."""
         bits = 8 if form == "gather_dequantize_linear" or EMBEDDINGS in weights.int8 else weights.bits
-        return cls(bits, weights.block_size, weights.symmetric, form, weights.keep)
+        return cls(bits, weights.block_size, weights.symmetric, form, weights.keep, imported)
 
     def call(self, model: ir.Model) -> PassResult:
         self.counts = Counter()
         self.skipped = {}
+        self.imported_forms = {}
         graph = model.graph
         tables: dict[ir.Value, list[ir.Node]] = {}
         for node in graph:
@@ -139,14 +153,35 @@ class QuantizeEmbedding(QuantizeWeights):
         modified = False
         for table, gathers in tables.items():
             reason = self._table_skip_reason(table, gathers, head)
+            record = self._record(table)
+            if not reason and record is None and self._only_imported:
+                reason = "kept: the checkpoint ships it in no form the lookup reads"
             if reason:
                 self.skipped[table.name or ""] = reason
                 self.counts["kept" if reason.startswith("kept") else "skipped"] += 1
                 continue
-            self.counts["quantized"] += 1
-            self._rewrite(model, table, gathers)
+            self.counts["imported" if record is not None else "quantized"] += 1
+            self._rewrite(model, table, gathers, record)
             modified = True
         return PassResult(model, modified=modified)
+
+    def _record(self, table: ir.Value) -> QuantizedWeight | None:
+        """The checkpoint's record of `table`, where the lookup holds it as it is: symmetric
+        codes in blocks GatherBlockQuantized reads (8-bit for the standard Gather form)."""
+        q = self._imported.get(table.name or "")
+        tensor = table.const_value
+        if q is None or tensor is None or q.codes.shape != tuple(tensor.shape.numpy()):
+            return None
+        if (
+            q.zero_points is not None
+            or q.mins is not None
+            or q.input_order is not None
+            or not holds_block(q.block_size)
+        ):
+            return None
+        if self.form == "gather_dequantize_linear" and q.bits != 8:
+            return None
+        return q
 
     def _table_skip_reason(self, table: ir.Value, gathers: list[ir.Node], head: ir.Node | None) -> str:
         name = table.name or ""
@@ -169,11 +204,27 @@ class QuantizeEmbedding(QuantizeWeights):
             return f"also read at full precision by {', '.join(readers) or 'the graph output'}"
         return ""
 
-    def _rewrite(self, model: ir.Model, table: ir.Value, gathers: list[ir.Node]) -> None:
+    def _rewrite(
+        self, model: ir.Model, table: ir.Value, gathers: list[ir.Node], record: QuantizedWeight | None
+    ) -> None:
         graph = model.graph
-        array = table.const_value.numpy()  # type: ignore[union-attr]
-        q = quantize_blockwise(array, self.bits, self.block_size, self.symmetric)
-        name = _free_name(graph, f"{table.name}.q{self.bits}")
+        tensor = table.const_value
+        assert tensor is not None
+        if record is None:
+            q = quantize_blockwise(tensor.numpy(), self.bits, self.block_size, self.symmetric)
+        else:
+            q = replace(record, scales=record.scales.astype(tensor.dtype.numpy()))
+        name = _free_name(graph, f"{table.name}.q{q.bits}")
+        if record is not None:
+            # the names the checkpoint gives this very record (a table tied to the LM head has two)
+            sources = sorted(n for n, r in self._imported.items() if r is record)
+            self.imported_forms[name] = {
+                "form": self.form,
+                "bits": q.bits,
+                "block_size": q.block_size,
+                "zero_points": False,
+                "from": sources,
+            }
         if self.form == "gather_block_quantized":
             b, scales, zero_points = matmul_nbits_inputs(q)
             data, *rest = register_quantized(graph, name, [b.reshape(b.shape[0], -1), scales, zero_points])
@@ -184,7 +235,7 @@ class QuantizeEmbedding(QuantizeWeights):
             # codes [V, H] (int8 when symmetric, uint8 with zero points), scales and zero points [V, blocks]
             values = register_quantized(graph, name, [q.codes, q.scales, q.zero_points])
             for gather in gathers:
-                replace_node(graph, gather, self._gather_dequantize(graph, gather, values))
+                replace_node(graph, gather, self._gather_dequantize(graph, gather, values, q.block_size))
         if not table.uses() and table.name is not None and table.name in graph.initializers:
             del graph.initializers[table.name]
 
@@ -195,11 +246,11 @@ class QuantizeEmbedding(QuantizeWeights):
     ) -> ir.Value:
         ids = gather.inputs[1]
         assert ids is not None
-        attributes = {"bits": self.bits, "block_size": self.block_size, "gather_axis": 0, "quantize_axis": 1}
+        attributes = {"bits": q.bits, "block_size": q.block_size, "gather_axis": 0, "quantize_axis": 1}
         lookup = ir.node("GatherBlockQuantized", [data, ids, *rest], attributes, domain=_MS_DOMAIN)
         graph.insert_before(gather, lookup)
         hidden = q.codes.shape[1]
-        if hidden % self.block_size == 0:
+        if hidden % q.block_size == 0:
             return lookup.outputs[0]
         # the codes hold whole blocks, and so does the lookup's output: cut it to H
         bounds = [
@@ -212,7 +263,7 @@ class QuantizeEmbedding(QuantizeWeights):
 
     # --- gather_dequantize_linear ----------------------------------------------------------------
 
-    def _gather_dequantize(self, graph: ir.Graph, gather: ir.Node, values: list[ir.Value]) -> ir.Value:
+    def _gather_dequantize(self, graph: ir.Graph, gather: ir.Node, values: list[ir.Value], block: int) -> ir.Value:
         ids = gather.inputs[1]
         assert ids is not None
         rows = []
@@ -220,7 +271,7 @@ class QuantizeEmbedding(QuantizeWeights):
             rows_of = ir.node("Gather", [value, ids], {"axis": 0})
             graph.insert_before(gather, rows_of)
             rows.append(rows_of.outputs[0])
-        dequantize = ir.node("DequantizeLinear", rows, {"axis": -1, "block_size": self.block_size})
+        dequantize = ir.node("DequantizeLinear", rows, {"axis": -1, "block_size": block})
         graph.insert_before(gather, dequantize)
         return dequantize.outputs[0]
 

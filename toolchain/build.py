@@ -239,10 +239,11 @@ def _compile(
             del exact
         except UnsupportedByTensorRT as e:
             raise ArtifactError(f"{checkpoint_dir}: {e}") from e
+    header = ckpt.quantization_header()
     imported_entry = (
         None
-        if ckpt.quantization is None
-        else prequantized.manifest_entry(ckpt.quantization, imported, pass_report.imported, options.weights is not None)
+        if header is None
+        else prequantized.manifest_entry(header, imported, pass_report.imported, options.weights is not None)
     )
     del imported
     graph_io = _graph_contract(onnx_model, io, target, options.capacity)
@@ -283,11 +284,14 @@ def _compile(
                         "and a GPU to add it"
                     )
             with _timed(seconds, "publish"):
+                source_hashes = sources.result()
+                if imported_entry is not None and ckpt.gguf is not None:  # the file the codes were read from
+                    imported_entry["sha256"] = source_hashes[ckpt.gguf.name]
                 written = manifest.write(
                     staging,
                     spec=spec,
                     io=graph_io,
-                    sources=sources.result(),
+                    sources=source_hashes,
                     flags=options.flags(),
                     passes=pass_report.to_dict(timings=False),
                     parity=report.to_dict() | {"computed_in": computed_in, "verified_on": provider},

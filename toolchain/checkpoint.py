@@ -124,13 +124,23 @@ class Checkpoint:
 
     def quantized_weights(self) -> dict[str, prequantized.Imported]:
         """The weights the checkpoint ships quantized, by the name of the float weight each
-        stands for (`toolchain.prequantized.records`); empty when it ships none."""
+        stands for (`toolchain.prequantized.records`; a GGUF file's, `toolchain.gguf.quantized_weights`);
+        empty when it ships none."""
+        if self.gguf is not None:
+            return gguf.quantized_weights(self.gguf, self.tensor_metadata(), self.config)
         if self.quantization is None:
             return {}
         tensors: dict[str, torch.Tensor] = {}
         for file in self.weight_files:
             tensors.update(_load_pickle(file) if self.uses_pickle else _read_safetensors(file, None))
         return prequantized.records(tensors, self.quantization, self.path)
+
+    def quantization_header(self) -> dict[str, Any] | None:
+        """What the manifest's `imported_weights` says of the checkpoint's quantization; None
+        when it ships no quantized weights."""
+        if self.gguf is not None:
+            return {"method": "gguf", "file": self.gguf.name}
+        return None if self.quantization is None else self.quantization.to_dict()
 
     def tensor_metadata(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Tensor name -> (safetensors dtype name such as "F32", shape), from headers only.

@@ -12,7 +12,9 @@ of them quantized). Everything kvforge reads from one is read here:
   loaded by `toolchain.checkpoint`, so the pipeline and its checks are those of every
   checkpoint; the `Checkpoint` names the GGUF file as its only input (the manifest's sources)
   and keeps the scratch directory alive until it is dropped;
-- `tensors` gives the file's own tensors, still in their GGUF types, by Hugging Face name.
+- `tensors` gives the file's own tensors, still in their GGUF types, by Hugging Face name;
+- `quantized_weights` the quantized ones as records the build imports with their own codes
+  (`toolchain.gguf_import`), their rows in the order transformers' loader gives the weights.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import json
 import logging
 import tempfile
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +38,12 @@ from toolchain import progress
 
 if TYPE_CHECKING:
     from toolchain.checkpoint import Checkpoint
+    from toolchain.prequantized import Imported
 
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".gguf"
+TOKEN_EMBEDDING, OUTPUT, LM_HEAD = "token_embd.weight", "output.weight", "lm_head.weight"
 MAGIC = b"GGUF"
 
 
@@ -223,6 +227,71 @@ def tensors(file: Path, hf_names: Iterable[str]) -> dict[str, GGUFTensor]:
             shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
             found[hf_name] = GGUFTensor(tensor.name, tensor.tensor_type, shape, tensor.data)
     return found
+
+
+def quantized_weights(file: Path, hf_names: Iterable[str], config: Mapping[str, Any]) -> dict[str, Imported]:
+    """The file's quantized matrices as pre-quantized records (`toolchain.gguf_import.decode`),
+    by Hugging Face weight name, each recording its GGUF type (`Imported.stored_as`).
+
+    Where transformers' loader reorders a tensor's rows after dequantizing it (the llama
+    architecture's query and key rows, which llama.cpp's converter interleaves), the record's
+    rows (codes, scales, mins) take the same order: the order is read from transformers' own
+    tensor processor for the file's architecture, given the row indices. A tensor the processor
+    changes otherwise (its values, shape or name) is not imported: the dequantized checkpoint
+    holds it in float. A file without an output matrix ties the LM head to the token
+    embedding table: its record is the LM head's (`lm_head.weight`) too."""
+    from toolchain.gguf_import import decode
+
+    reader = _reader(file)
+    arch_name = str(_field(reader, file, "general.architecture"))
+    stored = {t.name for t in reader.tensors}
+    found: dict[str, Imported] = {}
+    tied: Imported | None = None
+    for hf_name, tensor in tensors(file, hf_names).items():
+        if len(tensor.shape) != 2:
+            continue
+        n, k = tensor.shape
+        imported = decode(np.asarray(tensor.data), tensor.type, (n, k))
+        if imported is None:
+            continue
+        order = _row_order(arch_name, tensor.gguf_name, n, config)
+        if order is None:
+            logger.info("%s: %s is reordered by transformers' loader in a way its codes cannot follow", file, hf_name)
+            continue
+        q = imported.record
+        if not np.array_equal(order, np.arange(n)):
+            mins = None if q.mins is None else q.mins[order]
+            zero_points = None if q.zero_points is None else q.zero_points[order]
+            q = dataclasses.replace(q, codes=q.codes[order], scales=q.scales[order], zero_points=zero_points, mins=mins)
+        found[hf_name] = dataclasses.replace(imported, record=q, stored_as=tensor.type.name)
+        if tensor.gguf_name == TOKEN_EMBEDDING and OUTPUT not in stored:
+            tied = found[hf_name]  # the LM head reads the table: the graph may name it either way
+    if tied is not None:
+        found.setdefault(LM_HEAD, tied)
+    return found
+
+
+def _row_order(arch_name: str, gguf_name: str, rows: int, config: Mapping[str, Any]) -> np.ndarray | None:
+    """Which stored row each row of the weight transformers loads is (identity when it keeps
+    them), from its tensor processor run on the row indices; None where it does more than
+    reorder rows."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    processor = TENSOR_PROCESSORS.get(arch_name, TensorProcessor)(config=dict(config))
+    probe = np.arange(rows, dtype=np.float64).reshape(rows, 1)
+    try:
+        result = processor.process(
+            weights=probe, name=gguf_name, tensor_key_mapping={}, parsed_parameters={"tensors": {}}
+        )
+    except Exception:  # a processor that needs more of the file than one tensor: not followed
+        return None
+    weights = np.asarray(result.weights)
+    if result.name != gguf_name or weights.shape != (rows, 1):
+        return None
+    order = weights[:, 0]
+    if not np.array_equal(np.sort(order), np.arange(rows)):
+        return None
+    return order.astype(np.int64)
 
 
 def _reader(file: Path) -> Any:

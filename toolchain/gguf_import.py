@@ -11,13 +11,19 @@ and scales are imported unchanged (`exact`):
   of 16, each block's scale d * scale (computed as the gguf package computes it, so the product
   is the same float).
 
-The other types (Q4_1, Q5_1, Q4_K, Q5_K, Q2_K, Q3_K...) have a free minimum per block, which
-MatMulNBits' integer zero points do not hold, or codes wider than they allow. For those, `form`
-chooses what they become: `int4`, round to nearest 4-bit with an integer zero point in blocks
-of 32 (the fast form, its loss the rounding's), or `int8`, the same at 8 bits (within half an
-8-bit step, larger and slower). `float` keeps them dequantized, for the build's `--weights`
-recipe to decide. (Float zero points would hold the minimum exactly, but onnxruntime's CPU
-kernel takes its slow path for them: docs/performance.md.)
+The free-minimum types have a float minimum per block of 32 that no integer zero point holds:
+Q4_1 and Q5_1, weight = d * q + m; Q4_K and Q5_K, weight = (d * sc) * q - dmin * m per
+32-value sub-block (d * sc and dmin * m computed as the gguf package computes them, its
+`Q4_K.get_scale_min` reading the 6-bit fields). Their codes are imported as they are, centred
+as symmetric codes (q - 8 for 4-bit codes, q - 16 for 5-bit ones, these at 8 bits), with the
+block's scale and a `mins` term per block (m plus what the centring took away), which the
+import pass adds through the block sums of the input: exact, a symmetric MatMulNBits and a
+float MatMul 1/32 its size (docs/pipeline.md).
+
+The types left (Q2_K, Q3_K, the i-quants...) have no such form here: `form` chooses what they
+become: `int4`, round to nearest 4-bit with an integer zero point in blocks of 32 (its loss
+the rounding's), or `int8`, the same at 8 bits (within half an 8-bit step, larger and
+slower). `float` keeps them dequantized, for the build's `--weights` recipe to decide.
 
 A record that is not exact changes what the model computes: it belongs in a build judged by
 the distribution gate (`--weights`), while the exact ones also pass the float gate (the
@@ -35,13 +41,13 @@ from collections.abc import Mapping
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
+from gguf.quants import Q4_K, dequantize
 
 from passes.quantize import QuantizedWeight, quantize_blockwise
 from toolchain.prequantized import Imported
 
 FORMS = ("int4", "int8", "float")
-DEFAULT_FORM = "int4"  # the free-minimum types: the fast form, as today's int4 builds decode
+DEFAULT_FORM = "int4"  # the types with no exact form: the fast form, as today's int4 builds decode
 
 _T = GGMLQuantizationType
 # type -> (bytes per block, offset of its fp16 d, offset of its int8 sub-block scales or -1,
@@ -51,6 +57,14 @@ _EXACT: dict[GGMLQuantizationType, tuple[int, int, int, int, int]] = {
     _T.Q8_0: (34, 0, -1, 32, 8),
     _T.Q5_0: (22, 0, -1, 32, 8),
     _T.Q6_K: (210, 208, 192, 16, 8),
+}
+# type -> (bytes per block, the width of its codes, whether it is a k-quant: d, dmin and 6-bit
+# sub-block scales and mins; else d and m, fp16, per block of 32)
+_FREE_MINIMUM: dict[GGMLQuantizationType, tuple[int, int, bool]] = {
+    _T.Q4_1: (20, 4, False),
+    _T.Q5_1: (24, 5, False),
+    _T.Q4_K: (144, 4, True),
+    _T.Q5_K: (176, 5, True),
 }
 _FLOAT = (_T.F32, _T.F16, _T.BF16)
 
@@ -68,12 +82,14 @@ def decode(
     values = dequantize(raw, qtype).reshape(n, k).astype(np.float32)
     if qtype in _EXACT:
         return Imported(_exact(raw, qtype, values), True)
+    if qtype in _FREE_MINIMUM:
+        return Imported(_with_mins(raw, qtype, values), True)
     if form == "float":
         return None
     bits = 4 if form == "int4" else 8
     q = quantize_blockwise(values, bits, 32, symmetric=False)
     return Imported(
-        q, False, f"{qtype.name} has a free minimum per block: rounded to {bits}-bit codes with zero points"
+        q, False, f"{qtype.name} has no exact MatMulNBits form here: rounded to {bits}-bit codes with zero points"
     )
 
 
@@ -90,6 +106,29 @@ def _exact(raw: np.ndarray, qtype: GGMLQuantizationType, values: np.ndarray) -> 
     with np.errstate(divide="ignore", invalid="ignore"):
         codes = np.where(step != 0, np.rint(values / step), 0).astype(np.int8)
     return QuantizedWeight(codes, scales, None, bits, per_scale)
+
+
+def _with_mins(raw: np.ndarray, qtype: GGMLQuantizationType, values: np.ndarray) -> QuantizedWeight:
+    """Codes q centred to symmetric ones, the scale s and the term m + offset * s of each block
+    of 32, where the package's weight is s * q + m."""
+    block_bytes, width, k_quant = _FREE_MINIMUM[qtype]
+    n, k = values.shape
+    blocks = raw.reshape(-1).view(np.uint8).reshape(-1, block_bytes)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    second = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)  # m, or dmin for a k-quant
+    if k_quant:  # 8 sub-blocks of 32 per 256-value block, as the package's Q4_K / Q5_K dequantize
+        sc, mn = Q4_K.get_scale_min(blocks[:, 4 : 4 + Q4_K.K_SCALE_SIZE].copy())
+        scales = d * sc.astype(np.float32)
+        low = -(second * mn.astype(np.float32))
+    else:
+        scales, low = d, second
+    scales, low = scales.reshape(n, k // 32), low.reshape(n, k // 32)
+    step = np.repeat(scales, 32, axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(step != 0, np.rint((values - np.repeat(low, 32, axis=1)) / step), 0)
+    offset = 2 ** (width - 1)
+    codes = (np.clip(q, 0, 2**width - 1) - offset).astype(np.int8)
+    return QuantizedWeight(codes, scales, None, 4 if width == 4 else 8, 32, mins=low + offset * scales)
 
 
 def records(reader: GGUFReader, names: Mapping[str, str], form: str = DEFAULT_FORM) -> dict[str, Imported]:

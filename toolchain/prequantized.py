@@ -107,6 +107,7 @@ class Imported:
     record: QuantizedWeight
     exact: bool  # MatMulNBits holds the record as it is
     reason: str = ""  # why not, when not
+    stored_as: str = ""  # the checkpoint's own type for the tensor, where it names one (GGUF's Q4_K...)
 
 
 def records(tensors: Mapping[str, Any], quantization: Quantization, file: Path) -> dict[str, Imported]:
@@ -228,30 +229,40 @@ def _unpack_rows(words: np.ndarray, bits: int) -> np.ndarray:
 
 
 def manifest_entry(
-    quantization: Quantization,
+    header: Mapping[str, Any],
     found: Mapping[str, Imported],
     graph_forms: Mapping[str, Mapping[str, Any]],
     requantized: bool,
 ) -> dict[str, Any]:
-    """`imported_weights` of the manifest: the checkpoint's quantization, and for each of its
+    """`imported_weights` of the manifest: the checkpoint's quantization (`header`: its
+    `Quantization.to_dict()`, or what a GGUF file's entry says of the file), and for each of its
     quantized weights the form it has in the graph (`graph_forms`: what the import pass wrote,
     by graph weight, with the checkpoint weights each holds), or `float` and why."""
-    placed = {source: (weight, form) for weight, form in graph_forms.items() for source in form["from"]}  # type: ignore[union-attr]
+    placed: dict[str, list[tuple[str, Mapping[str, Any]]]] = {}
+    for weight, form in graph_forms.items():
+        for source in form["from"]:
+            placed.setdefault(source, []).append((weight, form))
     weights: dict[str, Any] = {}
     for name in sorted(found):
         imported = found[name]
-        if name in placed:
-            weight, form = placed[name]
-            entry = {k: v for k, v in form.items() if k != "from"} | {"exact": True}
-            weights[name] = entry | ({"graph_weight": weight} if weight != name else {})
+        stored = {"stored_as": imported.stored_as} if imported.stored_as else {}
+        if name in placed:  # a tied table is the LM head's weight and the lookup's: the first, then `also`
+            forms = [
+                {k: v for k, v in form.items() if k != "from"} | ({"graph_weight": weight} if weight != name else {})
+                for weight, form in placed[name]
+            ]
+            weights[name] = stored | forms[0] | {"exact": True} | ({"also": forms[1:]} if forms[1:] else {})
             continue
-        why = imported.reason or "the target reads no zero points in blocks"
-        weights[name] = {
+        if imported.exact:
+            why = "the graph reads it in no MatMul the import writes (or the target keeps imported weights float)"
+        else:
+            why = imported.reason or "the target reads no zero points in blocks"
+        weights[name] = stored | {
             "form": "quantized again (--weights)" if requantized else "float",
             "exact": False,
             "reason": why,
         }
-    return quantization.to_dict() | {"weights": weights}
+    return dict(header) | {"weights": weights}
 
 
 def float_metadata(

@@ -18,6 +18,7 @@ from passes.quantize import (
     QuantizeWeights,
     WeightQuantization,
     quantize_blockwise,
+    stack_rows,
 )
 from passes.weight_layout import StackedRows
 from tests.passes.fusion_testing import op_count, ort_outputs
@@ -386,3 +387,87 @@ def test_codes_stored_in_another_input_order_read_the_activations_in_that_order(
     x = RNG.standard_normal((2, 3, k)).astype(np.float32)
     (got,) = ort_outputs(model, {"x": x})
     np.testing.assert_allclose(got, x @ weight.T, atol=2e-5, rtol=1e-5)
+
+
+def with_mins(n: int, k: int, bits: int) -> QuantizedWeight:
+    """A symmetric record with a float term per block of 32, as a GGUF free-minimum type imports."""
+    top = 2 ** (bits - 1)
+    return QuantizedWeight(
+        RNG.integers(-top, top, (n, k)).astype(np.int8),
+        (RNG.random((n, k // 32)) * 0.1 + 0.01).astype(np.float32),
+        None,
+        bits,
+        32,
+        mins=RNG.standard_normal((n, k // 32)).astype(np.float32),
+    )
+
+
+@pytest.mark.parametrize("form, op", [("matmul_nbits", "MatMulNBits"), ("dequantize_linear", "DequantizeLinear")])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_min_per_block_is_added_through_the_block_sums_of_the_input(form: str, op: str, bits: int) -> None:
+    k, n = 96, 16
+    q = with_mins(n, k, bits)
+    weight = q.dequantize()
+    blocks = (q.codes.astype(np.float32) * np.repeat(q.scales, 32, axis=1)).reshape(n, -1, 32)
+    assert np.array_equal(weight.reshape(n, -1, 32), blocks + q.mins[..., None])  # type: ignore[index]
+    model = projection_graph(k, n, weight)
+    imports = ImportQuantizedWeights({"w": q}, form)
+    assert imports(model).modified and imports.counts == {"imported": 1}
+    assert op_count(model, op, "com.microsoft" if op == "MatMulNBits" else "") == 1
+    assert op_count(model, "ReduceSum") == 1 and imports.imported_forms["w"]["mins"] is True
+    assert model.graph.initializers[f"w.q{bits}.mins"].const_value.shape == (k // 32, n)  # type: ignore[union-attr]
+    x = RNG.standard_normal((2, 3, k)).astype(np.float32)
+    (got,) = ort_outputs(model, {"x": x})
+    want = x.astype(np.float64) @ weight.T.astype(np.float64)
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=1e-5)
+    assert not imports(model).modified
+    # a --weights recipe after the import leaves the min term's float MatMul as it is
+    quantize = QuantizeWeights(4, form=form)
+    assert not quantize(model).modified and quantize.counts == {}
+    np.testing.assert_array_equal(ort_outputs(model, {"x": x})[0], got)
+
+
+def test_packed_parts_stack_their_mins_zeros_for_a_part_without_and_share_one_block_sum() -> None:
+    k = 64
+    parts = {"gate": with_mins(16, k, 4), "up": replace(with_mins(8, k, 4), mins=None)}
+    stacked = stack_rows(list(parts.values()))
+    assert stacked is not None and stacked.mins is not None
+    np.testing.assert_array_equal(stacked.mins[16:], 0)
+    model = projection_graph(k, 24, np.zeros((24, k), np.float32), name="gate_up")
+    model.graph.initializers["gate_up"].const_value = StackedRows(
+        [q.dequantize() for q in parts.values()], ir.DataType.FLOAT, "gate_up", list(parts)
+    )
+    # a second weight reading the same input: its block sums are the first one's
+    down = with_mins(8, k, 4)
+    model.graph.initializers["down"] = ir.Value(name="down", const_value=ir.tensor(down.dequantize().T.copy()))
+    logits = model.graph.outputs[0]
+    second = ir.node("MatMul", [model.graph.inputs[0], model.graph.initializers["down"]], outputs=[ir.Value(name="y2")])
+    model.graph.append(second)
+    model.graph.outputs.append(second.outputs[0])
+    second.outputs[0].shape, second.outputs[0].type = ir.Shape([2, 3, 8]), logits.type
+    imports = ImportQuantizedWeights(parts | {"down": down})
+    assert imports(model).modified and imports.counts == {"imported": 2}
+    assert op_count(model, "ReduceSum") == 1
+    x = RNG.standard_normal((2, 3, k)).astype(np.float32)
+    got, got_down = ort_outputs(model, {"x": x})
+    np.testing.assert_allclose(got, x @ stacked.dequantize().T, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(got_down, x @ down.dequantize().T, atol=2e-5, rtol=1e-5)
+
+
+def test_symmetric_parts_of_other_bits_and_blocks_stack_in_the_widest_bits_and_smallest_block() -> None:
+    """A GGUF file's q in 4-bit blocks of 32 with mins beside a v in 8-bit blocks of 16 (Q6_K)."""
+    k = 96
+    q = with_mins(16, k, 4)
+    v = QuantizedWeight(
+        RNG.integers(-32, 32, (8, k)).astype(np.int8), (RNG.random((8, k // 16)) * 0.1).astype(np.float32), None, 8, 16
+    )
+    stacked = stack_rows([q, v])
+    assert stacked is not None and (stacked.bits, stacked.block_size) == (8, 16)
+    np.testing.assert_allclose(stacked.dequantize(), np.concatenate([q.dequantize(), v.dequantize()]), rtol=1e-6)
+    model = projection_graph(k, 24, np.concatenate([q.dequantize(), v.dequantize()]))
+    assert ImportQuantizedWeights({"w": stacked})(model).modified
+    x = RNG.standard_normal((2, 3, k)).astype(np.float32)
+    (got,) = ort_outputs(model, {"x": x})
+    np.testing.assert_allclose(got, x @ stacked.dequantize().T, atol=2e-5, rtol=1e-5)
+    # blocks that do not split into the smallest (48 into 32) do not stack
+    assert stack_rows([q, replace(v, block_size=48, scales=v.scales[:, :2])]) is None

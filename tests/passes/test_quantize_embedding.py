@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from passes.quantize import LM_HEAD, QuantizeWeights, quantize_blockwise
+from passes.quantize import LM_HEAD, QuantizedWeight, QuantizeWeights, quantize_blockwise
 from passes.quantize_embedding import EMBEDDINGS, QuantizeEmbedding
 from tests.passes.fusion_testing import op_count, ort_outputs
 
@@ -210,3 +211,34 @@ def test_unsupported_settings_are_refused() -> None:
             QuantizeEmbedding(bits, block, True, form)
     with pytest.raises(ValueError, match="no 4-bit type"):
         QuantizeEmbedding(4, 32, True, "gather_dequantize_linear")
+
+
+@pytest.mark.parametrize("form", ["gather_block_quantized", "gather_dequantize_linear"])
+@pytest.mark.parametrize("block", [32, 16])  # Q8_0's blocks, Q6_K's
+def test_a_table_the_checkpoint_ships_quantized_is_looked_up_with_its_own_codes(form: str, block: int) -> None:
+    hidden = 64
+    record = QuantizedWeight(
+        RNG.integers(-128, 128, (VOCAB, hidden)).astype(np.int8),
+        (RNG.random((VOCAB, hidden // block)) * 0.01).astype(np.float32),
+        None,
+        8,
+        block,
+    )
+    model = lookup_graph(record.dequantize())
+    imports = QuantizeEmbedding(8, form=form, imported={"embed.weight": record, "alias": record}, only_imported=True)
+    assert imports(model).modified and imports.counts == {"imported": 1}
+    (forms,) = imports.imported_forms.values()
+    assert forms == {
+        "form": form,
+        "bits": 8,
+        "block_size": block,
+        "zero_points": False,
+        "from": ["alias", "embed.weight"],
+    }
+    (got,) = ort_outputs(model, {"input_ids": IDS})
+    np.testing.assert_allclose(got, record.dequantize()[IDS], atol=1e-6, rtol=1e-6)
+    # a table it was not given, or one with a float term per block the lookup cannot add, stays
+    for imported in ({}, {"embed.weight": replace(record, mins=np.ones((VOCAB, hidden // block), np.float32))}):
+        kept = lookup_graph(record.dequantize())
+        only = QuantizeEmbedding(8, form=form, imported=imported, only_imported=True)
+        assert not only(kept).modified and only.counts == {"kept": 1}

@@ -1,7 +1,8 @@
 """The gate stays sharp on a real trained checkpoint (SmolLM2-135M-Instruct): it fails the
 build on the small bugs that matter, naming the first output they reach.
 
-The cases reuse the one fp32 artifact: each bug is put into the eager model (a weight, the
+The cases reuse the one default artifact (the file's quantized matrices imported exactly,
+computed in float32, judged by the float gate): each bug is put into the eager model (a weight, the
 rotary base, the norms' epsilon) or into what the compiled model is fed (its positions, where
 its cache is written), and the gate is run again. The gate compares the two sides
 symmetrically, so a bug on either side is the same difference to it."""

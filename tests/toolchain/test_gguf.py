@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +30,12 @@ def _llama_cpp_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def write_gguf(checkpoint: Path, file: Path) -> dict[str, gguf.GGMLQuantizationType]:
+def write_gguf(
+    checkpoint: Path, file: Path, types: Mapping[str, gguf.GGMLQuantizationType] | None = None
+) -> dict[str, gguf.GGMLQuantizationType]:
     """The tiny llama at `checkpoint` as a GGUF file: config, BPE tokenizer, chat template, its
-    matrices in Q8_0 and the rest in F32. Returns each written tensor's type by GGUF name."""
+    matrices in Q8_0 (or the type `types` gives the GGUF name's role: "attn_q", "ffn_up"...) and
+    the rest in F32. Returns each written tensor's type by GGUF name."""
     config = json.loads((checkpoint / "config.json").read_text())
     tokenizer = json.loads((checkpoint / "tokenizer.json").read_text())
     template = json.loads((checkpoint / "tokenizer_config.json").read_text())["chat_template"]
@@ -60,24 +63,55 @@ def write_gguf(checkpoint: Path, file: Path) -> dict[str, gguf.GGMLQuantizationT
     writer.add_chat_template(template)
 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, layers)
-    types = {}
+    written = {}
     for hf_name, tensor in state.items():
         stem, _, suffix = hf_name.rpartition(".")
-        name = f"{names.get_name(stem)}.{suffix}"
+        role = names.get_name(stem)
+        name = f"{role}.{suffix}"
         data = tensor.numpy()
         if hf_name.endswith("q_proj.weight"):
             data = _llama_cpp_rows(data, heads)
         elif hf_name.endswith("k_proj.weight"):
             data = _llama_cpp_rows(data, kv_heads)
-        kind = QUANTIZED if data.ndim == 2 else gguf.GGMLQuantizationType.F32
-        stored = gguf.quants.quantize(data, kind) if kind is QUANTIZED else data
+        kind = (types or {}).get(role.split(".")[-1], QUANTIZED) if data.ndim == 2 else gguf.GGMLQuantizationType.F32
+        if kind == gguf.GGMLQuantizationType.Q4_K:  # the package has no Q4_K quantizer
+            stored = q4_k(data)
+        else:
+            stored = gguf.quants.quantize(data, kind) if data.ndim == 2 else data
         writer.add_tensor(name, stored, raw_dtype=kind)  # a quantized array's shape is in bytes
-        types[name] = kind
+        written[name] = kind
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return types
+    return written
+
+
+def q4_k(weight: np.ndarray) -> np.ndarray:
+    """[N, K] (K a multiple of 256) as Q4_K blocks, packed as ggml lays them out (the layout the
+    package's `Q4_K.dequantize_blocks` reads): per 256 values d, dmin (fp16), 12 bytes of eight
+    6-bit sub-block scales and mins, 128 bytes of 4-bit codes; weight = d * sc * q - dmin * m
+    per sub-block of 32. Round to nearest: no search, as the test needs valid blocks only."""
+    sub = weight.astype(np.float32).reshape(-1, 8, 32)
+    low = np.minimum(sub.min(-1), 0.0)
+    step, lift = (sub.max(-1) - low) / 15, -low  # each sub-block's scale and min
+    d = (step.max(-1, keepdims=True) / 63).astype(np.float16)
+    dmin = (lift.max(-1, keepdims=True) / 63).astype(np.float16)
+    sc = np.clip(np.rint(step / np.maximum(d.astype(np.float32), 1e-30)), 1, 63).astype(np.uint8)
+    mn = np.clip(np.rint(lift / np.maximum(dmin.astype(np.float32), 1e-30)), 0, 63).astype(np.uint8)
+    scale = (d.astype(np.float32) * sc)[..., None]
+    q = np.clip(np.rint((sub + (dmin.astype(np.float32) * mn)[..., None]) / scale), 0, 15).astype(np.uint8)
+    packed_scales = np.concatenate(
+        [
+            sc[:, :4] | (sc[:, 4:] >> 4) << 6,
+            mn[:, :4] | (mn[:, 4:] >> 4) << 6,
+            (sc[:, 4:] & 0x0F) | (mn[:, 4:] & 0x0F) << 4,
+        ],
+        axis=-1,
+    )
+    codes = (q[:, 0::2] | q[:, 1::2] << 4).reshape(-1, 128)  # sub-blocks 2c and 2c + 1 share 32 bytes
+    blocks = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), packed_scales, codes], axis=-1)
+    return blocks.reshape(weight.shape[0], -1)
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +226,77 @@ def test_a_link_to_a_gguf_file_keeps_its_own_name(tiny_gguf: Path, tmp_path: Pat
     ckpt = checkpoints.load(tmp_path / "snapshot")
     assert list(ckpt.source_hashes()) == ["model.gguf"]
     assert ckpt.config["model_type"] == "llama"
+
+
+# What each projection of the file below is stored as, and the form it must be imported in:
+# (GGUF type, MatMulNBits bits, whether a min term per block is added)
+T = gguf.GGMLQuantizationType
+MIXED = {
+    "attn_q": (T.Q4_K, 4, True),  # rows in llama.cpp's rotary order: the record's rows follow transformers'
+    "attn_k": (T.Q4_K, 4, True),
+    "attn_v": (T.Q4_K, 4, True),
+    "attn_output": (T.Q4_1, 4, True),
+    "ffn_gate": (T.Q5_1, 8, True),
+    "ffn_up": (T.Q5_0, 8, True),  # stacked with gate, whose min term it shares (zeros for its rows)
+    "ffn_down": (T.Q4_0, 4, False),
+    "token_embd": (T.Q8_0, 8, False),  # tied: the LM head and the lookup both read the table's codes
+}
+
+
+@pytest.mark.slow
+def test_a_gguf_files_quantized_tensors_are_imported_exactly_and_pass_the_float_gate(tmp_path: Path) -> None:
+    """Free-minimum k-quants and legacy types, mixed as llama.cpp mixes them, built without --weights:
+    every matrix keeps the file's codes (the manifest says how), and the artifact computes what
+    transformers computes from the file (the float32 gate) and generates the same tokens."""
+    from click.testing import CliRunner
+    from transformers import AutoModelForCausalLM
+
+    from runners import Engine
+    from tests.tiny import hf_greedy, make_checkpoint
+    from toolchain.cli import main
+
+    source = make_checkpoint(  # k-quants: K a multiple of 256
+        tmp_path / "ckpt", "llama", hidden_size=256, intermediate_size=256, tie_word_embeddings=True
+    )
+    file = tmp_path / "gguf" / "mixed.gguf"
+    file.parent.mkdir()
+    written = write_gguf(source, file, {role: kind for role, (kind, _, _) in MIXED.items()})
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["build", str(file), "-o", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    entry = manifest["imported_weights"]
+    assert (entry["method"], entry["file"]) == ("gguf", file.name)
+    assert entry["sha256"] == hashlib.sha256(file.read_bytes()).hexdigest()
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    matrices = [n for n in checkpoints.load(source).tensor_metadata() if n.endswith("proj.weight")] + ["lm_head.weight"]
+    # the table is looked up with its own codes too, and is the LM head's weight
+    embedding = entry["weights"].pop("model.embed_tokens.weight")
+    assert (embedding["stored_as"], embedding["form"], embedding["exact"], embedding["bits"]) == (
+        "Q8_0",
+        "gather_block_quantized",
+        True,
+        8,
+    )
+    assert [form["form"] for form in entry["weights"]["lm_head.weight"]["also"]] == ["gather_block_quantized"]
+    assert sorted(entry["weights"]) == sorted(matrices)
+    assert "output.weight" not in written
+    for hf_name, form in entry["weights"].items():
+        gguf_name = "token_embd" if hf_name == "lm_head.weight" else names.get_name(hf_name.rpartition(".")[0])
+        kind, bits, mins = MIXED[gguf_name.split(".")[-1]]
+        assert written[f"{gguf_name}.weight"] == kind
+        assert (form["stored_as"], form["exact"], form["bits"], form.get("mins", False)) == (
+            kind.name,
+            True,
+            bits,
+            mins,
+        )
+    assert manifest["flags"]["weights"] is None  # judged by the float gate, not the distribution bounds
+
+    engine = Engine.load(out)
+    prompt = [5, 17, 42, 8, 99, 3]
+    reference = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
+    assert engine.generate_tokens([prompt], max_new_tokens=12, temperature=0.0)[0] == hf_greedy(
+        reference.eval(), prompt, 12
+    )

@@ -1,5 +1,6 @@
-"""GGUF's quantized tensors as records: the exact types keep the file's codes and scales, the
-others are rounded as chosen; checked against the gguf package's own dequantization."""
+"""GGUF's quantized tensors as records: the exact types keep the file's codes and scales (the
+free-minimum ones with a float term per block), the others are rounded as chosen; checked
+against the gguf package's own dequantization."""
 
 from __future__ import annotations
 
@@ -28,23 +29,45 @@ def random_k_blocks(qtype: GGMLQuantizationType, block_bytes: int, halves: tuple
     return blocks.reshape(N, -1)
 
 
+# type -> (bytes per block, offsets of its fp16 fields) where the package has no quantizer:
+# any blocks with finite fp16 fields are valid ones
+K_BLOCKS = {T.Q6_K: (210, (208,)), T.Q4_K: (144, (0, 2)), T.Q5_K: (176, (0, 2)), T.Q3_K: (110, (108,))}
+
+
+def blocks_of(qtype: GGMLQuantizationType) -> np.ndarray:
+    if qtype in K_BLOCKS:
+        return random_k_blocks(qtype, *K_BLOCKS[qtype])
+    return quantize(RNG.standard_normal((N, K)).astype(np.float32), qtype)
+
+
 @pytest.mark.parametrize(
-    "qtype, bits, block",
-    [(T.Q4_0, 4, 32), (T.Q8_0, 8, 32), (T.Q5_0, 8, 32), (T.Q6_K, 8, 16)],
+    "qtype, bits, block, mins",
+    [
+        (T.Q4_0, 4, 32, False),
+        (T.Q8_0, 8, 32, False),
+        (T.Q5_0, 8, 32, False),
+        (T.Q6_K, 8, 16, False),
+        (T.Q4_1, 4, 32, True),
+        (T.Q5_1, 8, 32, True),
+        (T.Q4_K, 4, 32, True),
+        (T.Q5_K, 8, 32, True),
+    ],
 )
 def test_the_exact_types_keep_their_codes_and_dequantize_to_the_files_values(
-    qtype: GGMLQuantizationType, bits: int, block: int
+    qtype: GGMLQuantizationType, bits: int, block: int, mins: bool
 ) -> None:
-    if qtype == T.Q6_K:  # the package has no Q6_K quantizer: any blocks are valid ones
-        raw = random_k_blocks(qtype, 210, (208,))
-    else:
-        raw = quantize(RNG.standard_normal((N, K)).astype(np.float32), qtype)
+    raw = blocks_of(qtype)
     imported = decode(raw, qtype, (N, K))
     assert imported is not None and imported.exact
     q = imported.record
-    assert (q.bits, q.block_size, q.zero_points) == (bits, block, None)
+    assert (q.bits, q.block_size, q.zero_points, q.mins is not None) == (bits, block, None, mins)
     expected = dequantize(raw, qtype).reshape(N, K)
-    np.testing.assert_array_equal(q.dequantize(), expected)  # the same floats, not merely close
+    if mins:  # symmetric codes of the file's own, the min and the codes' centre a float term per block
+        width = 4 if qtype in (T.Q4_1, T.Q4_K) else 5
+        assert q.codes.min() >= -(2 ** (width - 1)) and q.codes.max() < 2 ** (width - 1)
+        np.testing.assert_allclose(q.dequantize(), expected, rtol=0, atol=1e-6 * np.abs(expected).max())
+    else:
+        np.testing.assert_array_equal(q.dequantize(), expected)  # the same floats, not merely close
     # and MatMulNBits computes with them: x @ the file's weight, to float accumulation
     model = projection_graph(K, N, expected)
     ImportQuantizedWeights({"w": q})(model)
@@ -53,16 +76,14 @@ def test_the_exact_types_keep_their_codes_and_dequantize_to_the_files_values(
     np.testing.assert_allclose(got, x @ expected.T, rtol=1e-5, atol=1e-5 * np.abs(x @ expected.T).max())
 
 
-@pytest.mark.parametrize("qtype, raw", [(T.Q4_1, None), (T.Q4_K, "k")])
-def test_a_free_minimum_is_rounded_as_chosen_and_said_so(qtype: GGMLQuantizationType, raw: str | None) -> None:
-    data = (
-        random_k_blocks(qtype, 144, (0, 2)) if raw else quantize(RNG.standard_normal((N, K)).astype(np.float32), qtype)
-    )
+@pytest.mark.parametrize("qtype", [T.Q3_K])
+def test_a_type_with_no_exact_form_is_rounded_as_chosen_and_said_so(qtype: GGMLQuantizationType) -> None:
+    data = blocks_of(qtype)
     values = dequantize(data, qtype).reshape(N, K)
     errors = {}
     for form, bits in (("int4", 4), ("int8", 8)):
         imported = decode(data, qtype, (N, K), form)
-        assert imported is not None and not imported.exact and "free minimum" in imported.reason
+        assert imported is not None and not imported.exact and "Q3_K" in imported.reason
         assert imported.record.bits == bits and imported.record.zero_points is not None
         blocks = values.reshape(N, -1, 32)
         span = np.maximum(blocks.max(-1), 0) - np.minimum(blocks.min(-1), 0)  # the range each block's codes cover
