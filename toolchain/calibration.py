@@ -47,6 +47,7 @@ WINDOWS = 64  # calibration windows of WINDOW tokens, spread evenly over the tex
 WINDOW = 256
 BATCH = 8  # windows per forward pass
 DAMPING = 0.1  # added to H's diagonal, as a fraction of its mean: held-out error fell with it (docs/pipeline.md)
+ACT_ORDER = False  # round the columns in decreasing order of activity, against scales chosen up front
 LAZY_COLUMNS = 128  # columns rounded before the rest of the weight is updated at once
 
 
@@ -269,19 +270,26 @@ def _quantize_module(module: torch.nn.Linear, hessian: torch.Tensor, block_size:
     """GPTQ of `module.weight` [N, K] against H [K, K]: its weight becomes the dequantized codes;
     returns the scales [N, ⌈K / block⌉] float32."""
     weight = module.weight.detach()
-    dequantized, scales = gptq(weight.to(torch.float32), hessian, block_size, damping, weight.dtype)
+    dequantized, scales = gptq(weight.to(torch.float32), hessian, block_size, damping, weight.dtype, ACT_ORDER)
     with torch.no_grad():
         module.weight.copy_(dequantized.to(weight.dtype))
     return scales
 
 
 def gptq(
-    weight: torch.Tensor, hessian: torch.Tensor, block_size: int, damping: float, dtype: torch.dtype
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    block_size: int,
+    damping: float,
+    dtype: torch.dtype,
+    act_order: bool = False,
 ) -> tuple[torch.Tensor, np.ndarray]:
     """(dequantized weight [N, K] float32, scales [N, ⌈K / block⌉] float32) of a [N, K] float32
     weight rounded to symmetric 4-bit codes column by column, each column's error fed to the
     columns after it through the upper Cholesky factor of H⁻¹; scales stored in `dtype` (the
-    weight's), as the pass stores them."""
+    weight's), as the pass stores them. `act_order`: every block's scale is chosen first, from the
+    weight as it is, and the columns are rounded in decreasing order of H's diagonal (the most
+    active inputs first, while the most columns are left to take their error)."""
     n, k = weight.shape
     pad = -k % block_size
     w = torch.nn.functional.pad(weight.clone(), (0, pad))
@@ -292,17 +300,26 @@ def gptq(
     diagonal[dead] = 1.0
     w[:, dead] = 0.0
     diagonal += damping * float(diagonal[~dead].mean()) if bool((~dead).any()) else 0.0
-    inverse = torch.cholesky_inverse(torch.linalg.cholesky(h))
-    u = torch.linalg.cholesky(inverse, upper=True).to(torch.float32)  # H⁻¹ = Uᵀ U
-    qmax = 2 ** (4 - 1) - 1
     stored = _scale_dtype(dtype)
     scales = np.empty((n, (k + pad) // block_size), np.float32)
+    order = None
+    if act_order:
+        blocks = w.numpy().reshape(n, -1, block_size)
+        scales[:] = symmetric_scales(blocks, 4, stored)
+        fixed = torch.from_numpy(scales)
+        order = torch.argsort(torch.diagonal(h), descending=True, stable=True)
+        w, h = w[:, order], h[order][:, order]
+    inverse = torch.cholesky_solve(torch.eye(k + pad, dtype=torch.float64), torch.linalg.cholesky(h))
+    u = torch.linalg.cholesky(inverse, upper=True).to(torch.float32)  # H⁻¹ = Uᵀ U
+    qmax = 2 ** (4 - 1) - 1
     out = torch.empty_like(w)
     for lazy in range(0, k + pad, LAZY_COLUMNS):
         end = min(lazy + LAZY_COLUMNS, k + pad)
         errors = torch.empty(n, end - lazy, dtype=torch.float32)
         for j in range(lazy, end):
-            if j % block_size == 0:
+            if order is not None:
+                step = fixed[:, int(order[j]) // block_size]
+            elif j % block_size == 0:
                 block = w[:, j : j + block_size].numpy()[:, None, :]
                 scale = symmetric_scales(block, 4, stored)
                 scales[:, j // block_size] = scale.reshape(n)
@@ -314,6 +331,8 @@ def gptq(
             w[:, j:end] -= error[:, None] * u[j, j:end][None, :]
             errors[:, j - lazy] = error
         w[:, end:] -= errors @ u[lazy:end, end:]
+    if order is not None:
+        out = out[:, torch.argsort(order)]
     return out[:, :k], scales
 
 

@@ -263,8 +263,8 @@ def _calibration(choice: str | None, quantization: Any) -> Any:
     "--weights",
     type=click.Choice(["int8", "int4"]),
     default=None,
-    help="Weight-only quantization of the MatMul weights and the token embeddings (round to nearest, block-wise). "
-    "Default: none.",
+    help="Weight-only quantization of the MatMul weights and the token embeddings (block-wise; int4 calibrated, "
+    "see --calibration). Default: none.",
 )
 @click.option(
     "--block-size", type=click.Choice(["32", "64", "128"]), default="32", show_default=True, help="Weights per scale."
