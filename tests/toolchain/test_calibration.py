@@ -38,11 +38,12 @@ def correlated_inputs(rows: int, features: int, seed: int) -> torch.Tensor:
     return torch.randn(rows, features, generator=generator) @ mixing + mean
 
 
-def test_error_feedback_beats_round_to_nearest_on_the_calibration_activations() -> None:
+@pytest.mark.parametrize("act_order", [False, True])
+def test_error_feedback_beats_round_to_nearest_on_the_calibration_activations(act_order: bool) -> None:
     torch.manual_seed(0)
     weight = torch.randn(48, 96) * 0.05
     x = correlated_inputs(2048, 96, seed=1)
-    dequantized, scales = calibration.gptq(weight, x.T @ x, 32, calibration.DAMPING, torch.float32)
+    dequantized, scales = calibration.gptq(weight, x.T @ x, 32, calibration.DAMPING, torch.float32, act_order)
     nearest = torch.from_numpy(quantize_blockwise(weight.numpy(), 4, 32, True).dequantize())
     exact = x @ weight.T
 
