@@ -46,8 +46,8 @@ METHOD = "gptq"
 WINDOWS = 64  # calibration windows of WINDOW tokens, spread evenly over the text
 WINDOW = 256
 BATCH = 8  # windows per forward pass
-DAMPING = 0.1  # added to H's diagonal, as a fraction of its mean: held-out error fell with it (docs/pipeline.md)
-ACT_ORDER = False  # round the columns in decreasing order of activity, against scales chosen up front
+DAMPING = 0.1  # added to H's diagonal, as a fraction of its mean: held-out error fell with it (docs/performance.md)
+ACT_ORDER = True  # round the columns in decreasing order of activity, against scales chosen up front
 LAZY_COLUMNS = 128  # columns rounded before the rest of the weight is updated at once
 
 
@@ -66,6 +66,7 @@ class CalibrationText:
     windows: int = WINDOWS
     window: int = WINDOW
     damping: float = DAMPING
+    act_order: bool = ACT_ORDER
 
     @classmethod
     def resolve(cls, choice: str | Path) -> CalibrationText | None:
@@ -95,6 +96,7 @@ class CalibrationText:
             "windows": self.windows,
             "window": self.window,
             "damping": self.damping,
+            "act_order": self.act_order,
         }
 
     def token_windows(self, tokenizer_dir: Path) -> torch.Tensor:
@@ -153,7 +155,9 @@ def calibrate(
         for found in group:
             assert found.hessian is not None
             for name, module in found.modules:
-                scales[f"{name}.weight"] = _quantize_module(module, found.hessian, weights.block_size, text.damping)
+                scales[f"{name}.weight"] = _quantize_module(
+                    module, found.hessian, weights.block_size, text.damping, text.act_order
+                )
             found.hessian = None  # freed with its group
     log.info(
         "calibrated %d weights on %d windows of %d tokens (%d forward passes)",
@@ -266,11 +270,13 @@ class _hooks:
             handle.remove()
 
 
-def _quantize_module(module: torch.nn.Linear, hessian: torch.Tensor, block_size: int, damping: float) -> np.ndarray:
+def _quantize_module(
+    module: torch.nn.Linear, hessian: torch.Tensor, block_size: int, damping: float, act_order: bool
+) -> np.ndarray:
     """GPTQ of `module.weight` [N, K] against H [K, K]: its weight becomes the dequantized codes;
     returns the scales [N, ⌈K / block⌉] float32."""
     weight = module.weight.detach()
-    dequantized, scales = gptq(weight.to(torch.float32), hessian, block_size, damping, weight.dtype, ACT_ORDER)
+    dequantized, scales = gptq(weight.to(torch.float32), hessian, block_size, damping, weight.dtype, act_order)
     with torch.no_grad():
         module.weight.copy_(dequantized.to(weight.dtype))
     return scales
