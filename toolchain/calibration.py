@@ -154,11 +154,11 @@ def calibrate(
         _collect(model, windows, group)
         for found in group:
             assert found.hessian is not None
+            factor = inverse_factor(found.hessian, weights.block_size, text.damping, text.act_order)
+            found.hessian = None  # H is freed as soon as its factor is made
             for name, module in found.modules:
-                scales[f"{name}.weight"] = _quantize_module(
-                    module, found.hessian, weights.block_size, text.damping, text.act_order
-                )
-            found.hessian = None  # freed with its group
+                scales[f"{name}.weight"] = _quantize_module(module, factor, weights.block_size)
+            del factor
     log.info(
         "calibrated %d weights on %d windows of %d tokens (%d forward passes)",
         len(scales),
@@ -270,16 +270,56 @@ class _hooks:
             handle.remove()
 
 
-def _quantize_module(
-    module: torch.nn.Linear, hessian: torch.Tensor, block_size: int, damping: float, act_order: bool
-) -> np.ndarray:
-    """GPTQ of `module.weight` [N, K] against H [K, K]: its weight becomes the dequantized codes;
-    returns the scales [N, ⌈K / block⌉] float32."""
-    weight = module.weight.detach()
-    dequantized, scales = gptq(weight.to(torch.float32), hessian, block_size, damping, weight.dtype, act_order)
+ROWS = 2048  # output rows rounded at a time: each row's rounding is its own, so the temporaries stay small
+
+
+def _quantize_module(module: torch.nn.Linear, factor: Factor, block_size: int) -> np.ndarray:
+    """GPTQ of `module.weight` [N, K], `ROWS` rows at a time: its weight becomes the dequantized
+    codes; returns the scales [N, ⌈K / block⌉] float32."""
+    weight = module.weight
+    n = weight.shape[0]
+    scales = np.empty((n, factor.blocks(block_size)), np.float32)
     with torch.no_grad():
-        module.weight.copy_(dequantized.to(weight.dtype))
+        for start in range(0, n, ROWS):
+            rows = slice(start, min(start + ROWS, n))
+            dequantized, scales[rows] = gptq_rows(weight[rows].to(torch.float32), factor, block_size, weight.dtype)
+            weight[rows] = dequantized.to(weight.dtype)
     return scales
+
+
+@dataclass(frozen=True)
+class Factor:
+    """What GPTQ needs of H [K, K], computed once for every weight that reads the same input:
+    the upper Cholesky factor U of (H + damping)⁻¹ (H⁻¹ = Uᵀ U), over K padded to whole blocks
+    and in the order the columns are rounded (`order`, None: their own); `dead`: inputs never
+    active (and the padding), in their own order."""
+
+    u: torch.Tensor
+    dead: torch.Tensor
+    order: torch.Tensor | None
+    k: int
+
+    def blocks(self, block_size: int) -> int:
+        return -(-self.k // block_size)
+
+
+def inverse_factor(hessian: torch.Tensor, block_size: int, damping: float, act_order: bool) -> Factor:
+    """`Factor` of H: `damping` times the mean of its diagonal added to it; `act_order`: the
+    columns rounded in decreasing order of H's diagonal (the most active inputs first, while the
+    most columns are left to take their error)."""
+    k = hessian.shape[0]
+    pad = -k % block_size
+    h = torch.zeros(k + pad, k + pad, dtype=torch.float64)
+    h[:k, :k] = hessian.to(torch.float64)
+    diagonal = torch.diagonal(h)
+    dead = diagonal == 0
+    diagonal[dead] = 1.0
+    diagonal += damping * float(diagonal[~dead].mean()) if bool((~dead).any()) else 0.0
+    order = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else None
+    if order is not None:
+        h = h[order][:, order]
+    inverse = torch.cholesky_solve(torch.eye(k + pad, dtype=torch.float64), torch.linalg.cholesky(h))
+    return Factor(torch.linalg.cholesky(inverse, upper=True).to(torch.float32), dead, order, k)
 
 
 def gptq(
@@ -291,32 +331,29 @@ def gptq(
     act_order: bool = False,
 ) -> tuple[torch.Tensor, np.ndarray]:
     """(dequantized weight [N, K] float32, scales [N, ⌈K / block⌉] float32) of a [N, K] float32
-    weight rounded to symmetric 4-bit codes column by column, each column's error fed to the
-    columns after it through the upper Cholesky factor of H⁻¹; scales stored in `dtype` (the
-    weight's), as the pass stores them. `act_order`: every block's scale is chosen first, from the
-    weight as it is, and the columns are rounded in decreasing order of H's diagonal (the most
-    active inputs first, while the most columns are left to take their error)."""
+    weight against H [K, K] (`inverse_factor`, `gptq_rows`)."""
+    return gptq_rows(weight, inverse_factor(hessian, block_size, damping, act_order), block_size, dtype)
+
+
+def gptq_rows(
+    weight: torch.Tensor, factor: Factor, block_size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, np.ndarray]:
+    """(dequantized [N, K] float32, scales [N, ⌈K / block⌉] float32) of [N, K] float32 rows
+    rounded to symmetric 4-bit codes column by column, each column's error fed to the columns
+    after it through `factor.u`; scales stored in `dtype` (the weight's), as the pass stores them.
+    In act order every block's scale is chosen first, from the weight as it is; otherwise each
+    block's when its first column comes, from the weight as the earlier errors have moved it."""
     n, k = weight.shape
     pad = -k % block_size
-    w = torch.nn.functional.pad(weight.clone(), (0, pad))
-    h = torch.zeros(k + pad, k + pad, dtype=torch.float64)
-    h[:k, :k] = hessian.to(torch.float64)
-    diagonal = torch.diagonal(h)
-    dead = diagonal == 0  # inputs never active (and the padding): their columns cost nothing
-    diagonal[dead] = 1.0
-    w[:, dead] = 0.0
-    diagonal += damping * float(diagonal[~dead].mean()) if bool((~dead).any()) else 0.0
+    w = torch.nn.functional.pad(weight, (0, pad)) if pad else weight.clone()  # never the caller's tensor
+    w[:, factor.dead] = 0.0
     stored = _scale_dtype(dtype)
     scales = np.empty((n, (k + pad) // block_size), np.float32)
-    order = None
-    if act_order:
-        blocks = w.numpy().reshape(n, -1, block_size)
-        scales[:] = symmetric_scales(blocks, 4, stored)
+    order, u = factor.order, factor.u
+    if order is not None:
+        scales[:] = symmetric_scales(w.numpy().reshape(n, -1, block_size), 4, stored)
         fixed = torch.from_numpy(scales)
-        order = torch.argsort(torch.diagonal(h), descending=True, stable=True)
-        w, h = w[:, order], h[order][:, order]
-    inverse = torch.cholesky_solve(torch.eye(k + pad, dtype=torch.float64), torch.linalg.cholesky(h))
-    u = torch.linalg.cholesky(inverse, upper=True).to(torch.float32)  # H⁻¹ = Uᵀ U
+        w = w[:, order]
     qmax = 2 ** (4 - 1) - 1
     out = torch.empty_like(w)
     for lazy in range(0, k + pad, LAZY_COLUMNS):
@@ -326,8 +363,7 @@ def gptq(
             if order is not None:
                 step = fixed[:, int(order[j]) // block_size]
             elif j % block_size == 0:
-                block = w[:, j : j + block_size].numpy()[:, None, :]
-                scale = symmetric_scales(block, 4, stored)
+                scale = symmetric_scales(w[:, j : j + block_size].numpy()[:, None, :], 4, stored)
                 scales[:, j // block_size] = scale.reshape(n)
                 step = torch.from_numpy(scale.reshape(n).astype(np.float32))
             column = w[:, j]

@@ -51,6 +51,12 @@ def test_error_feedback_beats_round_to_nearest_on_the_calibration_activations(ac
         return float(((x @ w.T - exact) ** 2).sum() / (exact**2).sum())
 
     assert error(dequantized) < 0.7 * error(nearest)
+    # each row is rounded on its own: a few rows at a time give the same values
+    factor = calibration.inverse_factor(x.T @ x, 32, calibration.DAMPING, act_order)
+    halves = [
+        calibration.gptq_rows(weight[rows], factor, 32, torch.float32)[0] for rows in (slice(0, 20), slice(20, 48))
+    ]
+    torch.testing.assert_close(torch.cat(halves), dequantized, rtol=0, atol=1e-6)
     # the values are codes times the scales: rounding against the scales gives the codes back
     q = quantize_with_scales(dequantized.numpy(), scales, 4, 32)
     assert q.codes.min() >= -8 and q.codes.max() <= 7
