@@ -176,3 +176,27 @@ def test_a_calibrated_build_records_its_text_and_rounding_to_nearest_does_not(
     assert "calibration" not in plain["flags"]
     assert "calibrated" not in {p.name: p.fusions for p in nearest.passes.passes}["QuantizeWeights"]
     assert calibrated.parity.passed and nearest.parity.passed
+
+
+def test_each_statistic_is_freed_once_its_weights_are_rounded(
+    tiny: Callable[[], torch.nn.Module], tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    found: list[calibration._Input] = []
+    alive: list[int] = []
+    inputs, factor = calibration._inputs, calibration.inverse_factor
+
+    def spy_inputs(*args: object) -> list[calibration._Input]:
+        found.extend(inputs(*args))  # type: ignore[arg-type]
+        return found
+
+    def spy_factor(*args: object) -> calibration.Factor:
+        alive.append(sum(f.hessian is not None for f in found))
+        return factor(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(calibration, "_inputs", spy_inputs)
+    monkeypatch.setattr(calibration, "inverse_factor", spy_factor)
+    one = 64 * 64 * 4  # the tiny model's hidden size: one attention input's statistic
+    calibration.calibrate(tiny(), small_text(), tiny_checkpoint("llama"), INT4, budget_bytes=2 * one)
+    assert len(alive) == len(found) > 2
+    assert max(alive) <= 2  # never more than one group's statistics at once
+    assert all(f.hessian is None for f in found)
