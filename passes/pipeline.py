@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassBase, PassResult, common
 from onnxscript.optimizer import fold_constants_ir
@@ -189,6 +190,7 @@ def quantize(
     moe: bool = False,
     choose: FormChooser | None = None,
     imported: dict[str, QuantizedWeight] | None = None,
+    scales: Mapping[str, np.ndarray] | None = None,
 ) -> list[PassBase]:
     """Weight-only quantization in the form the target's runtime reads (its record's
     `quantization_forms`: onnxruntime's MatMulNBits for its own targets, standard block-wise
@@ -196,9 +198,10 @@ def quantize(
     routed experts (`moe`) in the target's `expert_quantization` (passes/quantize_experts.py).
     Then the token-embedding table in the target's `embedding_form`, after the LM head so that a
     tied table shares the head's quantized initializers. `choose` picks each MatMulNBits
-    weight's block size and accuracy level (`toolchain.tune`); other forms ignore it."""
+    weight's block size and accuracy level (`toolchain.tune`); other forms ignore it. `scales`:
+    calibrated weights' scales by name (`toolchain.calibration`), which their codes are rounded against."""
     passes: list[PassBase] = [
-        weights.make_pass(target.quantization_form(weights.bits), choose, target.quantization_form(8))
+        weights.make_pass(target.quantization_form(weights.bits), choose, target.quantization_form(8), scales)
     ]
     if moe and target.expert_quantization is not None:
         passes.append(QuantizeExperts(weights.bits, weights.block_size, target.expert_quantization, weights.symmetric))
@@ -323,6 +326,7 @@ def phases(
     moe: bool = False,
     choose: FormChooser | None = None,
     imported: dict[str, QuantizedWeight] | None = None,
+    scales: Mapping[str, np.ndarray] | None = None,
 ) -> list[tuple[str, list[PassBase]]]:
     """The target's phases with their passes; quantization, when asked for, runs just before
     `finalize`, after the fusions and packing whose MatMuls it quantizes. `logits` is "keep"
@@ -340,7 +344,7 @@ def phases(
     result = [(phase, _make(make_passes, settings)) for phase, make_passes in (PHASES[p] for p in target.phases)]
     quantizing = import_quantized(target, imported, weights) if imported else []
     if weights is not None:
-        quantizing += quantize(target, weights, moe, choose, imported)
+        quantizing += quantize(target, weights, moe, choose, imported, scales)
     if quantizing:
         result.insert(len(result) - 1, ("quantize", quantizing))
     return result
@@ -375,6 +379,7 @@ def run(
     moe: bool = False,
     choose: FormChooser | None = None,
     imported: dict[str, QuantizedWeight] | None = None,
+    scales: Mapping[str, np.ndarray] | None = None,
 ) -> PassReport:
     """Run the pipeline of `target` (its record, `passes.targets`) on `model` in place and report
     what each pass did.
@@ -387,10 +392,11 @@ def run(
     `on_pass(done, total, name)` is called after each pass (progress). `moe`: the model has
     routed experts, which get the mixture-of-experts lowering and expert quantization.
     `choose` picks each MatMulNBits weight's block size and accuracy level (`report.kernel_forms`).
+    `scales`: calibrated weights' scales by name (`toolchain.calibration`).
     """
     expected = dict(expected or {})
     report = PassReport(target.name, histogram_before=histogram(model))
-    pipeline = phases(target, weights, capacity, dtype, logits, moe, choose, imported)
+    pipeline = phases(target, weights, capacity, dtype, logits, moe, choose, imported, scales)
     total = sum(len(passes) for _, passes in pipeline)
     for phase, passes in pipeline:
         for p in passes:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple, dataclass, replace
 
@@ -194,6 +194,28 @@ def _usable_cpus() -> int:
 SCALE_SEARCH = {4: (1.0, 0.95, 0.9, 0.85, 0.8, 0.75), 8: (1.0,)}
 
 
+def symmetric_scales(blocks: np.ndarray, bits: int, dtype: np.dtype) -> np.ndarray:
+    """The scale per block of `blocks` [..., block] that round-to-nearest takes (SCALE_SEARCH),
+    as stored in `dtype`: what a calibrated quantizer starts each block from."""
+    return _symmetric(blocks, bits, dtype)[0]
+
+
+def quantize_with_scales(weight: np.ndarray, scales: np.ndarray, bits: int, block_size: int) -> QuantizedWeight:
+    """Symmetric block-wise codes of a [N, K] weight against given scales [N, ⌈K / block⌉] (a
+    calibrated weight's: its values are its codes times these scales, so rounding gives them back)."""
+    n, k = weight.shape
+    pad = -k % block_size
+    qmax = 2 ** (bits - 1) - 1
+    stored = scales.astype(weight.dtype)
+    codes = np.empty((n, k), np.int8)
+    for start in range(0, n, 1024):  # float32 temporaries a chunk of rows at a time
+        rows = slice(start, min(start + 1024, n))
+        chunk = np.pad(weight[rows].astype(np.float32), ((0, 0), (0, pad))).reshape(-1, scales.shape[1], block_size)
+        step = stored[rows].astype(np.float32)[..., None]
+        codes[rows] = np.clip(np.rint(chunk / step), -qmax - 1, qmax).reshape(-1, k + pad)[:, :k]
+    return QuantizedWeight(codes, stored, None, bits, block_size)
+
+
 def _symmetric(blocks: np.ndarray, bits: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """(scale per block, codes in -2^(bits-1) .. 2^(bits-1) - 1) of `blocks` [..., block]: every
     code is used (the most negative one for a block whose largest magnitude is negative), with
@@ -297,6 +319,7 @@ class QuantizeWeights(InPlacePass):
         choose: FormChooser | None = None,
         int8: tuple[str, ...] = (),
         int8_form: str | None = None,
+        scales: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         super().__init__()
         if bits not in BITS or block_size not in BLOCK_SIZES or form not in FORMS:
@@ -319,12 +342,17 @@ class QuantizeWeights(InPlacePass):
         self.wider: list[str] = []  # weight names quantized to 8 bits by `int8`
         # quantized initializer (codes) name -> its form, (N, K), when `choose` picked it
         self.forms: dict[str, tuple[KernelForm, tuple[int, int]]] = {}
+        # weight name -> scales [N, ⌈K / block⌉] chosen against activations (`toolchain.calibration`),
+        # for symmetric 4-bit blocks of `block_size`; `calibrated` names the weights that took them
+        self._scales = {} if scales is None or bits != 4 or not symmetric else scales
+        self.calibrated: list[str] = []
 
     def call(self, model: ir.Model) -> PassResult:
         self.counts = Counter()
         self.skipped = {}
         self.wider = []
         self.forms = {}
+        self.calibrated = []
         graph = model.graph
         head = _lm_head(graph) if LM_HEAD in self._keep + self._int8 else None
         kept_head = head if LM_HEAD in self._keep else None
@@ -376,8 +404,15 @@ class QuantizeWeights(InPlacePass):
         per_channel = form == "dequantize_linear_channel"
         n, k = kernel.shape
         chosen = self._choose(n, k) if self._choose is not None and bits == self.bits else None
-        block = k if per_channel else self.block_size if chosen is None else chosen.block_size
-        q = quantize_blockwise(kernel, bits, block, self.symmetric)
+        scales = self._calibrated_scales(weight, n, k) if bits == 4 and not per_channel else None
+        if scales is not None:  # the calibrated codes keep their blocks; a chosen form, its accuracy level
+            chosen = None if chosen is None else KernelForm(self.block_size, chosen.accuracy_level)
+            q = quantize_with_scales(kernel, scales, bits, self.block_size)
+            self.calibrated.append(weight.name or "")
+            self.counts["calibrated"] += 1
+        else:
+            block = k if per_channel else self.block_size if chosen is None else chosen.block_size
+            q = quantize_blockwise(kernel, bits, block, self.symmetric)
         base = f"{weight.name}.q{bits}"
         if base in graph.initializers:  # the same weight, already quantized as read the other way
             base += ".t"
@@ -393,6 +428,18 @@ class QuantizeWeights(InPlacePass):
                 zero_point = None if zero_point is None else ir.tensor(zero_point.numpy().reshape(-1))
             tensors = [codes, scale, zero_point]
         return tuple(register_quantized(graph, base, tensors))
+
+    def _calibrated_scales(self, weight: ir.Value, n: int, k: int) -> np.ndarray | None:
+        """The calibrated scales of the [N, K] weight (a packed weight's: its parts', stacked), or
+        None where it has none (or they do not fit its shape: it is rounded to nearest)."""
+        if not self._scales:
+            return None
+        name = weight.name or ""
+        sources = [name] if name in self._scales else list(getattr(weight.const_value, "sources", ()))
+        if not sources or any(source not in self._scales for source in sources):
+            return None
+        scales = np.concatenate([self._scales[source] for source in sources])
+        return scales if scales.shape == (n, -(-k // self.block_size)) else None
 
     def _replace(
         self, graph: ir.Graph, node: ir.Node, inputs: tuple[ir.Value, ...], kn: tuple[int, int], bits: int, form: str
@@ -542,7 +589,13 @@ class WeightQuantization:
         """The MatMulNBits form every weight gets unless its form is chosen (`kvforge build --tune off`)."""
         return KernelForm(self.block_size, self.accuracy_level)
 
-    def make_pass(self, form: str, choose: FormChooser | None = None, int8_form: str | None = None) -> QuantizeWeights:
+    def make_pass(
+        self,
+        form: str,
+        choose: FormChooser | None = None,
+        int8_form: str | None = None,
+        scales: Mapping[str, np.ndarray] | None = None,
+    ) -> QuantizeWeights:
         return QuantizeWeights(
             self.bits,
             self.block_size,
@@ -553,6 +606,7 @@ class WeightQuantization:
             choose,
             self.int8,
             int8_form if self.int8 else None,
+            scales,
         )
 
 

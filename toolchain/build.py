@@ -32,6 +32,7 @@ from runners.contract import KEEP_INPUT, DecoderIO
 from runners.errors import ArtifactError, ParityError
 from runners.manifest import MANIFEST
 from runners.session import Session
+from toolchain import calibration as calibrating
 from toolchain import checkpoint as checkpoints
 from toolchain import emit, hashing, manifest, moe_graph, prequantized, progress, stamp
 from toolchain import tune as tuning
@@ -89,6 +90,13 @@ class BuildOptions:
     # weight), "fast" or "full" (timed on this machine, `toolchain.tune`)
     tune: str = tuning.DEFAULT_MODE
     tune_cache: Path | None = None  # the timing cache's file (None: `toolchain.tune.cache_path()`)
+    # The text symmetric int4 weights are calibrated on (`toolchain.calibration`; the CLI's
+    # default is the text kvforge ships); None: rounded to nearest
+    calibration: calibrating.CalibrationText | None = None
+
+    @property
+    def calibrating(self) -> bool:
+        return self.calibration is not None and calibrating.calibratable(self.weights)
 
     def flags(self) -> dict[str, Any]:
         """What determines the artifact's bytes (not `force`, which only says where they may go)."""
@@ -109,6 +117,7 @@ class BuildOptions:
             )
             | ({} if self.stamp else {"stamp": False})
             | ({} if self.tune == tuning.DEFAULT_MODE else {"tune": self.tune})  # absent when off, as before
+            | ({"calibration": self.calibration.to_dict()} if self.calibration and self.calibrating else {})
         )
 
 
@@ -154,6 +163,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
         model = eager_model(ckpt, spec, getattr(torch, options.dtype))
     with _timed(seconds, "reference"):  # the eager side of the gate, now: its weights are freed before verify
         gate = record_gate(eager_session(model, spec, io), options.flags(), spec, ckpt.path)
+    scales = _calibrate(model, ckpt, options, seconds)
     models = [model]  # the compilation takes the last reference: its weights can go once lowered
     del model
     # the sources' hashes, on a core that export and lowering leave idle (after the reference,
@@ -161,7 +171,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     with hashing.Pending(ckpt.input_files()) as sources:
         try:
             return _compile(
-                models, checkpoint_dir, output, options, ckpt, spec, io, gate, seconds, options.stamp, sources
+                models, checkpoint_dir, output, options, ckpt, spec, io, gate, seconds, options.stamp, sources, scales
             )
         except _StampedGraphRefused as e:
             refused = str(e)
@@ -175,6 +185,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
         log.info("the stamped graph failed the parity gate (%s); lowering the whole stack", refused)
         with _timed(seconds, "load"):
             models = [eager_model(ckpt, spec, getattr(torch, options.dtype))]
+        scales = _calibrate(models[0], ckpt, options, seconds)  # the same scales and codes again
         return _compile(
             models,
             checkpoint_dir,
@@ -187,6 +198,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
             seconds,
             False,
             sources,
+            scales,
             _REFUSED,
         )
 
@@ -203,6 +215,7 @@ def _compile(
     seconds: dict[str, float],
     stamping: bool,
     sources: hashing.Pending,
+    scales: dict[str, Any] | None = None,
     reason: str = "stamping is off",
 ) -> BuildResult:
     """Lower, run the passes, emit, verify and publish the eager model in `models` (taken).
@@ -235,8 +248,9 @@ def _compile(
                 moe=moe_layers > 0,
                 choose=tuner,
                 imported=exact,
+                scales=scales,
             )
-            del exact
+            del exact, scales
         except UnsupportedByTensorRT as e:
             raise ArtifactError(f"{checkpoint_dir}: {e}") from e
     header = ckpt.quantization_header()
@@ -315,6 +329,17 @@ def _compile(
 
 
 _REFUSED = "the stamped graph failed the parity gate"
+
+
+def _calibrate(
+    model: torch.nn.Module, ckpt: checkpoints.Checkpoint, options: BuildOptions, seconds: dict[str, float]
+) -> dict[str, Any] | None:
+    """Calibrated scales of the symmetric int4 weights (the eager model's weights become their
+    codes' values), or None where the build does not calibrate."""
+    if options.calibration is None or options.weights is None or not options.calibrating:
+        return None
+    with _timed(seconds, "calibrate"):
+        return calibrating.calibrate(model, options.calibration, ckpt.path, options.weights)
 
 
 def _check_tune(options: BuildOptions) -> None:

@@ -211,6 +211,24 @@ def main(verbose: bool) -> None:
         logging.getLogger(ours).setLevel(logging.INFO if verbose else logging.WARNING)
 
 
+def _calibration(choice: str | None, quantization: Any) -> Any:
+    """--calibration: the text a symmetric int4 build calibrates on, None where the build rounds to
+    nearest (the default); refused where it has nothing to calibrate."""
+    from toolchain.calibration import BUILTIN, NONE, CalibrationText, calibratable
+
+    if choice is None or choice == NONE:
+        return None
+    if not calibratable(quantization):
+        raise click.BadParameter(
+            f"{choice}: calibration chooses symmetric int4 weights; this build is "
+            f"{'asymmetric ' if quantization is not None and quantization.bits == 4 else ''}"
+            f"{quantization.name if quantization is not None else 'unquantized'}: add --weights int4 (without "
+            "--asymmetric), or drop --calibration",
+            param_hint="--calibration",
+        )
+    return CalibrationText.resolve(choice)
+
+
 @main.command()
 @click.argument("checkpoint", type=_CHECKPOINT)
 @_REVISION
@@ -245,13 +263,21 @@ def main(verbose: bool) -> None:
     "--weights",
     type=click.Choice(["int8", "int4"]),
     default=None,
-    help="Weight-only quantization of the MatMul weights and the token embeddings (round to nearest, block-wise). "
-    "Default: none.",
+    help="Weight-only quantization of the MatMul weights and the token embeddings (block-wise; int4 calibrated, "
+    "see --calibration). Default: none.",
 )
 @click.option(
     "--block-size", type=click.Choice(["32", "64", "128"]), default="32", show_default=True, help="Weights per scale."
 )
 @click.option("--asymmetric", is_flag=True, help="Quantize with a zero point per block (default: symmetric).")
+@click.option(
+    "--calibration",
+    metavar="builtin|none|FILE",
+    default=None,
+    help="With --weights int4 (symmetric): the text whose activations choose each weight's scales and codes "
+    "(GPTQ-style error feedback; the build takes minutes longer). builtin: the text kvforge ships; none: round to "
+    "nearest (the default); or a UTF-8 text file. Recorded in the manifest with its sha256.",
+)
 @click.option(
     "--tune",
     type=click.Choice(list(tuning.MODES)),
@@ -326,6 +352,7 @@ def build(
     weights: str | None,
     block_size: str,
     asymmetric: bool,
+    calibration: str | None,
     tune: str,
     keep: tuple[str, ...],
     int8: tuple[str, ...],
@@ -376,6 +403,7 @@ def build(
         )
     if weights is not None:
         quantization = WeightQuantization(int(weights[3:]), int(block_size), not asymmetric, keep, int8=int8)
+    calibration_text = _calibration(calibration, quantization)
     options = BuildOptions(
         force=force,
         allow_pickle=allow_pickle,
@@ -393,6 +421,7 @@ def build(
         logits=logits,
         stamp=not whole_stack,
         tune=tune,
+        calibration=calibration_text,
     )
     verbose = bool(click.get_current_context().find_root().params.get("verbose"))
     # -v logs a line as each stage starts and ends: a progress display would say it all again
