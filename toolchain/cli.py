@@ -214,7 +214,7 @@ def main(verbose: bool) -> None:
 def _calibration(choice: str | None, quantization: Any) -> Any:
     """--calibration: the text a symmetric int4 build calibrates on, None where the build rounds to
     nearest (the default); refused where it has nothing to calibrate."""
-    from toolchain.calibration import BUILTIN, NONE, CalibrationText, calibratable
+    from toolchain.calibration import NONE, CalibrationText, calibratable
 
     if choice is None or choice == NONE:
         return None
