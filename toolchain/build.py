@@ -20,10 +20,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 import torch
 
 from passes import pipeline
+from passes.kv_cache import KV_DTYPES, KVCacheRefused, QuantizeKVCache
 from passes.pipeline import PassReport
 from passes.quantize import WeightQuantization
 from passes.targets import DEFAULT_TARGET, TARGETS, TENSORRT_ENGINE, Target
@@ -32,9 +34,11 @@ from runners.contract import DecoderIO
 from runners.errors import ArtifactError, ParityError
 from runners.manifest import MANIFEST
 from runners.session import Session
+from runners.tokenizer import TokenizerBundle
 from toolchain import checkpoint as checkpoints
-from toolchain import emit, hashing, manifest, moe_graph, prequantized, progress, stamp
+from toolchain import emit, hashing, kv_scales, manifest, moe_graph, prequantized, progress, stamp
 from toolchain import tune as tuning
+from toolchain.calibration_text import calibration_text
 from toolchain.emit import genai
 from toolchain.emit import tensorrt as trt_engine
 from toolchain.export import eager_model, export_decoder, layer_windows, read_spec
@@ -86,6 +90,9 @@ class BuildOptions:
     # weight), "fast" or "full" (timed on this machine, `toolchain.tune`)
     tune: str = tuning.DEFAULT_MODE
     tune_cache: Path | None = None  # the timing cache's file (None: `toolchain.tune.cache_path()`)
+    # The KV cache's storage: None, the compute dtype; "int8", codes with static per-channel scales
+    # calibrated on the eager model (`toolchain.kv_scales`), judged by the distribution gate
+    kv_dtype: str | None = None
 
     def flags(self) -> dict[str, Any]:
         """What determines the artifact's bytes (not `force`, which only says where they may go)."""
@@ -106,6 +113,7 @@ class BuildOptions:
             )
             | ({} if self.stamp else {"stamp": False})
             | ({} if self.tune == tuning.DEFAULT_MODE else {"tune": self.tune})  # absent when off, as before
+            | ({} if self.kv_dtype is None else {"kv_dtype": self.kv_dtype})  # absent by default, as before
         )
 
 
@@ -130,10 +138,11 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
         )
     if options.dtype not in DTYPES.values():
         raise ArtifactError(f"unknown dtype {options.dtype!r}; choose one of {', '.join(DTYPES.values())}")
-    check_tolerance(options.tolerance, options.weights is not None)
+    check_tolerance(options.tolerance, options.weights is not None or options.kv_dtype is not None)
     if options.logits not in pipeline.LOGITS_POSITIONS:
         raise ArtifactError(f"logits must be one of {', '.join(pipeline.LOGITS_POSITIONS)}, got {options.logits!r}")
     _check_tune(options)
+    _check_kv_dtype(options)
     check_output(output, options.force)
     check_writable(output)
     return_freed_memory()
@@ -151,7 +160,10 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     with _timed(seconds, "load"):
         model = eager_model(ckpt, spec, getattr(torch, options.dtype))
     with _timed(seconds, "reference"):  # the eager side of the gate, now: its weights are freed before verify
-        gate = record_gate(eager_session(model, spec, io), options.flags(), spec, ckpt.path)
+        reference = eager_session(model, spec, io)
+        gate = record_gate(reference, options.flags(), spec, ckpt.path)
+        cache_scales = None if options.kv_dtype is None else calibrated_kv_scales(reference, ckpt.path)
+        del reference
     models = [model]  # the compilation takes the last reference: its weights can go once lowered
     del model
     # the sources' hashes, on a core that export and lowering leave idle (after the reference,
@@ -159,7 +171,18 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     with hashing.Pending(ckpt.input_files()) as sources:
         try:
             return _compile(
-                models, checkpoint_dir, output, options, ckpt, spec, io, gate, seconds, options.stamp, sources
+                models,
+                checkpoint_dir,
+                output,
+                options,
+                ckpt,
+                spec,
+                io,
+                gate,
+                seconds,
+                options.stamp,
+                sources,
+                cache_scales=cache_scales,
             )
         except _StampedGraphRefused as e:
             refused = str(e)
@@ -186,6 +209,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
             False,
             sources,
             _REFUSED,
+            cache_scales=cache_scales,
         )
 
 
@@ -202,6 +226,7 @@ def _compile(
     stamping: bool,
     sources: hashing.Pending,
     reason: str = "stamping is off",
+    cache_scales: dict[str, np.ndarray] | None = None,
 ) -> BuildResult:
     """Lower, run the passes, emit, verify and publish the eager model in `models` (taken).
     `sources`: the checkpoint's hashes, being computed; the artifact's are, while the gate runs."""
@@ -237,6 +262,12 @@ def _compile(
             del exact
         except UnsupportedByTensorRT as e:
             raise ArtifactError(f"{checkpoint_dir}: {e}") from e
+    if cache_scales is not None:
+        try:
+            QuantizeKVCache(cache_scales)(onnx_model)
+        except KVCacheRefused as e:
+            raise ArtifactError(f"{checkpoint_dir}: --kv-dtype {options.kv_dtype}: {e}") from e
+        io = replace(io, kv_dtype=str(options.kv_dtype))
     imported_entry = (
         None
         if ckpt.quantization is None
@@ -262,7 +293,7 @@ def _compile(
             # the files are final (the gate only reads the graph): hashed while it runs
             emitted = helpers.enter_context(hashing.Pending(staging.iterdir()))
             provider = gate_provider(target.providers)
-            unquantized = options.weights is None and not pass_report.imported
+            unquantized = options.weights is None and not pass_report.imported and options.kv_dtype is None
             with _timed(seconds, "verify"), verifiable(staging, graph_io, unquantized, provider) as session:
                 report = gate(progress.CountedSession(session))
                 if lowering.stamped and not report.passed:
@@ -309,6 +340,29 @@ def _compile(
 
 
 _REFUSED = "the stamped graph failed the parity gate"
+
+
+def _check_kv_dtype(options: BuildOptions) -> None:
+    """--kv-dtype int8 needs onnxruntime's GroupQueryAttention, whose kernel reads an int8 cache."""
+    if options.kv_dtype is None:
+        return
+    if options.kv_dtype not in KV_DTYPES:
+        raise ArtifactError(f"--kv-dtype {options.kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}, or leave it out")
+    if ("com.microsoft", "GroupQueryAttention") not in options.target.in_place_cache_ops:
+        able = ", ".join(
+            name for name, t in TARGETS.items() if ("com.microsoft", "GroupQueryAttention") in t.in_place_cache_ops
+        )
+        raise ArtifactError(
+            f"--kv-dtype {options.kv_dtype}: --target {options.target.name} keeps its cache in the compute dtype; "
+            f"an int8 cache is onnxruntime's GroupQueryAttention's (--target {able}): change --target, or drop "
+            "--kv-dtype"
+        )
+
+
+def calibrated_kv_scales(reference: Session, tokenizer_dir: Path) -> dict[str, np.ndarray]:
+    """The int8 cache's scales from the eager model's cache over the calibration text's windows."""
+    encode = TokenizerBundle.load(tokenizer_dir).encode
+    return kv_scales.calibrate(reference, kv_scales.windows(encode(calibration_text()), reference.io.vocab_size))
 
 
 def _check_tune(options: BuildOptions) -> None:

@@ -251,6 +251,14 @@ def main(verbose: bool) -> None:
 @click.option(
     "--block-size", type=click.Choice(["32", "64", "128"]), default="32", show_default=True, help="Weights per scale."
 )
+@click.option(
+    "--kv-dtype",
+    type=click.Choice(["int8"]),
+    default=None,
+    help="Keep the KV cache as int8 codes with per-channel scales calibrated at build time (a quarter of a float32 "
+    "cache's bytes; onnxruntime's GroupQueryAttention: --target ort-cpu or ort-cuda). Judged by the distribution "
+    "gate. Default: the compute dtype.",
+)
 @click.option("--asymmetric", is_flag=True, help="Quantize with a zero point per block (default: symmetric).")
 @click.option(
     "--tune",
@@ -325,6 +333,7 @@ def build(
     dtype: str | None,
     weights: str | None,
     block_size: str,
+    kv_dtype: str | None,
     asymmetric: bool,
     tune: str,
     keep: tuple[str, ...],
@@ -393,6 +402,7 @@ def build(
         logits=logits,
         stamp=not whole_stack,
         tune=tune,
+        kv_dtype=kv_dtype,
     )
     verbose = bool(click.get_current_context().find_root().params.get("verbose"))
     # -v logs a line as each stage starts and ends: a progress display would say it all again
