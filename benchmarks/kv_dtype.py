@@ -1,6 +1,7 @@
 """What a quantized KV cache would buy on onnxruntime's CPU `GroupQueryAttention`, per context length.
 
     python benchmarks/kv_dtype.py [--contexts 4096 8192 16384 32768] [--rounds 7] [--threads 2]
+    python benchmarks/kv_dtype.py --artifacts FLOAT_ART INT8_ART [--contexts ...]
 
 onnxruntime's CPU `GroupQueryAttention` (com.microsoft) takes its past/present cache as int8, or
 as int4 packed two codes to a byte, with static `k_scale` / `v_scale` inputs (`k_quant_type` /
@@ -14,6 +15,11 @@ are each channel's (or the whole tensor's) largest magnitude over the cache: the
 build would calibrate, here fitted to the very data they encode, so the errors are a floor.
 
 Each form's session runs the same feeds; rounds alternate the forms and the figures are medians.
+
+With `--artifacts`, the same for whole built artifacts (one built without `--kv-dtype`, one with
+`--kv-dtype int8`, from one checkpoint): one decode step of the artifact's graph, batch 1, after a
+past of N positions (a cache of N + 1 positions holding random values, or codes), through the
+runner's `OrtSession` as generation runs it; the artifacts alternate within each round.
 """
 
 from __future__ import annotations
@@ -22,10 +28,15 @@ import argparse
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
+
+from runners.engine import Engine
+from runners.generate import empty_cache, forward
 
 HEADS, KV_HEADS, HEAD_DIM = 12, 4, 64
 OUTLIER_CHANNELS, OUTLIER_SCALE = 4, 10.0
@@ -60,7 +71,7 @@ def _graph(form: Form, capacity: int) -> bytes:
         info("total_sequence_length", TensorProto.INT32, []),
     ]
     names = [i.name for i in inputs]
-    attributes: dict[str, object] = {"num_heads": HEADS, "kv_num_heads": KV_HEADS}
+    attributes: dict[str, Any] = {"num_heads": HEADS, "kv_num_heads": KV_HEADS}
     if form.bits:
         scales = [KV_HEADS * HEAD_DIM] if form.per_channel else [1]
         inputs += [info("k_scale", TensorProto.FLOAT, scales), info("v_scale", TensorProto.FLOAT, scales)]
@@ -138,12 +149,51 @@ def measure(capacity: int, rounds: int, threads: int) -> dict[str, tuple[float, 
     }
 
 
+def measure_artifacts(paths: list[Path], capacity: int, rounds: int) -> list[float]:
+    """Each artifact's median decode step (ms) after `capacity - 1` cached positions."""
+    sessions = []
+    for path in paths:
+        sessions.append(Engine.load(path).session)
+    rng = np.random.default_rng(capacity)
+    feeds = []
+    for session in sessions:
+        io = session.io
+        cache = empty_cache(io, 1, capacity)
+        for name in io.cache_names:
+            tensor = cache[name]
+            if io.kv_dtype == "int8":
+                tensor[...] = rng.integers(-127, 128, size=tensor.shape, dtype=np.int8)
+            else:
+                tensor[...] = rng.standard_normal(tensor.shape).astype(tensor.dtype)
+        mask = np.ones((1, capacity), dtype=np.int64)
+        ids = np.array([[3]], dtype=np.int64)
+        feeds.append((ids, mask, cache))
+    times: list[list[float]] = [[] for _ in paths]
+    for _ in range(rounds):
+        for index, (session, (ids, mask, cache)) in enumerate(zip(sessions, feeds)):
+            start = time.perf_counter()
+            forward(session, ids, mask, cache)
+            times[index].append(time.perf_counter() - start)
+    return [statistics.median(t) * 1e3 for t in times]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--artifacts", type=Path, nargs="+", help="time built artifacts instead of one node")
     args = parser.parse_args()
+    if args.artifacts:
+        names = [str(p) for p in args.artifacts]
+        print(f"decode step after N cached positions, median of {args.rounds}")
+        print("| context | " + " | ".join(names) + " |")
+        print("|---|" + "---|" * len(names))
+        for capacity in args.contexts:
+            steps = measure_artifacts(args.artifacts, capacity, args.rounds)
+            cells = [f"{steps[0]:.1f} ms"] + [f"{t:.1f} ms ({steps[0] / t:.2f}×)" for t in steps[1:]]
+            print(f"| {capacity} | " + " | ".join(cells) + " |")
+        return
     print(f"onnxruntime {ort.__version__}, {args.threads} threads, median of {args.rounds}")
     print("| context | " + " | ".join(f.name for f in FORMS) + " |")
     print("|---|" + "---|" * len(FORMS))
