@@ -3,8 +3,7 @@
     python benchmarks/kv_dtype.py [--contexts 4096 8192 16384 32768] [--rounds 7] [--threads 2]
     python benchmarks/kv_dtype.py --artifacts FLOAT_ART INT8_ART [--contexts ...]
 
-onnxruntime's CPU `GroupQueryAttention`
-(com.microsoft) takes its past/present cache as int8 with static `k_scale` / `v_scale` inputs
+onnxruntime's CPU `GroupQueryAttention` (com.microsoft) takes its past/present cache as int8 with static `k_scale` / `v_scale` inputs
 (`k_quant_type` / `v_quant_type` PER_TENSOR or PER_CHANNEL, `kv_cache_bit_width` 8): the kernel
 reads the codes and dequantizes them itself. (Its schema also names a 4-bit width, two codes to a
 byte; that form is not timed here.) This times one decode step (batch 1, one new position) of one
