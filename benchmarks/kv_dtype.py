@@ -3,16 +3,17 @@
     python benchmarks/kv_dtype.py [--contexts 4096 8192 16384 32768] [--rounds 7] [--threads 2]
     python benchmarks/kv_dtype.py --artifacts FLOAT_ART INT8_ART [--contexts ...]
 
-onnxruntime's CPU `GroupQueryAttention` (com.microsoft) takes its past/present cache as int8 with static `k_scale` / `v_scale` inputs
-(`k_quant_type` / `v_quant_type` PER_TENSOR or PER_CHANNEL, `kv_cache_bit_width` 8): the kernel
-reads the codes and dequantizes them itself. (Its schema also names a 4-bit width, two codes to a
-byte; that form is not timed here.) This times one decode step (batch 1, one new position) of one
-attention layer with a past of N positions, float32 cache against the quantized forms, and says
-how far each form's output lands from the float32 cache's. The shapes are the 125M reference's (12
-query heads, 4 key/value heads of 64). The cache holds random keys and values with a few outlier
-channels, as real keys have (a handful of channels ten times the others), and the scales are each
-channel's (or the whole tensor's) largest magnitude over the cache: the static scales a build
-would calibrate, here fitted to the very data they encode, so the errors are a floor.
+onnxruntime's CPU `GroupQueryAttention` (com.microsoft) takes its past/present cache as int8 with
+static `k_scale` / `v_scale` inputs (`k_quant_type` / `v_quant_type` PER_TENSOR or PER_CHANNEL,
+`kv_cache_bit_width` 8): the kernel reads the codes and dequantizes them itself. (Its schema also
+names a 4-bit width, two codes to a byte; that form is not timed here.) This times one decode step
+(batch 1, one new position) of one attention layer with a past of N positions, float32 cache
+against the quantized forms, and says how far each form's output lands from the float32 cache's.
+The shapes are the 125M reference's (12 query heads, 4 key/value heads of 64). The cache holds
+random keys and values with a few outlier channels, as real keys have (a handful of channels ten
+times the others), and the scales are each channel's (or the whole tensor's) largest magnitude
+over the cache: the static scales a build would calibrate, here fitted to the very data they
+encode, so the errors are a floor.
 
 Each form's session runs the same feeds; rounds alternate the forms and the figures are medians.
 
