@@ -4,8 +4,8 @@ per-channel scales a build calibrates on the eager model."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +19,7 @@ from runners.engine import Engine
 from runners.errors import ArtifactError
 from runners.generate import empty_cache, forward
 from runners.session import OrtSession
+from tests.serve.test_scheduler import collect, request, scheduler_for, solo
 from toolchain import kv_scales
 from toolchain.build import BuildOptions, build
 
@@ -89,8 +90,18 @@ def test_the_example_model_answers_as_with_a_float_cache(example_artifact: Path,
     example = Path(__file__).resolve().parents[2] / "examples" / "model"
     int8 = build(example, tmp_path / "out", BuildOptions(kv_dtype="int8")).output
     prompt = "def fibonacci(n):"
-    quantized = Engine.load(int8).generate(prompt, max_new_tokens=24, temperature=0.0)
+    engine = Engine.load(int8)
+    quantized = engine.generate(prompt, max_new_tokens=24, temperature=0.0)
     assert quantized == Engine.load(example_artifact).generate(prompt, max_new_tokens=24, temperature=0.0)
+    # the server's continuous batch holds int8 rows too: each row as generated alone
+    prompts = [prompt, "class Point:", "import os\nimport sys"]
+    scheduler = scheduler_for(engine)
+    try:
+        requests = [request(engine, p, 12) for p in prompts]
+        scheduler.submit(*requests)
+        assert [collect(r)[0] for r in requests] == [solo(engine, p, 12)[0] for p in prompts]
+    finally:
+        scheduler.stop()
 
 
 def test_a_target_without_groupqueryattention_is_refused_before_loading(tmp_path: Path) -> None:
