@@ -3,7 +3,7 @@
     python benchmarks/serve_speculative.py ARTIFACT [--new 96] [--rounds 5] [--draft-tokens 8]
                                            [--speculative prompt-lookup|draft:PATH] [--speculative-rows 1]
 
-ARTIFACT is built with `kvforge build ... --logits all`. Two servers run side by side on free
+ARTIFACT is built with `kvforge build` (the defaults). Two servers run side by side on free
 loopback ports, one plain and one with `--speculative`. Per round and per prompt set (the
 edit-like and open prompts of benchmarks/speculative.py), each server gets the set's prompts
 one after another (concurrency 1) and then all at once (concurrency 4), greedy and streamed

@@ -3,7 +3,7 @@
     python benchmarks/speculative.py ARTIFACT [--new 96] [--repeats 5] [--draft-tokens 4 8]
                                      [--speculative prompt-lookup|draft:PATH]
 
-ARTIFACT is built with `kvforge build ... --logits all`. Each prompt is generated greedily
+ARTIFACT is built with `kvforge build` (the defaults; `--logits last` is refused). Each prompt is generated greedily
 plain and with speculation, in turn, --repeats times; the decode speed of one run is
 `GenerationStats.decode_tokens_per_s` (tokens after the first per second after the first),
 and a prompt's ratio is the median speculative speed over the median plain speed. The

@@ -49,8 +49,9 @@ from passes.tensorrt_check import RequireTensorRT
 from passes.weight_layout import FoldWeightTransposes
 
 # The positions a graph returns logits for (runners.contract's LOGITS_POSITIONS, the
-# manifest's io.logits_positions): the last one only, or every one.
-LOGITS_POSITIONS = ("last", "all")
+# manifest's io.logits_positions): as many last ones as its `logits_to_keep` input says
+# (default 1), the last one only, or every one.
+LOGITS_POSITIONS = ("keep", "last", "all")
 
 # Constant folding only touches tensors up to this many elements: shape arithmetic and
 # small tables fold, weight matrices keep their checkpoint names.
@@ -132,12 +133,15 @@ def canonicalize() -> list[PassBase]:
     ]
 
 
-def fuse(logits: str = "last") -> list[PassBase]:
+def fuse(logits: str = "keep") -> list[PassBase]:
     """Patterns of many small ops become the standard ONNX ops that name them; with `logits`
-    "last" (the default) the LM head runs on the last position only, with "all" on every one
-    (what a speculative verify step reads)."""
+    "keep" (the default) the LM head runs on the last `logits_to_keep` positions (an input,
+    default 1: a prefill computes one row, a speculative verify step every row it feeds), with
+    "last" on the last position only, with "all" on every one."""
     fusions: list[PassBase] = [norm_fusion(), gelu_fusion(), rotary_fusion(), attention_fusion()]
-    return fusions + [LastPositionLogits()] if logits == "last" else fusions
+    if logits == "all":
+        return fusions
+    return [*fusions, LastPositionLogits(to_keep=logits == "keep")]
 
 
 def pack() -> list[PassBase]:
@@ -311,20 +315,23 @@ def phases(
     weights: WeightQuantization | None = None,
     capacity: int | None = None,
     dtype: str = "float32",
-    logits: str = "last",
+    logits: str = "keep",
     moe: bool = False,
     choose: FormChooser | None = None,
     imported: dict[str, QuantizedWeight] | None = None,
 ) -> list[tuple[str, list[PassBase]]]:
     """The target's phases with their passes; quantization, when asked for, runs just before
-    `finalize`, after the fusions and packing whose MatMuls it quantizes. `logits` is "last"
-    (the LM head on the last position only) or "all" (every position). `moe`: the model has
+    `finalize`, after the fusions and packing whose MatMuls it quantizes. `logits` is "keep"
+    (the LM head on the last `logits_to_keep` positions, an input defaulting to 1), "last" (the
+    last position only) or "all" (every position). `moe`: the model has
     routed experts (the passes for them are left out of a dense model's pipeline). `choose`:
     each MatMulNBits weight's form (`quantize`). `imported`: weights the checkpoint ships
     quantized, by name, written with their own codes (`import_quantized`) before any other
     weight is quantized."""
     if logits not in LOGITS_POSITIONS:
         raise ValueError(f"logits must be one of {', '.join(LOGITS_POSITIONS)}, got {logits!r}")
+    if logits == "keep" and not target.logits_to_keep:
+        raise ValueError(f"target {target.name} takes no logits_to_keep input; pass logits 'last' or 'all'")
     settings = {"capacity": capacity, "dtype": dtype, "logits": logits, "moe": moe}
     result = [(phase, _make(make_passes, settings)) for phase, make_passes in (PHASES[p] for p in target.phases)]
     quantizing = import_quantized(target, imported, weights) if imported else []
@@ -357,7 +364,7 @@ def run(
     capacity: int | None = None,
     dtype: str = "float32",
     on_pass: Callable[[int, int, str], None] | None = None,
-    logits: str = "last",
+    logits: str = "keep",
     moe: bool = False,
     choose: FormChooser | None = None,
     imported: dict[str, QuantizedWeight] | None = None,
@@ -369,7 +376,7 @@ def run(
     fusion that falls short is explained (closest match, failed constraint) in `missed`.
     `weights` adds the weight-only quantization phase. `capacity` is the fixed KV-cache
     length of a target that needs one (`tensorrt`); `dtype` the graph's compute dtype; `logits`
-    "last" or "all" (the positions the graph returns logits for).
+    "keep", "last" or "all" (the positions the graph returns logits for, `phases`).
     `on_pass(done, total, name)` is called after each pass (progress). `moe`: the model has
     routed experts, which get the mixture-of-experts lowering and expert quantization.
     `choose` picks each MatMulNBits weight's block size and accuracy level (`report.kernel_forms`).

@@ -60,6 +60,10 @@ class Target:
     # a fused op is emitted only where it means the same on each (passes.fuse_moe), and the
     # verification gate runs on the first one onnxruntime offers on the build machine
     providers: tuple[str, ...] = (CPU_PROVIDER,)
+    # The graph takes `logits_to_keep` (passes.last_position) by default: one graph for prefill
+    # (the last position) and speculative verify steps (every position fed). False: the last
+    # position only, unless `--logits all` is asked for
+    logits_to_keep: bool = True
 
     def expected_fusions(self, num_layers: int, moe_layers: int = 0) -> dict[str, int]:
         expected = {fusion: num_layers for fusion in self.per_layer_fusions}
@@ -150,6 +154,10 @@ TARGETS: Mapping[str, Target] = MappingProxyType(
                 symmetric_only=True,  # TensorRT requires a zero zero-point
                 emitter=TENSORRT_ENGINE,
                 genai=False,  # a fixed capacity, and its engine is kvforge's
+                # TensorRT's parser takes an initializer that is also a graph input as a weight, so the
+                # input's default could not be overridden; an engine would need it as a shape input with
+                # its own profile ranges, which no test here can build
+                logits_to_keep=False,
             ),
         )
     }

@@ -23,8 +23,13 @@ from runners.errors import ArtifactError
 KV_MODES = ("concat", "shared")
 # `all`: logits for every input position. `last`: only for the last one, the only one
 # generation samples from (prompts are left-padded, so it is every row's last token);
-# a prefill then skips the LM head for all other positions.
-LOGITS_POSITIONS = ("all", "last")
+# a prefill then skips the LM head for all other positions. `keep`: for the last
+# `logits_to_keep` positions, an int64 [1] input (KEEP_INPUT): kvforge's runner asks for 1 at a
+# prefill or decode step, for every position it feeds at a speculative verify step. Its
+# default in the graph, for a runtime that does not feed it, is 0: every position.
+LOGITS_POSITIONS = ("all", "last", "keep")
+KEEP_INPUT = "logits_to_keep"
+KEPT_DIM = "kept"  # the logits' positions dim under `keep`
 # What graphs exchange with the runner. bfloat16 KV caches are a TensorRT (GPU) artifact's:
 # numpy has no bfloat16, and onnxruntime's CPU provider cannot compute one (OrtSession says so).
 TENSOR_DTYPES = ("float32", "float16", "bfloat16", "int8")  # int8: a cache's codes (logits are float)
@@ -320,11 +325,29 @@ class DecoderIO:
             TensorSpec("attention_mask", "int64", ("batch", "total")),
             TensorSpec("position_ids", "int64", ("batch", "seq")),
             *(self._cache_spec(n, "past") for n in self.cache_names),
+            *((TensorSpec(KEEP_INPUT, "int64", (1,)),) if self.keeps_logits else ()),
         )
 
     @property
+    def keeps_logits(self) -> bool:
+        """The graph takes `logits_to_keep` (logits_positions `keep`)."""
+        return self.logits_positions == "keep"
+
+    def logits_rows(self, feeds: Mapping[str, Any]) -> int:
+        """How many positions a step over `feeds` returns logits for: every one fed (`all`), the
+        last (`last`), or the last `logits_to_keep` of them (`keep`; the graph slices, so 0 or
+        more than were fed gives every one; not fed: 1, what `OrtSession` feeds then)."""
+        seq = int(feeds["input_ids"].shape[1])
+        if self.logits_positions == "all":
+            return seq
+        if self.logits_positions == "last":
+            return 1
+        keep = int(feeds[KEEP_INPUT][0]) if KEEP_INPUT in feeds else 1
+        return seq if keep <= 0 or keep > seq else keep
+
+    @property
     def outputs(self) -> tuple[TensorSpec, ...]:
-        positions = "seq" if self.logits_positions == "all" else 1
+        positions: str | int = {"all": "seq", "keep": KEPT_DIM}.get(self.logits_positions, 1)
         return (
             TensorSpec("logits", self.logits_dtype, ("batch", positions, self.vocab_size)),
             *(self._cache_spec(n, "total") for n in self.cache_present_names),

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from runners.cache import HOST, Cache, Device, device_of
-from runners.contract import DecoderIO
+from runners.contract import KEEP_INPUT, DecoderIO
 from runners.decoding import Decoder, TokenLogprob
 from runners.errors import GenerationError
 from runners.session import Session
@@ -65,12 +65,21 @@ def empty_states(io: DecoderIO, batch: int) -> dict[str, np.ndarray]:
 
 
 def forward(
-    session: Session, input_ids: np.ndarray, mask: np.ndarray, cache: Mapping[str, Any], extra: int = 0
+    session: Session,
+    input_ids: np.ndarray,
+    mask: np.ndarray,
+    cache: Mapping[str, Any],
+    extra: int = 0,
+    every_position: bool = False,
 ) -> tuple[np.ndarray, Cache]:
     """Run one step; returns the logits and the cache for the next step (`Cache.after`: a layer
     bounded by its window keeps its present's last window - 1 positions, and `extra` more), on
-    the cache's device (a plain mapping of numpy arrays: the host)."""
+    the cache's device (a plain mapping of numpy arrays: the host). The logits are the last
+    position's, or with `every_position` every position's (a speculative verify step), where the
+    graph takes `logits_to_keep`; a graph without it returns what its contract says."""
     feeds = {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids(mask, input_ids.shape[1])}
+    if session.io.keeps_logits:
+        feeds[KEEP_INPUT] = np.array([input_ids.shape[1] if every_position else 1], dtype=np.int64)
     feeds.update(cache)
     outputs = session.run(feeds)
     # a plain mapping is a cache its caller holds on the host: it comes back there

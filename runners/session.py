@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from runners.cache import HOST, Device, OrtDevice, bounded_names, full_names, in_place, on_host
-from runners.contract import DecoderIO
+from runners.contract import KEEP_INPUT, DecoderIO
 from runners.cpus import usable_cpus
 from runners.errors import ArtifactError
 from runners.external_data import check_external_data
@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 # Cache bindings an `OrtSession` keeps: a server's batch and the prompt it is prefilling,
 # with room for the four configurations `kvforge bench` steps in turn.
 _KEPT_BINDINGS = 4
+# `logits_to_keep` when the caller does not say: the last position, what generation reads
+# (the graph's own default, for other runtimes, is every position)
+_LAST_POSITION = np.ones(1, dtype=np.int64)
 
 
 class _CacheBinding:
@@ -133,7 +136,10 @@ class OrtSession:
                 f"{model_path}: onnxruntime could not load the model ({e}); rebuild the artifact"
             ) from e
         self.io = io
-        inputs, outputs = self._session.get_inputs(), self._session.get_outputs()
+        # an input with a default in the graph (`logits_to_keep`) is an overridable initializer to
+        # onnxruntime, listed after the inputs the graph requires
+        inputs = [*self._session.get_inputs(), *self._session.get_overridable_initializers()]
+        outputs = self._session.get_outputs()
         check_io_against_graph(
             Path(model_path),
             io,
@@ -157,6 +163,8 @@ class OrtSession:
         self._bindings: collections.OrderedDict[tuple[int, ...], _CacheBinding] = collections.OrderedDict()
 
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        if self.io.keeps_logits and KEEP_INPUT not in feeds:
+            feeds = {**feeds, KEEP_INPUT: _LAST_POSITION}
         if self.device is not HOST:
             return self._run_on_device(feeds)
         if in_place(self.io):
@@ -182,14 +190,13 @@ class OrtSession:
             binding = self._cached_binding(feeds, buffers)
         else:  # every layer bounded by a window: nothing to keep bound, and no binding shared between callers
             binding = self._session.io_binding()
+        held_inputs: list[Any] = []  # alive until the run: the binding reads their memory
         for name in self._step_inputs:
-            binding.bind_cpu_input(name, feeds[name])
+            _bind_host_input(binding, name, feeds[name], held_inputs)
         ids = feeds["input_ids"]
-        positions = ids.shape[1] if self.io.logits_positions == "all" else 1
-        logits = np.empty((ids.shape[0], positions, self.io.vocab_size), dtype=self.io.logits_dtype)
+        logits = np.empty((ids.shape[0], self.io.logits_rows(feeds), self.io.vocab_size), dtype=self.io.logits_dtype)
         binding.bind_output("logits", "cpu", 0, logits.dtype, list(logits.shape), logits.ctypes.data)
         outputs = {present: feeds[past] for past, present in self._in_place}
-        held_inputs: list[np.ndarray] = []  # alive until the run: the binding reads their memory
         for past, present in self._bounded:  # past + new positions, into a new array
             held_inputs.append(np.ascontiguousarray(feeds[past]))
             binding.bind_cpu_input(past, held_inputs[-1])
@@ -244,15 +251,14 @@ class OrtSession:
         device = self.device
         assert isinstance(device, OrtDevice)
         binding = self._session.io_binding()
+        held: list[Any] = []  # host inputs alive until the run
         for name in self._small_inputs:
-            binding.bind_cpu_input(name, np.ascontiguousarray(feeds[name]))
+            _bind_host_input(binding, name, np.ascontiguousarray(feeds[name]), held)
         ids = feeds["input_ids"]
-        positions = ids.shape[1] if self.io.logits_positions == "all" else 1
-        logits = np.empty((ids.shape[0], positions, self.io.vocab_size), dtype=self.io.logits_dtype)
+        logits = np.empty((ids.shape[0], self.io.logits_rows(feeds), self.io.vocab_size), dtype=self.io.logits_dtype)
         binding.bind_output("logits", "cpu", 0, logits.dtype, list(logits.shape), logits.ctypes.data)
         outputs: dict[str, Any] = {"logits": logits}
         allocated: list[str] = []  # presents the device allocates, in the order bound
-        held: list[np.ndarray] = []  # host inputs alive until the run
         written_in_place = set(self._in_place) if in_place(self.io) else set()
         for past, present in zip(self.io.cache_names, self.io.cache_present_names):
             tensor = feeds[past]
@@ -281,3 +287,17 @@ class OrtSession:
             by_name = dict(zip(bound, values))
             outputs.update({name: by_name[name] for name in allocated})
         return outputs
+
+
+def _bind_host_input(binding: ort.IOBinding, name: str, array: np.ndarray, held: list[Any]) -> None:
+    """Bind a host array as input `name`. `logits_to_keep` has a default in the graph, which makes it
+    an overridable initializer to onnxruntime: `bind_cpu_input` looks among the required inputs
+    only, an `OrtValue` is bound by name (it is kept in `held` until the run)."""
+    if name != KEEP_INPUT:
+        binding.bind_cpu_input(name, array)
+        return
+    import onnxruntime as ort
+
+    held.append(array)
+    held.append(value := ort.OrtValue.ortvalue_from_numpy(array))
+    binding.bind_ortvalue_input(name, value)

@@ -1,15 +1,15 @@
 """Exact speculative decoding: guess a few tokens, check them all in one target step.
 
 A verify step feeds the target model the pending token (chosen, not yet in the cache) and
-up to K drafted tokens, and gets logits for every position it fed (an artifact built with
-`kvforge build --logits all`). Each position's token is then chosen exactly as plain
-decoding chooses it, by the request's own `Decoder` (repetition penalty, grammar mask,
-sampler) on that position's logits, and the drafts are accepted while they equal the
-chosen token. The first position where they differ still yields its chosen token (the
-target's own), so every verify step produces 1 to K+1 tokens, and the drafts after it are
-dropped by shortening the cache: the in-place `shared` buffer keeps its bytes and the next
-attention mask is simply shorter (the model writes at `mask length - seq`), a `concat`
-cache is sliced.
+up to K drafted tokens, and gets logits for every position it fed (`logits_to_keep` set to
+the step's length in a default build; every position in one built with `--logits all`).
+Each position's token is then chosen exactly as plain decoding chooses it, by the
+request's own `Decoder` (repetition penalty, grammar mask, sampler) on that position's
+logits, and the drafts are accepted while they equal the chosen token. The first position
+where they differ still yields its chosen token (the target's own), so every verify step
+produces 1 to K+1 tokens, and the drafts after it are dropped by shortening the cache: the
+in-place `shared` buffer keeps its bytes and the next attention mask is simply shorter (the
+model writes at `mask length - seq`), a `concat` cache is sliced.
 
 Exactness. The drafter only decides which positions are computed in one call, never which
 token is chosen: each token is drawn from the same distribution with the same random draw
@@ -75,11 +75,11 @@ def require_all_logits(io: DecoderIO, artifact: Path | str | None = None) -> Non
             f"fixed-size states of this model's {sorted({layer.kind for layer in io.layers or ()} - {'attention'})} "
             "layers (io.layers in its manifest.json) cannot do; generate without speculative"
         )
-    if io.logits_positions != "all":
+    if io.logits_positions == "last":
         raise GenerationError(
             f"{where}speculative decoding needs logits for every position of a verify step, but this artifact "
             "returns the last position's only (io.logits_positions 'last' in its manifest.json); rebuild it with "
-            "`kvforge build CHECKPOINT -o OUT --logits all`"
+            "`kvforge build CHECKPOINT -o OUT` (or, for a target without the logits_to_keep input, --logits all)"
         )
 
 
@@ -160,13 +160,14 @@ class RowCache:
         self.length = 0
         self.kv = empty_cache(session.io, 1, capacity, device_of(session))
 
-    def run(self, ids: Sequence[int]) -> np.ndarray:
-        """Feed `ids` after the valid positions; the logits [1, positions, vocab]."""
+    def run(self, ids: Sequence[int], every_position: bool = False) -> np.ndarray:
+        """Feed `ids` after the valid positions; the logits [1, positions, vocab]: the last
+        position's, or with `every_position` each fed position's (`generate.forward`)."""
         feed = np.asarray([ids], dtype=np.int64)
         mask = np.ones((1, self.length + len(ids)), dtype=np.int64)
         # a layer bounded by a sliding window keeps ROLLBACK positions beyond it, so that taking
         # back a rejected draft leaves it its whole window
-        logits, self.kv = forward(self.session, feed, mask, self.kv, ROLLBACK)
+        logits, self.kv = forward(self.session, feed, mask, self.kv, ROLLBACK, every_position)
         self.length += len(ids)
         return logits
 
@@ -294,7 +295,7 @@ def _row_tokens(
         # grows past prompt + budget
         drafts = drafter.propose(history, min(draft_tokens, budget - generated - 1))
         step += 1
-        logits = cache.run([token, *drafts])
+        logits = cache.run([token, *drafts], every_position=True)
         stats.verify_steps += 1
         stats.drafted_tokens += len(drafts)
         chosen: list[tuple[np.ndarray, TokenLogprob | None]] = []

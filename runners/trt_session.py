@@ -284,8 +284,7 @@ class TrtSession:
             context.set_input_shape(past, self.io.kv_shape(past, batch, self.io.capacity))
             context.set_tensor_address(past, self._cache[past].ptr)
             context.set_tensor_address(present, self._cache[past].ptr)  # in place: one address
-        positions = seq if self.io.logits_positions == "all" else 1
-        logits = np.empty((batch, positions, self.io.vocab_size), dtype=self.io.logits_dtype)
+        logits = np.empty((batch, self.io.logits_rows(feeds), self.io.vocab_size), dtype=self.io.logits_dtype)
         out = self._scratch_buffer("logits", logits.nbytes)
         context.set_tensor_address("logits", out.ptr)
         if not context.execute_async_v3(int(self._stream)):

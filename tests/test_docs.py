@@ -99,7 +99,7 @@ QUOTED_MESSAGES = [
     "missing; the artifact is incomplete, rebuild it with `kvforge build`",
     "exceeds the model's context of ",
     "similar): pass --context N, the most positions (prompt plus new tokens) the artifact will serve",
-    "`kvforge build CHECKPOINT -o OUT --logits all`",
+    "`kvforge build CHECKPOINT -o OUT` (or, for a target without the logits_to_keep input, --logits all)",
     "is not one kvforge imports (",
 ]
 

@@ -30,7 +30,7 @@ from passes.pipeline import PassReport
 from passes.quantize import WeightQuantization
 from passes.targets import DEFAULT_TARGET, TARGETS, TENSORRT_ENGINE, Target
 from passes.tensorrt_check import UnsupportedByTensorRT
-from runners.contract import DecoderIO
+from runners.contract import KEEP_INPUT, DecoderIO
 from runners.errors import ArtifactError, ParityError
 from runners.manifest import MANIFEST
 from runners.session import Session
@@ -80,9 +80,12 @@ class BuildOptions:
     revision: str | None = None  # of a Hub id (a branch, tag or commit), resolved in the local cache
     # The parity gate's relative tolerance in place of the table's (TOLERANCES) for the dtype
     tolerance: float | None = None
-    # The positions the graph returns logits for: "last" (generation samples the last one only)
-    # or "all" (a speculative verify step reads every position it feeds)
-    logits: str = "last"
+    # The positions the graph returns logits for: "keep" (the last `logits_to_keep` ones, an input
+    # the runner sets to 1 for a prefill, which then computes the LM head on one position, and to
+    # the step's length for a speculative verify step), "last" (the last one only) or "all"
+    # (every one). None: "keep", or "last" on a target whose graph cannot take the input
+    # (`Target.logits_to_keep`)
+    logits: str | None = None
     # Trace each distinct layer kind once and stamp out the stack (`toolchain.stamp`); False:
     # export and lower the whole stack
     stamp: bool = True
@@ -109,7 +112,7 @@ class BuildOptions:
             | ({"capacity": self.capacity} if self.target.fixed_capacity else {})
             | ({} if self.context is None else {"context": self.context})  # absent by default, as before
             | (
-                {"logits": self.logits} if self.logits != "last" else {}  # absent by default: older manifests unchanged
+                {} if self.logits is None else {"logits": self.logits}  # absent by default (io says what it is)
             )
             | ({} if self.stamp else {"stamp": False})
             | ({} if self.tune == tuning.DEFAULT_MODE else {"tune": self.tune})  # absent when off, as before
@@ -139,8 +142,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     if options.dtype not in DTYPES.values():
         raise ArtifactError(f"unknown dtype {options.dtype!r}; choose one of {', '.join(DTYPES.values())}")
     check_tolerance(options.tolerance, options.weights is not None or options.kv_dtype is not None)
-    if options.logits not in pipeline.LOGITS_POSITIONS:
-        raise ArtifactError(f"logits must be one of {', '.join(pipeline.LOGITS_POSITIONS)}, got {options.logits!r}")
+    _check_logits(options)
     _check_tune(options)
     _check_kv_dtype(options)
     check_output(output, options.force)
@@ -253,7 +255,7 @@ def _compile(
                 options.weights,
                 capacity=options.capacity,
                 dtype=options.dtype,
-                logits=options.logits,
+                logits=logits_positions(options),
                 on_pass=lambda done, total, _: progress.count(done, total, "passes"),
                 moe=moe_layers > 0,
                 choose=tuner,
@@ -484,11 +486,28 @@ def _target_options(options: BuildOptions, spec: DecoderSpec) -> BuildOptions:
     return replace(options, capacity=capacity)
 
 
+def logits_positions(options: BuildOptions) -> str:
+    """The positions the build's graph returns logits for (`BuildOptions.logits`, the target's default)."""
+    if options.logits is not None:
+        return options.logits
+    return "keep" if options.target.logits_to_keep else "last"
+
+
+def _check_logits(options: BuildOptions) -> None:
+    if options.logits is not None and options.logits not in pipeline.LOGITS_POSITIONS:
+        raise ArtifactError(f"logits must be one of {', '.join(pipeline.LOGITS_POSITIONS)}, got {options.logits!r}")
+    if options.logits == "keep" and not options.target.logits_to_keep:
+        raise ArtifactError(
+            f"--logits keep: target {options.target.name} takes no logits_to_keep input (its runtime would read the "
+            "input's default as a constant); use --logits last, or --logits all for speculative decoding"
+        )
+
+
 def _graph_contract(model: ir.Model, io: DecoderIO, target: Target, capacity: int | None = None) -> DecoderIO:
     """The contract the passes made of the exported one, applied to the graph's I/O:
     `shared` KV when every present tensor comes from an op that updates the cache in
-    place (the target's `in_place_cache_ops`), `last` logits when the LM head only sees the
-    last position."""
+    place (the target's `in_place_cache_ops`), `keep` logits when the graph takes
+    `logits_to_keep`, `last` when the LM head only sees the last position."""
     outputs = {v.name: v for v in model.graph.outputs}
     producers = {name: v.producer() for name, v in outputs.items()}
     in_place = all(
@@ -497,10 +516,11 @@ def _graph_contract(model: ir.Model, io: DecoderIO, target: Target, capacity: in
     )
     logits_shape = outputs["logits"].shape
     last_only = logits_shape is not None and len(logits_shape) == 3 and logits_shape[1] == 1
+    keeps = any(value.name == KEEP_INPUT for value in model.graph.inputs)
     final = replace(
         io,
         kv_mode="shared" if in_place else "concat",
-        logits_positions="last" if last_only else "all",
+        logits_positions="keep" if keeps else "last" if last_only else "all",
         capacity=capacity if in_place else None,
     )
     apply_contract(model.graph, final)

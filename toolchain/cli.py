@@ -310,11 +310,11 @@ def main(verbose: bool) -> None:
 )
 @click.option(
     "--logits",
-    type=click.Choice(["last", "all"]),
-    default="last",
-    show_default=True,
-    help="Positions the graph returns logits for: the last one (generation), or all (needed by "
-    "`kvforge generate --speculative`).",
+    type=click.Choice(["keep", "last", "all"]),
+    default=None,
+    help="Positions the graph returns logits for: keep (default where the target takes it: as many last "
+    "positions as the runner asks for, one for generation, every one fed for a speculative verify step), "
+    "last (the last one only; tensorrt's default), or all (every one).",
 )
 @click.option(
     "--whole-stack",
@@ -350,7 +350,7 @@ def build(
     context: int | None,
     whole_stack: bool,
     tolerance: float | None,
-    logits: str,
+    logits: str | None,
     as_json: bool,
 ) -> None:
     """Export CHECKPOINT, lower it to ONNX, verify it against the eager model, publish it to -o.
@@ -546,7 +546,7 @@ _MAX_NEW_TOKENS_HELP = (
     default=None,
     help="Exact speculative decoding: drafts from n-grams of the prompt and output (prompt-lookup) or from a "
     "smaller artifact with the same tokenizer (draft:PATH), checked in one target step; the same text as without. "
-    "Needs an artifact built with --logits all.",
+    "Any default build takes it (not one built with --logits last).",
 )
 @click.option(
     "--draft-tokens",
@@ -799,7 +799,7 @@ def bench(
     metavar="prompt-lookup|draft:PATH",
     default=None,
     help="Exact speculative decoding for every request (as `kvforge generate --speculative`): the same text as "
-    "without. Needs an artifact built with --logits all, without sliding-window or state layers.",
+    "without. Not for an artifact built with --logits last, nor with sliding-window or state layers.",
 )
 @click.option(
     "--draft-tokens",

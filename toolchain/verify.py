@@ -199,19 +199,27 @@ def compare_with_reference(
     tol = TOLERANCES[dtype] if tolerance is None else Tolerance(tolerance)
     report = ParityReport(dtype, tol)
     new_tokens = max(len(reference.steps), 1)
-    prefilled = _prefill(candidate, reference.prompts, new_tokens)
+    prefilled = _prefill(candidate, reference.prompts, new_tokens, every_position=True)
     report.prefill = list(_prefill_errors(reference, candidate.io, (prefilled[0], prefilled[1].host()), tol))
+    if candidate.io.keeps_logits:  # and as generation prefills: logits_to_keep 1, the last position
+        last, _ = _prefill(candidate, reference.prompts, new_tokens)
+        report.prefill.append(
+            compare("logits (logits_to_keep 1)", reference.prefill_logits[:, -1:], last, tol, rows=True)
+        )
     if all(e.within for e in report.prefill):  # decoding from a wrong prefill only repeats the failure
         _decode(report, reference, candidate, max_positions, prefilled, new_tokens)
     return report
 
 
-def _prefill(session: Session, prompts: list[list[int]], new_tokens: int) -> tuple[np.ndarray, Cache]:
+def _prefill(
+    session: Session, prompts: list[list[int]], new_tokens: int, every_position: bool = False
+) -> tuple[np.ndarray, Cache]:
     """The gate's prompts in one step, into a cache with room for `new_tokens` more: compared
-    as it is, then decoded from (`generate_steps`' `prefilled`)."""
+    as it is, then decoded from (`generate_steps`' `prefilled`). `every_position`: the logits
+    of every position where the graph takes `logits_to_keep` (what a verify step reads)."""
     ids, mask = left_pad(prompts, pad_id=0)
     cache = empty_cache(session.io, len(prompts), ids.shape[1] + new_tokens, device_of(session))
-    return forward(session, ids, mask, cache)
+    return forward(session, ids, mask, cache, every_position=every_position)
 
 
 def _decode(

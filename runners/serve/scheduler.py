@@ -395,7 +395,7 @@ class BatchScheduler:
         pending token, the positions the row keeps of this step, and whether the request ended."""
         end = start + len(drafts)
         ids = np.asarray([drafts], dtype=np.int64)
-        logits = self._forward(ids, self._batch.open(index, start, end), index, start)
+        logits = self._forward(ids, self._batch.open(index, start, end), index, start, every_position=True)
         token, accepted, ended = self._choose_along(index, logits, drafts[1:])
         accepted += 1  # the first draft, chosen by the batch step
         self._batch.close(index, start + accepted, end)  # the rejected drafts' columns
@@ -409,7 +409,7 @@ class BatchScheduler:
         self.metrics.spec_decode_num_draft_tokens.inc(len(drafts))
         end = width + 1 + len(drafts)
         ids = np.asarray([[row.next_token, *drafts]], dtype=np.int64)
-        logits = self._forward(ids, self._batch.open(None, width, end), None, width)
+        logits = self._forward(ids, self._batch.open(None, width, end), None, width, every_position=True)
         token, accepted, ended = self._choose_along(0, logits, drafts)
         self._batch.close(0, width + 1 + accepted, end)
         row.next_token = token
@@ -526,10 +526,13 @@ class BatchScheduler:
                 logger.info("request without speculation: %s", error)
         self._rows.append(row)
 
-    def _forward(self, ids: np.ndarray, mask: np.ndarray, row: int | None, width: int) -> np.ndarray:
+    def _forward(
+        self, ids: np.ndarray, mask: np.ndarray, row: int | None, width: int, every_position: bool = False
+    ) -> np.ndarray:
         """Run the model over the batch (or its row `row`) whose cache fills `width` columns; the
-        new positions land in columns [width, width + seq). Returns the logits."""
-        logits, present = forward(self.session, ids, mask, self._batch.feeds(row, width))
+        new positions land in columns [width, width + seq). Returns the logits: the last position's,
+        or with `every_position` (a verify step) each new position's."""
+        logits, present = forward(self.session, ids, mask, self._batch.feeds(row, width), every_position=every_position)
         self._batch.store(present, row, width, ids.shape[1])
         return logits
 

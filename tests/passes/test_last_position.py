@@ -1,4 +1,5 @@
-"""LastPositionLogits: the LM head (and a softcap after it) runs on the last position only.
+"""LastPositionLogits: the LM head (and a softcap after it) runs on the last position only, or
+(`to_keep`) on the last `logits_to_keep` positions, an input that defaults to 0 (every position).
 
 Inline graphs of the head as the canonical graph has it (MatMul with a transposed constant weight, constants
 with known values), heads it must leave alone, then the canonicalized graphs of tiny checkpoints.
@@ -142,6 +143,65 @@ def test_lm_head_runs_on_the_last_position_only(head: Head) -> None:
     assert not again.modified and len(model.graph) == nodes_before + 1 and len(slices(model)) == 1
 
 
+@pytest.mark.parametrize(
+    "head", [Head(), Head(softcap=True), Head(weight="plain")], ids=["transposed", "softcap", "plain"]
+)
+def test_logits_to_keep_input_picks_how_many_last_positions(head: Head) -> None:
+    model = make_head(head)
+    reference = fresh(model)
+    seq = 5
+    feeds = head_feeds(model, seq)  # before the pass: the hidden states (and weight) only
+    (want,) = ort_outputs(reference, feeds)
+    nodes_before = len(model.graph)
+    assert LastPositionLogits(to_keep=True)(model).modified
+
+    keep = model.graph.inputs[-1]
+    assert keep.name == "logits_to_keep" and keep.dtype == ir.DataType.INT64 and keep.shape == ir.Shape([1])
+    assert "logits_to_keep" in model.graph.initializers and const_ints(keep) == [0]  # the default: every position
+    (last,) = slices(model)
+    assert last.name == "last_position" and last.inputs[1] is not None
+    negate = last.inputs[1].producer()
+    assert negate is not None and negate.op_type == "Neg" and negate.inputs[0] is keep
+    assert len(model.graph) == nodes_before + 2  # Neg and Slice
+    (logits,) = model.graph.outputs
+    assert logits.shape is not None and [str(d) for d in logits.shape] == ["batch", "kept", str(VOCAB)]
+
+    (default,) = ort_outputs(model, feeds)  # not fed: the initializer's [0], every position
+    assert default.shape == (2, seq, VOCAB)
+    np.testing.assert_allclose(default, want, atol=ATOL, rtol=RTOL)
+    for kept in (1, 3, seq):
+        (got,) = ort_outputs(model, {**feeds, "logits_to_keep": np.array([kept], np.int64)})
+        assert got.shape == (2, kept, VOCAB)
+        np.testing.assert_allclose(got, want[:, -kept:], atol=ATOL, rtol=RTOL)
+
+    again = LastPositionLogits(to_keep=True)(model)
+    assert not again.modified and len(model.graph) == nodes_before + 2
+    assert len(model.graph.inputs) == len(reference.graph.inputs) + 1
+
+
+def test_logits_to_keep_survives_constant_folding() -> None:
+    """The input's default is an initializer, which a fold would take for a constant: the pipeline's
+    clean-up after the pass must leave Neg(logits_to_keep) to the caller's value."""
+    from passes.pipeline import canonicalize
+
+    model = make_head(Head(softcap=True))
+    feeds = head_feeds(model, 4)
+    (want,) = ort_outputs(fresh(model), feeds)
+    LastPositionLogits(to_keep=True)(model)
+    for p in canonicalize():
+        p(model)
+    assert [n.op_type for n in model.graph if n.op_type in ("Neg", "Slice")] == ["Neg", "Slice"]
+    (got,) = ort_outputs(model, {**feeds, "logits_to_keep": np.array([4], np.int64)})
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+
+
+def test_logits_to_keep_is_not_added_twice_under_one_name() -> None:
+    """A graph that already has an input named logits_to_keep is not one this pass made: left alone."""
+    model = make_head()
+    model.graph.inputs.append(ir.val("logits_to_keep", ir.DataType.INT64, ir.Shape([1])))
+    assert not LastPositionLogits(to_keep=True)(model).modified and not slices(model)
+
+
 def test_logits_output_is_chosen_by_name() -> None:
     model = make_head(Head(output="scores"))
     assert not LastPositionLogits()(model).modified and not slices(model)  # no output named "logits"
@@ -196,29 +256,46 @@ def decoder_feeds(model: ir.Model, batch: int = 2, seq: int = 4, past: int = 3) 
 
 @pytest.mark.slow  # exports each tiny checkpoint once per session (shared with the other fusion tests)
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])  # an untied and a tied (Transpose of the embeddings) head
-def test_tiny_decoder_logits_are_the_last_position(arch: str, scratch: Path) -> None:
+@pytest.mark.parametrize("to_keep", [False, True], ids=["last", "keep"])
+def test_tiny_decoder_logits_are_the_last_position(arch: str, to_keep: bool, scratch: Path) -> None:
     model = canonical_graph(arch, scratch)
     feeds = decoder_feeds(model)
     logits, *presents = ort_outputs(model, feeds)
-    assert LastPositionLogits()(model).modified
+    assert LastPositionLogits(to_keep=to_keep)(model).modified
     assert [n.name for n in slices(model)].count("last_position") == 1
+    if to_keep:  # as the runner feeds a prefill
+        feeds["logits_to_keep"] = np.array([1], np.int64)
     got_logits, *got_presents = ort_outputs(model, feeds)
     assert got_logits.shape == (2, 1, VOCAB_SIZE)
     np.testing.assert_allclose(got_logits, logits[:, -1:], atol=ATOL, rtol=RTOL)
     for got, want in zip(got_presents, presents, strict=True):
         np.testing.assert_array_equal(got, want)
-    assert not LastPositionLogits()(model).modified
+    if to_keep:  # a verify step's every position: the same logits as without the pass
+        seq = feeds["input_ids"].shape[1]
+        every, *_ = ort_outputs(model, {**feeds, "logits_to_keep": np.array([seq], np.int64)})
+        np.testing.assert_allclose(every, logits, atol=ATOL, rtol=RTOL)
+    assert not LastPositionLogits(to_keep=to_keep)(model).modified
 
 
-@pytest.mark.parametrize("target", ["ort-cpu", "onnx", "tensorrt"])
+@pytest.mark.parametrize("target", ["ort-cpu", "ort-cuda", "onnx", "tensorrt"])
 def test_logits_all_leaves_the_pass_out_of_every_target(target: str) -> None:
     from passes.pipeline import phases
+
+    def heads(logits: str) -> list[bool]:
+        """`to_keep` of each LastPositionLogits in the target's pipeline."""
+        made = phases(TARGETS[target], capacity=64, logits=logits)
+        return [p.to_keep for _, passes in made for p in passes if isinstance(p, LastPositionLogits)]
 
     def names(logits: str) -> list[str]:
         made = phases(TARGETS[target], capacity=64, logits=logits)
         return [type(p).__name__ for _, passes in made for p in passes]
 
-    assert "LastPositionLogits" in names("last")
+    assert heads("last") == [False]
     assert names("all") == [n for n in names("last") if n != "LastPositionLogits"]
+    if TARGETS[target].logits_to_keep:
+        assert heads("keep") == [True] and names("keep") == names("last")
+    else:  # tensorrt: its parser would read the input's default as a constant
+        with pytest.raises(ValueError, match="no logits_to_keep input"):
+            phases(TARGETS[target], capacity=64, logits="keep")
     with pytest.raises(ValueError, match="logits must be one of"):
         phases(TARGETS[target], capacity=64, logits="first")

@@ -61,6 +61,7 @@ def test_manifest_records_each_layer_and_its_state(artifact: Path) -> None:
         "past_key_values.1.key",
         "past_key_values.1.value",
         "past_conv.2",
+        "logits_to_keep",  # the default build's, after every state
     ]
     assert [t["name"] for t in io["outputs"][1:]] == [
         "present_conv.0",
@@ -96,6 +97,7 @@ def test_manifest_records_linear_attention_states(built_artifact: Callable[..., 
         "past_key_values.1.value",
         "past_conv.2",
         "past_recurrent.2",
+        "logits_to_keep",
     ]
     assert io["inputs"][4]["dims"] == ["batch", heads, key, value]
     assert manifest["parity"]["passed"] is True

@@ -1,12 +1,14 @@
 """Exact speculative decoding: the same tokens as plain decoding, in fewer target steps.
 
-Every kv mode is covered: `ort-cpu` (GroupQueryAttention over the shared in-place cache),
-`onnx` (TensorScatter over the shared cache) and gemma2 (eager softcapped attention with a
-sliding window: the concat cache, its sliding layers bounded by the window, so a rejected
-draft is taken back out of a bounded cache too). Each is compared with plain decoding on the same
-artifact, with both drafters: prompt lookup, and a draft artifact (the target itself,
-which accepts nearly everything, and another tiny model with the same tokenizer, which
-rejects often).
+Every artifact is built with the defaults, whose graph takes `logits_to_keep` (a verify step asks
+for every position it feeds, a prefill for the last), except the two that check `--logits all`
+(still speculates) and `--logits last` (refused). Every kv mode is covered: `ort-cpu`
+(GroupQueryAttention over the shared in-place cache), `onnx` (TensorScatter over the shared
+cache) and gemma2 (eager softcapped attention with a sliding window: the concat cache, its
+sliding layers bounded by the window, so a rejected draft is taken back out of a bounded cache
+too). Each is compared with plain decoding on the same artifact, with both drafters: prompt
+lookup, and a draft artifact (the target itself, which accepts nearly everything, and another
+tiny model with the same tokenizer, which rejects often).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from runners.cache import device_of
 from runners.decoding import BatchDraws, RowDraws
 from runners.engine import Completion, Engine
 from runners.errors import GenerationError
+from runners.generate import empty_cache, forward
 from runners.speculative import PromptLookup, parse_speculative, takes_turns
 from tests.runners.test_decoding import SCHEMA, check_schema
 
@@ -29,21 +33,30 @@ pytestmark = pytest.mark.slow
 
 # Random weights fall into loops, which prompt lookup then drafts from.
 PROMPTS = ["def fibonacci(n):", "import os\nimport os\n", "x = [1, 2, 3]\ny = [1, 2"]
-CASES = {"ort-cpu": ("llama", "ort-cpu"), "onnx": ("llama", "onnx"), "concat": ("gemma2", "ort-cpu")}
+CASES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "ort-cpu": ("llama", "ort-cpu", ()),
+    "onnx": ("llama", "onnx", ()),
+    "concat": ("gemma2", "ort-cpu", ()),
+}
+# Built with the options older artifacts had
+OLDER = {
+    "logits-all": ("llama", "ort-cpu", ("--logits", "all")),
+    "logits-last": ("llama", "ort-cpu", ("--logits", "last")),
+}
 
 
 @pytest.fixture(scope="module")
-def all_logits(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """Tiny artifacts built with `kvforge build --logits all`, by case, once per module."""
+def artifacts(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Tiny artifacts built by `kvforge build`, by case (CASES: defaults; OLDER), once per module."""
     from toolchain.cli import main
 
     built: dict[str, Path] = {}
 
     def get(case: str) -> Path:
         if case not in built:
-            model_type, target = CASES[case]
+            model_type, target, options = (CASES | OLDER)[case]
             out = tmp_path_factory.mktemp(f"spec-{case}") / "out"
-            args = ["build", str(tiny_checkpoint(model_type)), "-o", str(out), "--target", target, "--logits", "all"]
+            args = ["build", str(tiny_checkpoint(model_type)), "-o", str(out), "--target", target, *options]
             result = CliRunner().invoke(main, [*args, "-q"])
             assert result.exit_code == 0, result.output
             built[case] = out
@@ -53,37 +66,61 @@ def all_logits(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.Te
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def engine(request: pytest.FixtureRequest, all_logits: Callable[[str], Path]) -> Engine:
-    e = Engine.load(all_logits(request.param))
+def engine(request: pytest.FixtureRequest, artifacts: Callable[[str], Path]) -> Engine:
+    e = Engine.load(artifacts(request.param))
     e.eos_ids = ()  # random weights may sample eos at any point; these tests want full lengths
     return e
 
 
 @pytest.fixture(scope="module")
 def other_draft(built_artifact: Callable[..., Path]) -> Path:
-    """Another tiny model with the same tokenizer, built with the default last-position logits (enough for a draft)."""
+    """Another tiny model with the same tokenizer, built with the defaults."""
     return built_artifact("qwen2")
 
 
 @pytest.fixture(scope="module")
-def example_all(tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    """examples/model (a trained 4M model) built with --logits all."""
-    from toolchain.build import BuildOptions, build
-
-    model = Path(__file__).resolve().parents[2] / "examples" / "model"
-    return Engine.load(build(model, tmp_path_factory.mktemp("spec-example") / "out", BuildOptions(logits="all")).output)
+def example(example_artifact: Path) -> Engine:
+    """examples/model (a trained 4M model) built with the defaults."""
+    return Engine.load(example_artifact)
 
 
 def drafters(engine: Engine, other: Path) -> list[str]:
     return ["prompt-lookup", f"draft:{engine.directory}", f"draft:{other}"]
 
 
-def test_build_records_logits_all_and_default_stays_last(engine: Engine, built_artifact: Callable[..., Path]) -> None:
+def test_default_build_takes_logits_to_keep_and_the_flag_is_recorded(
+    engine: Engine, artifacts: Callable[[str], Path]
+) -> None:
     assert engine.directory is not None
-    manifest = json.loads((engine.directory / "manifest.json").read_text())
-    assert manifest["io"]["logits_positions"] == "all" and manifest["flags"]["logits"] == "all"
-    default = json.loads((built_artifact("llama") / "manifest.json").read_text())
-    assert default["io"]["logits_positions"] == "last" and "logits" not in default["flags"]
+    default = json.loads((engine.directory / "manifest.json").read_text())
+    assert default["io"]["logits_positions"] == "keep" and "logits" not in default["flags"]
+    assert default["io"]["inputs"][-1] == {"name": "logits_to_keep", "dtype": "int64", "dims": [1]}
+    assert default["io"]["outputs"][0]["dims"] == ["batch", "kept", engine.session.io.vocab_size]
+    for case, positions in (("logits-all", "all"), ("logits-last", "last")):
+        manifest = json.loads((artifacts(case) / "manifest.json").read_text())
+        assert manifest["io"]["logits_positions"] == positions and manifest["flags"]["logits"] == positions
+        assert "logits_to_keep" not in [t["name"] for t in manifest["io"]["inputs"]]
+
+
+def test_default_prefill_computes_the_lm_head_on_one_position(engine: Engine) -> None:
+    """A 16-token prefill returns [1, 1, vocab]; the same step asking for every position (a verify
+    step) returns [1, 16, vocab], whose last row is the prefill's."""
+    session = engine.session
+    ids = np.asarray([engine.encode("def fibonacci(n): return n if n < 2 else fib")[:16]], dtype=np.int64)
+    assert ids.shape == (1, 16)
+    mask = np.ones_like(ids)
+    last, _ = forward(session, ids, mask, empty_cache(session.io, 1, 32, device_of(session)))
+    every, _ = forward(session, ids, mask, empty_cache(session.io, 1, 32, device_of(session)), every_position=True)
+    assert last.shape == (1, 1, session.io.vocab_size) and every.shape == (1, 16, session.io.vocab_size)
+    np.testing.assert_allclose(last[:, -1], every[:, -1], rtol=1e-4, atol=1e-5 * float(np.abs(every).max()))
+
+
+def test_logits_all_artifact_still_speculates(artifacts: Callable[[str], Path]) -> None:
+    older = Engine.load(artifacts("logits-all"))
+    older.eos_ids = ()
+    for prompt in PROMPTS:
+        plain = older.generate(prompt, max_new_tokens=30, temperature=0.0)
+        assert older.generate(prompt, max_new_tokens=30, temperature=0.0, speculative="prompt-lookup") == plain
 
 
 def test_greedy_equals_plain_greedy_for_every_drafter(engine: Engine, other_draft: Path) -> None:
@@ -169,8 +206,8 @@ def test_seeded_sampling_equals_plain_seeded_sampling(engine: Engine, sampling: 
         ) == (batch)
 
 
-def test_json_schema_stays_valid_and_equal(all_logits: Callable[[str], Path]) -> None:
-    guided = Engine.load(all_logits("ort-cpu"))  # with its eos: a grammar may end on it
+def test_json_schema_stays_valid_and_equal(artifacts: Callable[[str], Path]) -> None:
+    guided = Engine.load(artifacts("ort-cpu"))  # with its eos: a grammar may end on it
     for seed in range(4):
         plain = guided.generate(PROMPTS[0], json_schema=SCHEMA, temperature=1.0, seed=seed, max_new_tokens=64)
         for drafter in ("prompt-lookup", f"draft:{guided.directory}"):
@@ -186,11 +223,12 @@ def test_json_schema_stays_valid_and_equal(all_logits: Callable[[str], Path]) ->
     assert stream.stats.finish_reason == "stop"
 
 
-def test_last_only_artifact_is_refused_naming_the_rebuild_flag(built_artifact: Callable[..., Path]) -> None:
-    engine = Engine.load(built_artifact("llama"))
-    with pytest.raises(GenerationError, match="--logits all"):
+def test_last_only_artifact_is_refused_naming_the_rebuild(artifacts: Callable[[str], Path]) -> None:
+    engine = Engine.load(artifacts("logits-last"))
+    rebuild = r"io.logits_positions 'last'.*rebuild it with `kvforge build CHECKPOINT -o OUT`"
+    with pytest.raises(GenerationError, match=rebuild):
         engine.generate(PROMPTS[0], max_new_tokens=4, speculative="prompt-lookup")
-    with pytest.raises(GenerationError, match="--logits all"):
+    with pytest.raises(GenerationError, match=rebuild):
         engine.stream(PROMPTS[0], max_new_tokens=4, speculative="prompt-lookup")
 
 
@@ -207,9 +245,9 @@ def test_bad_requests_are_refused(engine: Engine, tmp_path: Path) -> None:
         engine.generate(PROMPTS[0], max_new_tokens=4, speculative=f"draft:{tmp_path / 'missing'}")
 
 
-def test_draft_with_another_tokenizer_is_refused(engine: Engine, example_all: Engine) -> None:
+def test_draft_with_another_tokenizer_is_refused(engine: Engine, example: Engine) -> None:
     with pytest.raises(GenerationError, match="tokenizer differs"):
-        engine.generate(PROMPTS[0], max_new_tokens=4, speculative=f"draft:{example_all.directory}")
+        engine.generate(PROMPTS[0], max_new_tokens=4, speculative=f"draft:{example.directory}")
 
 
 def test_cli_generate_speculative_prints_the_same_text_and_its_stats(engine: Engine) -> None:
@@ -263,9 +301,9 @@ def test_a_draft_and_its_target_stop_spinning_between_their_turns(
     assert loaded[0] is False and loaded[1:] == [True, True]  # plain; then the target and its draft
 
 
-def test_example_model_edit_prompt_accepts_and_equals_plain(example_all: Engine) -> None:
+def test_example_model_edit_prompt_accepts_and_equals_plain(example: Engine) -> None:
     """The trained example model rewriting code in its prompt: drafts are mostly right."""
-    engine = example_all
+    engine = example
     code = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n"
     prompt = f"# Copy this code:\n{code}\n# Copy:\n{code[:14]}"
     expected = engine.generate(prompt, max_new_tokens=60, temperature=0.0)

@@ -32,16 +32,24 @@ SPEC_PROMPTS = [*PROMPTS, "import os\nimport os\nimport os\n", "x = [1, 2, 3]\ny
 
 
 @pytest.fixture(scope="module")
-def all_logits(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from toolchain.build import BuildOptions, build
-
-    out = tmp_path_factory.mktemp("serve-spec") / "out"
-    return build(tiny_checkpoint("llama"), out, BuildOptions(logits="all")).output
+def default_build(tiny_artifact: Path) -> Path:
+    """A tiny artifact built with the defaults: its graph takes logits_to_keep, so it speculates."""
+    assert json.loads((tiny_artifact / "manifest.json").read_text())["io"]["logits_positions"] == "keep"
+    return tiny_artifact
 
 
 @pytest.fixture(scope="module")
-def engine(all_logits: Path) -> Engine:
-    return Engine.load(all_logits)
+def last_only(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Built with `--logits last`: the last position's logits only, which cannot verify drafts."""
+    from toolchain.build import BuildOptions, build
+
+    out = tmp_path_factory.mktemp("serve-last") / "out"
+    return build(tiny_checkpoint("llama"), out, BuildOptions(logits="last")).output
+
+
+@pytest.fixture(scope="module")
+def engine(default_build: Path) -> Engine:
+    return Engine.load(default_build)
 
 
 def scheduler_for(engine: Engine, speculative: str | None, session: Any = None, **options: Any) -> BatchScheduler:
@@ -144,9 +152,9 @@ def test_sampled_requests_equal_plain_per_seed(engine: Engine) -> None:
     assert run("prompt-lookup") == run(None)
 
 
-def test_refusals_name_the_option(tiny_artifact: Path, built_artifact: Callable[..., Path]) -> None:
-    plain = Engine.load(tiny_artifact)  # last-position logits only
-    with pytest.raises(KvforgeError, match="--logits all"):
+def test_refusals_name_the_option(tiny_artifact: Path, last_only: Path) -> None:
+    plain = Engine.load(last_only)  # last-position logits only
+    with pytest.raises(KvforgeError, match="io.logits_positions 'last'.*rebuild it with `kvforge build CHECKPOINT"):
         scheduler_for(plain, "prompt-lookup")
     from toolchain.cli import main
 
@@ -164,21 +172,21 @@ def test_window_bounded_layers_are_refused_naming_the_option(engine: Engine) -> 
         scheduler_for(engine, "prompt-lookup", session)
 
 
-def test_server_refuses_an_artifact_without_all_logits(tiny_artifact: Path, tmp_path: Path) -> None:
-    command = [str(KVFORGE), "serve", str(tiny_artifact), "--port", "0", "--speculative", "prompt-lookup"]
+def test_server_refuses_an_artifact_built_with_logits_last(last_only: Path, tmp_path: Path) -> None:
+    command = [str(KVFORGE), "serve", str(last_only), "--port", "0", "--speculative", "prompt-lookup"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert "--speculative prompt-lookup" in done.stderr and "--logits all" in done.stderr
+    assert "--speculative prompt-lookup" in done.stderr and "io.logits_positions 'last'" in done.stderr
 
 
-def test_server_metrics_and_texts(all_logits: Path, launch: Callable[..., Server]) -> None:
-    spec = launch(all_logits, "--speculative", "prompt-lookup", "--draft-tokens", "4", "--prefix-cache-bytes", "0")
-    plain = launch(all_logits, "--prefix-cache-bytes", "0")
+def test_server_metrics_and_texts(default_build: Path, launch: Callable[..., Server]) -> None:
+    spec = launch(default_build, "--speculative", "prompt-lookup", "--draft-tokens", "4", "--prefix-cache-bytes", "0")
+    plain = launch(default_build, "--prefix-cache-bytes", "0")
 
     def complete(server: Server, prompt: str) -> str:
         host, port = server.url.removeprefix("http://").rsplit(":", 1)
         connection = http.client.HTTPConnection(host, int(port), timeout=60)
-        body = {"model": all_logits.name, "prompt": prompt, "max_tokens": 40, "temperature": 0}
+        body = {"model": default_build.name, "prompt": prompt, "max_tokens": 40, "temperature": 0}
         connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
         reply = json.loads(connection.getresponse().read())
         return str(reply["choices"][0]["text"])

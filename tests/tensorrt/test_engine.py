@@ -72,6 +72,14 @@ def test_an_artifact_without_fixed_capacity_gets_no_engine() -> None:
         engine.profiles(replace(IO, capacity=None), engine.EngineOptions())
 
 
+def test_an_artifact_whose_graph_takes_logits_to_keep_gets_no_engine() -> None:
+    """TensorRT's parser would take the input's default (an initializer) as a constant."""
+    from dataclasses import replace
+
+    with pytest.raises(engine.EngineError, match="logits_to_keep"):
+        engine.profiles(replace(IO, logits_positions="keep"), engine.EngineOptions())
+
+
 def test_timing_cache_is_keyed_by_tensorrt_version_and_gpu() -> None:
     a = engine.timing_cache_name("10.15.1.29", "NVIDIA H200", "9.0")
     assert a == "timing-trt10.15.1.29-sm9.0-nvidia-h200.cache"

@@ -116,3 +116,19 @@ def test_half_precision_checkpoints_build(dtype: str, tmp_path: Path, tiny_check
     assert result.parity.passed
     assert result.manifest["spec"]["dtype"] == dtype
     assert result.manifest["flags"]["dtype"] == "float32"  # computed in fp32 on the CPU
+
+
+def test_logits_default_to_keep_where_the_target_takes_the_input(tmp_path: Path) -> None:
+    from passes.targets import TARGETS
+
+    assert build_module.logits_positions(BuildOptions()) == "keep"
+    assert build_module.logits_positions(BuildOptions(target=TARGETS["onnx"])) == "keep"
+    assert build_module.logits_positions(BuildOptions(target=TARGETS["tensorrt"])) == "last"
+    assert build_module.logits_positions(BuildOptions(target=TARGETS["tensorrt"], logits="all")) == "all"
+    assert BuildOptions().flags().get("logits") is None and BuildOptions(logits="last").flags()["logits"] == "last"
+    # refused before any work: the checkpoint is never read
+    with pytest.raises(ArtifactError, match="--logits keep: target tensorrt takes no logits_to_keep input"):
+        build(tmp_path / "missing", tmp_path / "out", BuildOptions(target=TARGETS["tensorrt"], logits="keep"))
+    with pytest.raises(ArtifactError, match="logits must be one of keep, last, all"):
+        build(tmp_path / "missing", tmp_path / "out", BuildOptions(logits="first"))
+    assert not (tmp_path / "out").exists()

@@ -64,8 +64,12 @@ def test_graph_io_follows_contract(built_artifact: Callable[..., Path]) -> None:
     inputs = [i.name for i in model.graph.input]
     outputs = [o.name for o in model.graph.output]
     assert inputs[:3] == ["input_ids", "attention_mask", "position_ids"]
-    assert inputs[3:] == [f"past_key_values.{i}.{k}" for i in range(2) for k in ("key", "value")]
+    assert inputs[3:-1] == [f"past_key_values.{i}.{k}" for i in range(2) for k in ("key", "value")]
+    assert inputs[-1] == "logits_to_keep"  # the default build: last, with its default as an initializer
+    assert [t.name for t in model.graph.initializer if t.name == "logits_to_keep"] == ["logits_to_keep"]
     assert outputs == ["logits"] + [f"present.{i}.{k}" for i in range(2) for k in ("key", "value")]
+    logits = model.graph.output[0].type.tensor_type.shape.dim
+    assert [d.dim_param or d.dim_value for d in logits] == ["batch", "kept", 384]
     past = model.graph.input[3].type.tensor_type.shape.dim
     assert [d.dim_param or d.dim_value for d in past] == ["batch", 2, "capacity", 16]  # ort-cpu: shared KV buffer
     # every weight lives in the external data file

@@ -93,6 +93,8 @@ def _steps(io: DecoderIO, runs: tuple[Run, Run]) -> Iterator[tuple[str, list[dic
     for step in range(DECODE_STEPS + 1):
         positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)[:, -ids.shape[1] :]
         feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+        if io.keeps_logits and step == 0:  # the prefill's every position, as a verify step asks; then the default
+            feeds["logits_to_keep"] = np.array([ids.shape[1]], np.int64)
         outputs = [run(feeds | cache) for run, cache in zip(runs, caches, strict=True)]
         yield ("prefill" if step == 0 else f"decode {step}"), outputs
         caches = [
@@ -107,6 +109,9 @@ def _differences(io: DecoderIO, runs: tuple[Run, Run]) -> list[tuple[str, str, f
     """(step, output, largest difference as a fraction of the output's scale) over every step."""
     found = []
     for step, (ours, reference) in _steps(io, runs):
+        assert ours["logits"].shape == reference["logits"].shape
+        if io.keeps_logits:  # every prompt position at the prefill, one at each decode step
+            assert ours["logits"].shape[1] == (max(len(p) for p in PROMPTS) if step == "prefill" else 1)
         for name in ("logits", *io.present_names):
             scale = float(np.abs(ours[name]).max()) or 1.0
             found.append((step, name, float(np.abs(ours[name] - reference[name]).max()) / scale))
@@ -124,6 +129,7 @@ def test_the_reference_implementation_computes_what_onnxruntime_does(
     ops = {node.op_type for node in graph.node}
     assert io.shared_kv and "TensorScatter" in ops  # the in-place cache, written by standard ops
     assert all(node.domain in ("", "ai.onnx") for node in graph.node)
+    assert io.keeps_logits == (target != "tensorrt")  # tensorrt: the last position only
     differences = _differences(io, (_ort(artifact), _reference(artifact)))
     assert len(differences) == (DECODE_STEPS + 1) * (1 + len(io.present_names))
     worst = max(differences, key=lambda d: d[2])

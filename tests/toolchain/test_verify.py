@@ -181,3 +181,37 @@ def _prefill(tokens: list[list[int]]) -> dict[str, np.ndarray]:
     io = FakeSession().io
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
     return feeds | {past: np.zeros((len(ids), 1, 0, 2), np.float32) for past in io.past_names}
+
+
+class KeepSession(FakeSession):
+    """FakeSession as a `keep` graph: logits for the last `logits_to_keep` positions (0: every one);
+    `wrong_last` shifts the logits of a one-position request only (a bug in that path alone)."""
+
+    def __init__(self, wrong_last: float = 0.0) -> None:
+        super().__init__()
+        self.io = DecoderIO(num_layers=1, num_kv_heads=1, head_dim=2, vocab_size=11, logits_positions="keep")
+        self.wrong_last = wrong_last
+        self.kept: list[int] = []
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = super().run(feeds)
+        keep = int(feeds["logits_to_keep"][0])
+        self.kept.append(keep)
+        out["logits"] = out["logits"][:, -keep:] if keep else out["logits"]
+        if keep == 1:
+            out["logits"][..., 4] += self.wrong_last
+        return out
+
+
+def test_a_keep_graph_is_gated_on_every_position_and_on_the_last_alone() -> None:
+    candidate = KeepSession()
+    report = check_parity(FakeSession(), candidate, max_positions=64, decode_steps=4)
+    assert report.passed
+    widest = max(len(p) for p in record_reference(FakeSession(), max_positions=64, decode_steps=4).prompts)
+    # the prefill asked for every position, then for the last as generation does; decode steps one each
+    assert candidate.kept == [widest, 1, 1, 1, 1]
+    assert [e.name for e in report.prefill][0] == "logits" and report.prefill[-1].name == "logits (logits_to_keep 1)"
+
+    broken = check_parity(FakeSession(), KeepSession(wrong_last=6.0), max_positions=64, decode_steps=4)
+    assert not broken.passed
+    assert [e.name for e in broken.prefill if not e.within] == ["logits (logits_to_keep 1)"]

@@ -12,7 +12,11 @@ tokenizer_config.json beside it (onnxruntime-genai's default tokenizer directory
 What needs no field, because both runtimes already agree (docs/artifact.md says more):
 position ids and the attention mask are fed as `[batch, seq]` and `[batch, total]` int64 by
 both; a graph whose logits have one position (`logits_positions: last`) is one
-onnxruntime-genai detects from the graph's static dim and samples from as it is.
+onnxruntime-genai detects from the graph's static dim and samples from as it is. A default
+build's `logits_to_keep` input (`logits_positions: keep`) is one it does not feed: its default
+in the graph, 0, returns every position, the `[batch, seq, vocab]` onnxruntime-genai allocates
+for a graph whose positions dim is not 1 (it binds its own output buffer of that shape, so the
+default could not be 1); it then computes the LM head on every prompt position, as with `all`.
 """
 
 from __future__ import annotations

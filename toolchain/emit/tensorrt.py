@@ -71,6 +71,11 @@ class EngineOptions:
                 "the artifact's KV cache has no fixed capacity (io.capacity); TensorRT engines are built from "
                 "--target tensorrt artifacts, rebuild with `kvforge build CHECKPOINT -o OUT --target tensorrt`"
             )
+        if io.keeps_logits:
+            raise EngineError(
+                "the artifact's graph takes logits_to_keep (io.logits_positions 'keep'), whose default TensorRT's "
+                "parser would read as a constant; rebuild with `--target tensorrt` (logits 'last' or 'all')"
+            )
         if not 1 <= self.opt_batch <= self.max_batch:
             raise EngineError(f"--opt-batch {self.opt_batch} must be between 1 and --max-batch {self.max_batch}")
         if self.max_prefill is not None and not 1 <= self.max_prefill <= capacity:
