@@ -32,8 +32,9 @@ KEEP_INPUT = "logits_to_keep"
 KEPT_DIM = "kept"  # the logits' positions dim under `keep`
 # What graphs exchange with the runner. bfloat16 KV caches are a TensorRT (GPU) artifact's:
 # numpy has no bfloat16, and onnxruntime's CPU provider cannot compute one (OrtSession says so).
-TENSOR_DTYPES = ("float32", "float16", "bfloat16")
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+TENSOR_DTYPES = ("float32", "float16", "bfloat16", "int8")  # int8: a cache's codes (logits are float)
+FLOAT_DTYPES = TENSOR_DTYPES[:3]
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 # The positions dimension of a bounded layer's past and present (`DecoderIO.layer_windows`),
 # by the name a full layer's would have under `concat`.
 WINDOW_DIMS = {"past": "window_past", "total": "window_total"}
@@ -400,11 +401,11 @@ class DecoderIO:
             )
         except KeyError as e:
             raise ArtifactError(f"manifest.json: field io.{e.args[0]} is missing; rebuild the artifact") from e
-        for field in ("kv_dtype", "logits_dtype"):
-            if getattr(io, field) not in TENSOR_DTYPES:
+        for field, allowed in (("kv_dtype", TENSOR_DTYPES), ("logits_dtype", FLOAT_DTYPES)):
+            if getattr(io, field) not in allowed:
                 raise ArtifactError(
                     f"manifest.json: io.{field} {str(getattr(io, field))[:40]!r} is not one of "
-                    f"{', '.join(TENSOR_DTYPES)}; rebuild the artifact"
+                    f"{', '.join(allowed)}; rebuild the artifact"
                 )
         if io.kv_mode not in KV_MODES:
             raise ArtifactError(

@@ -20,10 +20,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 import torch
 
 from passes import pipeline
+from passes.kv_cache import KV_DTYPES, KVCacheRefused, QuantizeKVCache
 from passes.pipeline import PassReport
 from passes.quantize import WeightQuantization
 from passes.targets import DEFAULT_TARGET, TARGETS, TENSORRT_ENGINE, Target
@@ -32,9 +34,10 @@ from runners.contract import KEEP_INPUT, DecoderIO
 from runners.errors import ArtifactError, ParityError
 from runners.manifest import MANIFEST
 from runners.session import Session
+from runners.tokenizer import TokenizerBundle
 from toolchain import calibration as calibrating
 from toolchain import checkpoint as checkpoints
-from toolchain import emit, hashing, manifest, moe_graph, prequantized, progress, stamp
+from toolchain import emit, hashing, kv_scales, manifest, moe_graph, prequantized, progress, stamp
 from toolchain import tune as tuning
 from toolchain.emit import genai
 from toolchain.emit import tensorrt as trt_engine
@@ -98,6 +101,10 @@ class BuildOptions:
     def calibrating(self) -> bool:
         return self.calibration is not None and calibrating.calibratable(self.weights)
 
+    # The KV cache's storage: None, the compute dtype; "int8", codes with static per-channel scales
+    # calibrated on the eager model (`toolchain.kv_scales`), judged by the distribution gate
+    kv_dtype: str | None = None
+
     def flags(self) -> dict[str, Any]:
         """What determines the artifact's bytes (not `force`, which only says where they may go)."""
         return (
@@ -118,6 +125,7 @@ class BuildOptions:
             | ({} if self.stamp else {"stamp": False})
             | ({} if self.tune == tuning.DEFAULT_MODE else {"tune": self.tune})  # absent when off, as before
             | ({"calibration": self.calibration.to_dict()} if self.calibration and self.calibrating else {})
+            | ({} if self.kv_dtype is None else {"kv_dtype": self.kv_dtype})  # absent by default, as before
         )
 
 
@@ -142,9 +150,10 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
         )
     if options.dtype not in DTYPES.values():
         raise ArtifactError(f"unknown dtype {options.dtype!r}; choose one of {', '.join(DTYPES.values())}")
-    check_tolerance(options.tolerance, options.weights is not None)
+    check_tolerance(options.tolerance, options.weights is not None or options.kv_dtype is not None)
     _check_logits(options)
     _check_tune(options)
+    _check_kv_dtype(options)
     check_output(output, options.force)
     check_writable(output)
     return_freed_memory()
@@ -162,7 +171,10 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     with _timed(seconds, "load"):
         model = eager_model(ckpt, spec, getattr(torch, options.dtype))
     with _timed(seconds, "reference"):  # the eager side of the gate, now: its weights are freed before verify
-        gate = record_gate(eager_session(model, spec, io), options.flags(), spec, ckpt.path)
+        reference = eager_session(model, spec, io)
+        gate = record_gate(reference, options.flags(), spec, ckpt.path)
+        cache_scales = None if options.kv_dtype is None else calibrated_kv_scales(reference, ckpt.path)
+        del reference
     scales = _calibrate(model, ckpt, options, seconds)
     models = [model]  # the compilation takes the last reference: its weights can go once lowered
     del model
@@ -171,7 +183,19 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     with hashing.Pending(ckpt.input_files()) as sources:
         try:
             return _compile(
-                models, checkpoint_dir, output, options, ckpt, spec, io, gate, seconds, options.stamp, sources, scales
+                models,
+                checkpoint_dir,
+                output,
+                options,
+                ckpt,
+                spec,
+                io,
+                gate,
+                seconds,
+                options.stamp,
+                sources,
+                scales,
+                cache_scales=cache_scales,
             )
         except _StampedGraphRefused as e:
             refused = str(e)
@@ -200,6 +224,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
             sources,
             scales,
             _REFUSED,
+            cache_scales=cache_scales,
         )
 
 
@@ -217,6 +242,7 @@ def _compile(
     sources: hashing.Pending,
     scales: dict[str, Any] | None = None,
     reason: str = "stamping is off",
+    cache_scales: dict[str, np.ndarray] | None = None,
 ) -> BuildResult:
     """Lower, run the passes, emit, verify and publish the eager model in `models` (taken).
     `sources`: the checkpoint's hashes, being computed; the artifact's are, while the gate runs."""
@@ -253,6 +279,12 @@ def _compile(
             del exact, scales
         except UnsupportedByTensorRT as e:
             raise ArtifactError(f"{checkpoint_dir}: {e}") from e
+    if cache_scales is not None:
+        try:
+            QuantizeKVCache(cache_scales)(onnx_model)
+        except KVCacheRefused as e:
+            raise ArtifactError(f"{checkpoint_dir}: --kv-dtype {options.kv_dtype}: {e}") from e
+        io = replace(io, kv_dtype=str(options.kv_dtype))
     header = ckpt.quantization_header()
     imported_entry = (
         None
@@ -279,7 +311,7 @@ def _compile(
             # the files are final (the gate only reads the graph): hashed while it runs
             emitted = helpers.enter_context(hashing.Pending(staging.iterdir()))
             provider = gate_provider(target.providers)
-            unquantized = options.weights is None and not pass_report.imported
+            unquantized = options.weights is None and not pass_report.imported and options.kv_dtype is None
             with _timed(seconds, "verify"), verifiable(staging, graph_io, unquantized, provider) as session:
                 report = gate(progress.CountedSession(session))
                 if lowering.stamped and not report.passed:
@@ -340,6 +372,30 @@ def _calibrate(
         return None
     with _timed(seconds, "calibrate"):
         return calibrating.calibrate(model, options.calibration, ckpt.path, options.weights)
+
+
+def _check_kv_dtype(options: BuildOptions) -> None:
+    """--kv-dtype int8 needs onnxruntime's GroupQueryAttention, whose kernel reads an int8 cache."""
+    if options.kv_dtype is None:
+        return
+    if options.kv_dtype not in KV_DTYPES:
+        raise ArtifactError(f"--kv-dtype {options.kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}, or leave it out")
+    if ("com.microsoft", "GroupQueryAttention") not in options.target.in_place_cache_ops:
+        able = ", ".join(
+            name for name, t in TARGETS.items() if ("com.microsoft", "GroupQueryAttention") in t.in_place_cache_ops
+        )
+        raise ArtifactError(
+            f"--kv-dtype {options.kv_dtype}: --target {options.target.name} keeps its cache in the compute dtype; "
+            f"an int8 cache is onnxruntime's GroupQueryAttention's (--target {able}): change --target, or drop "
+            "--kv-dtype"
+        )
+
+
+def calibrated_kv_scales(reference: Session, tokenizer_dir: Path) -> dict[str, np.ndarray]:
+    """The int8 cache's scales from the eager model's cache over the calibration text's windows."""
+    encode = TokenizerBundle.load(tokenizer_dir).encode
+    text = calibrating.builtin_text().read_text(encoding="utf-8")
+    return kv_scales.calibrate(reference, kv_scales.windows(encode(text), reference.io.vocab_size))
 
 
 def _check_tune(options: BuildOptions) -> None:

@@ -269,6 +269,14 @@ def _calibration(choice: str | None, quantization: Any) -> Any:
 @click.option(
     "--block-size", type=click.Choice(["32", "64", "128"]), default="32", show_default=True, help="Weights per scale."
 )
+@click.option(
+    "--kv-dtype",
+    type=click.Choice(["int8"]),
+    default=None,
+    help="Keep the KV cache as int8 codes with per-channel scales calibrated at build time (a quarter of a float32 "
+    "cache's bytes; onnxruntime's GroupQueryAttention: --target ort-cpu or ort-cuda). Judged by the distribution "
+    "gate. Default: the compute dtype.",
+)
 @click.option("--asymmetric", is_flag=True, help="Quantize with a zero point per block (default: symmetric).")
 @click.option(
     "--calibration",
@@ -351,6 +359,7 @@ def build(
     dtype: str | None,
     weights: str | None,
     block_size: str,
+    kv_dtype: str | None,
     asymmetric: bool,
     calibration: str | None,
     tune: str,
@@ -422,6 +431,7 @@ def build(
         stamp=not whole_stack,
         tune=tune,
         calibration=calibration_text,
+        kv_dtype=kv_dtype,
     )
     verbose = bool(click.get_current_context().find_root().params.get("verbose"))
     # -v logs a line as each stage starts and ends: a progress display would say it all again

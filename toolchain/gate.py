@@ -152,9 +152,10 @@ def record_gate(
 ) -> Callable[[Session], ParityReport | DistributionReport]:
     """The verification gate the build's flags call for, its eager side run now: returns the
     check of a compiled session against what the eager model gave. Within the dtype's
-    tolerance, or, for quantized weights, the same next-token distributions on the gate texts."""
+    tolerance, or, for quantized weights or an int8 cache, the same next-token distributions on the
+    gate texts."""
     weights = flags.get("weights")
-    if weights is None:
+    if weights is None and flags.get("kv_dtype") is None:
         reference_run = record_reference(
             reference, max_positions=spec.max_positions, decode_steps=flags["decode_steps"]
         )
@@ -167,7 +168,9 @@ def record_gate(
         )
     tokens = gate_tokens(TokenizerBundle.load(tokenizer_dir).encode)
     expected = reference_log_probs(reference, tokens)
-    return lambda candidate: check_distribution(expected, candidate, tokens, f"int{weights['bits']}")
+    # an int8 cache beside float weights is judged by int8's bounds
+    precision = f"int{weights['bits']}" if weights is not None else str(flags["kv_dtype"])
+    return lambda candidate: check_distribution(expected, candidate, tokens, precision)
 
 
 def check_tolerance(tolerance: float | None, quantized: bool) -> None:
