@@ -16,6 +16,9 @@ over the cache: the static scales a build would calibrate, here fitted to the ve
 encode, so the errors are a floor.
 
 Each form's session runs the same feeds; rounds alternate the forms and the figures are medians.
+The node runs as a `concat` graph's does: its present is a new tensor of N + 1 positions, so its
+time includes copying the past into it, a quarter of the bytes at int8. A `shared` artifact
+(kvforge's default on `ort-cpu`) writes in place and copies nothing: `--artifacts` times that.
 
 With `--artifacts`, the same for whole built artifacts (one built without `--kv-dtype`, one with
 `--kv-dtype int8`, from one checkpoint): one decode step of the artifact's graph, batch 1, after a
