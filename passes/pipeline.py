@@ -322,7 +322,7 @@ def phases(
     weights: WeightQuantization | None = None,
     capacity: int | None = None,
     dtype: str = "float32",
-    logits: str = "keep",
+    logits: str | None = None,
     moe: bool = False,
     choose: FormChooser | None = None,
     imported: dict[str, QuantizedWeight] | None = None,
@@ -330,12 +330,13 @@ def phases(
 ) -> list[tuple[str, list[PassBase]]]:
     """The target's phases with their passes; quantization, when asked for, runs just before
     `finalize`, after the fusions and packing whose MatMuls it quantizes. `logits` is "keep"
-    (the LM head on the last `logits_to_keep` positions, an input defaulting to 1), "last" (the
-    last position only) or "all" (every position). `moe`: the model has
+    (the LM head on the last `logits_to_keep` positions, an input), "last" (the last position
+    only) or "all" (every position); None: the target's default (`Target.default_logits`). `moe`: the model has
     routed experts (the passes for them are left out of a dense model's pipeline). `choose`:
     each MatMulNBits weight's form (`quantize`). `imported`: weights the checkpoint ships
     quantized, by name, written with their own codes (`import_quantized`) before any other
     weight is quantized."""
+    logits = target.default_logits if logits is None else logits
     if logits not in LOGITS_POSITIONS:
         raise ValueError(f"logits must be one of {', '.join(LOGITS_POSITIONS)}, got {logits!r}")
     if logits == "keep" and not target.logits_to_keep:
@@ -375,7 +376,7 @@ def run(
     capacity: int | None = None,
     dtype: str = "float32",
     on_pass: Callable[[int, int, str], None] | None = None,
-    logits: str = "keep",
+    logits: str | None = None,
     moe: bool = False,
     choose: FormChooser | None = None,
     imported: dict[str, QuantizedWeight] | None = None,

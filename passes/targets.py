@@ -65,6 +65,12 @@ class Target:
     # position only, unless `--logits all` is asked for
     logits_to_keep: bool = True
 
+    @property
+    def default_logits(self) -> str:
+        """The logits positions a build makes unless told: "keep" where the graph takes
+        `logits_to_keep`, else "last"."""
+        return "keep" if self.logits_to_keep else "last"
+
     def expected_fusions(self, num_layers: int, moe_layers: int = 0) -> dict[str, int]:
         expected = {fusion: num_layers for fusion in self.per_layer_fusions}
         expected.update({fusion: moe_layers for fusion in self.moe_fusions if moe_layers})

@@ -521,7 +521,7 @@ def logits_positions(options: BuildOptions) -> str:
     """The positions the build's graph returns logits for (`BuildOptions.logits`, the target's default)."""
     if options.logits is not None:
         return options.logits
-    return "keep" if options.target.logits_to_keep else "last"
+    return options.target.default_logits
 
 
 def _check_logits(options: BuildOptions) -> None:
