@@ -674,13 +674,14 @@ def chat(artifact: Path, system: str | None, max_new_tokens: int | None, runtime
     """Talk with ARTIFACT: each line you type is a message, the reply streams back, formatted with
     the artifact's chat template. /reset forgets the conversation; /exit (or Ctrl-D) ends it."""
     _require_artifact(artifact)
-    from runners.chat import Conversation
-    from runners.engine import Engine
-
-    # Loaded with SIGINT blocked, which the threads it starts (onnxruntime's, the hashing's) inherit:
-    # Ctrl-C then reaches the main thread, and wakes it from waiting for a line in input().
+    # Imported and loaded with SIGINT blocked, which every thread they start inherits (numpy's BLAS
+    # pool and onnxruntime's at import, onnxruntime's and the hashing's at load): Ctrl-C then reaches
+    # the main thread, and wakes it from waiting for a line in input().
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
+        from runners.chat import Conversation
+        from runners.engine import Engine
+
         engine = Engine.load(artifact, runtime=runtime)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)

@@ -406,7 +406,7 @@ def _io_edit(**changes: Any) -> Callable[[dict[str, Any]], None]:
     [
         (lambda m: m["spec"].update(vocab_size=10), r"spec\.vocab_size is 10 but io\.vocab_size is 384"),
         (lambda m: m["spec"].update(num_layers=3), r"spec\.num_layers is 3 but io\.num_layers is 2"),
-        (_io_edit(vocab_size=10), r"logits is float32 \['batch', 'kept', 384\] in the graph, but manifest\.json's io says"),
+        (_io_edit(vocab_size=10), r"logits is float32 \['batch', 'kept', 384\] in the graph, but manifest\.json"),
         (_io_edit(kv_dtype="float16"), r"past_key_values\.0\.key is float32 .* io says float16"),
         (
             _io_edit(num_kv_heads=1),

@@ -272,7 +272,11 @@ def test_chat_drops_the_oldest_turns_to_stay_within_the_context(built_artifact: 
     assert "[dropped the 1 oldest turn(s) to stay within the context]" in chat.read_until(b"> ")
     chat.type("x " * 100)  # alone past the 56 tokens: refused, and the chat goes on
     assert "kvforge: error: the message makes a prompt of" in chat.read_until(b"> ")
-    chat.process.send_signal(signal.SIGINT)  # at the prompt: the chat ends
+    # at the prompt: the chat ends. Python notices a signal in input() only while it waits in select(),
+    # which follows the prompt's write: a Ctrl-C in between is seen at the next key, as any terminal
+    # program's would be, so the signal is sent once the process is waiting
+    time.sleep(0.5)
+    chat.process.send_signal(signal.SIGINT)
     chat.read_until(b"kvforge: interrupted\r\n")
     assert chat.process.wait(timeout=60) == EXIT_INTERRUPTED
 
