@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -181,22 +182,22 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     # the sources' hashes, on a core that export and lowering leave idle (after the reference,
     # whose torch threads want both)
     with hashing.Pending(ckpt.input_files()) as sources:
+        # what both compilations share: the stamped one, and the whole stack's if the gate refuses it
+        compile_models = partial(
+            _compile,
+            checkpoint_dir=checkpoint_dir,
+            output=output,
+            options=options,
+            ckpt=ckpt,
+            spec=spec,
+            io=io,
+            gate=gate,
+            seconds=seconds,
+            sources=sources,
+            cache_scales=cache_scales,
+        )
         try:
-            return _compile(
-                models,
-                checkpoint_dir,
-                output,
-                options,
-                ckpt,
-                spec,
-                io,
-                gate,
-                seconds,
-                options.stamp,
-                sources,
-                scales,
-                cache_scales=cache_scales,
-            )
+            return compile_models(models, stamping=options.stamp, scales=scales)
         except _StampedGraphRefused as e:
             refused = str(e)
         # Out of the handler, the exception's traceback is gone, and with it the frames that held the
@@ -210,22 +211,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
         with _timed(seconds, "load"):
             models = [eager_model(ckpt, spec, getattr(torch, options.dtype))]
         scales = _calibrate(models[0], ckpt, options, seconds)  # the same scales and codes again
-        return _compile(
-            models,
-            checkpoint_dir,
-            output,
-            options,
-            ckpt,
-            spec,
-            io,
-            gate,
-            seconds,
-            False,
-            sources,
-            scales,
-            _REFUSED,
-            cache_scales=cache_scales,
-        )
+        return compile_models(models, stamping=False, scales=scales, reason=_REFUSED)
 
 
 def _compile(
