@@ -20,6 +20,7 @@ of them quantized). Everything kvforge reads from one is read here:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -101,14 +102,22 @@ _LOADED: weakref.WeakValueDictionary[tuple[str, int, int], Checkpoint] = weakref
 
 @contextmanager
 def _no_transformers_bars() -> Iterator[None]:
-    """transformers' own progress bars off while it reads the file: the stage reports it."""
+    """transformers' own progress bars off while it reads the file: the stage reports it. Its
+    GGUF reader draws its bar with tqdm directly, past that switch, so that module's tqdm is
+    handed `disable=True` meanwhile (where the module has one)."""
+    from transformers import modeling_gguf_pytorch_utils as reader
     from transformers.utils import logging as transformers_logging
 
     shown = transformers_logging.is_progress_bar_enabled()
     transformers_logging.disable_progress_bar()
+    bar = getattr(reader, "tqdm", None)
+    if bar is not None:
+        reader.tqdm = functools.partial(bar, disable=True)
     try:
         yield
     finally:
+        if bar is not None:
+            reader.tqdm = bar
         if shown:
             transformers_logging.enable_progress_bar()
 
