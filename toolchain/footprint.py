@@ -31,8 +31,11 @@ logger = logging.getLogger(__name__)
 QUANT_BLOCK = 32  # weights per quantization block, along the input (reduction) dimension (--block-size)
 COMPUTE_BYTES = 4  # fp32 compute (the default): scales and the weights that stay unquantized are fp32
 WEIGHT_PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
-KV_PRECISIONS: dict[str, int] = {"fp32": 4, "fp16": 2}
-_KV_DTYPES = {"fp32": "float32", "fp16": "float16"}
+# the cache's precisions: bytes per element. "int8" is `--kv-dtype int8`'s cache of codes (its
+# per-channel scales are constants, a few kB, counted with nothing); a layer's fixed-size state
+# (convolution, recurrent) stays in the compute dtype there
+KV_PRECISIONS: dict[str, int] = {"fp32": 4, "fp16": 2, "int8": 1}
+_KV_DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "int8"}
 _BITS = {"int8": 8, "int4": 4}
 
 DTYPE_BYTES: dict[str, int] = {
@@ -79,7 +82,7 @@ class Footprint:
     parameters_by_dtype: dict[str, int]  # stored dtype name ("F32", "BF16", ...) -> count
     weight_bytes: int  # the parameters as stored in the checkpoint (tied weights once)
     weight_bytes_at: dict[str, int]  # "fp32", "fp16", "int8", "int4"
-    kv_bytes_per_token: dict[str, int]  # "fp32", "fp16": what a token adds to the layers that keep it all
+    kv_bytes_per_token: dict[str, int]  # "fp32", "fp16", "int8": what a token adds to the layers that keep it all
     # the cache holding batch × seq tokens: the sum of the kinds below (+ fixed state × batch)
     kv_bytes_total: dict[str, int]
     batch: int
@@ -134,7 +137,14 @@ def footprint(
     for dtype, shape in params.values():
         by_dtype[dtype] = by_dtype.get(dtype, 0) + math.prod(shape)
     per_token = {name: spec.kv_bytes_per_token(size) for name, size in KV_PRECISIONS.items()}
-    state = {name: spec.state_bytes_per_sequence(size) for name, size in KV_PRECISIONS.items()} if spec.layers else {}
+    state = (
+        {
+            name: spec.state_bytes_per_sequence(compute_bytes if name == "int8" else size)
+            for name, size in KV_PRECISIONS.items()
+        }
+        if spec.layers
+        else {}
+    )
     by_kind = {
         name: replace(DecoderIO.for_spec(spec, _KV_DTYPES[name]), layer_windows=layer_windows).kv_bytes_by_kind(
             seq, batch
@@ -275,7 +285,7 @@ def format_footprint(fp: Footprint, spec: DecoderSpec) -> str:
         lines.append(f"  of which fixed state per sequence ({', '.join(kinds)} layers, any length):")
         lines += [_row(f"    {name}", f"{b:,}") for name, b in fp.state_bytes_per_sequence.items()]
     lines += ["", _row("weights + KV cache", "bytes", "GiB")]
-    for weights, kv in (("fp32", "fp32"), ("fp16", "fp16"), ("int8", "fp16"), ("int4", "fp16")):
+    for weights, kv in (("fp32", "fp32"), ("fp16", "fp16"), ("int8", "fp16"), ("int4", "fp16"), ("int4", "int8")):
         lines.append(_size_row(f"{weights} weights, {kv} KV", fp.total_bytes(weights, kv)))
     return "\n".join(lines)
 

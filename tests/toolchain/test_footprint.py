@@ -243,12 +243,13 @@ def test_seq_beyond_max_positions_warns(
 def test_total_bytes(llama: tuple[Checkpoint, DecoderSpec]) -> None:
     fp = footprint(*llama, batch=3, seq=64)
     for weights in ("fp32", "fp16", "int8", "int4"):
-        for kv in ("fp32", "fp16"):
+        for kv in ("fp32", "fp16", "int8"):
             assert fp.total_bytes(weights, kv) == fp.weight_bytes_at[weights] + fp.kv_bytes_total[kv]
+    assert fp.kv_bytes_total["fp16"] == 2 * fp.kv_bytes_total["int8"]  # --kv-dtype int8: a byte an element
     with pytest.raises(KvforgeError, match="int4"):
         fp.total_bytes("int2", "fp16")
     with pytest.raises(KvforgeError, match="fp16"):
-        fp.total_bytes("fp16", "int8")
+        fp.total_bytes("fp16", "int4")
 
 
 def test_format_footprint(llama: tuple[Checkpoint, DecoderSpec]) -> None:
