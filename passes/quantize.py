@@ -27,6 +27,8 @@ with the least squared error weighted by each weight's square, which clips a blo
 little to give the rest finer steps (docs/pipeline.md gives what it does to KL against fp32).
 Asymmetric: the block's
 [min, max], widened to contain 0 so that 0 is exact, over 0 .. 2^bits - 1 with a zero point.
+Free minimum (`free_min`, 4 bits): codes 0 .. 15 times a float step plus a float minimum per
+block (`quantize_free_min`), stored as symmetric codes with the minimum added by `MinTerms`.
 
 Only MatMuls whose B is a constant 2-D float initializer (read directly `[K, N]` or through
 `Transpose` as exported, `[N, K]`) are quantized; the others stay as they are and are
@@ -164,19 +166,103 @@ def quantize_blockwise(
         codes[rows] = chunk.reshape(-1, k + pad)[:, :k]
         scales[rows] = scale
 
-    starts = range(0, n, rows_per_chunk)
-    threads = min(len(starts), QUANTIZE_THREADS or _usable_cpus())
-    if threads > 1:
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(quantize_rows, starts))  # list: a chunk's exception is raised here
-    else:
-        for start in starts:
-            quantize_rows(start)
+    _run_chunks(quantize_rows, range(0, n, rows_per_chunk))
     return QuantizedWeight(codes, scales.astype(weight.dtype), zero_points, bits, block_size)
 
 
 # Threads that quantize a weight's chunks; 0: one per usable CPU.
 QUANTIZE_THREADS = 0
+
+# Steps tried per block by `quantize_free_min`, as the block's max - min over this many codes: a
+# block whose values lie on a grid of 2^bits steps uses some of them (a GGUF Q4_1 / Q4_K block
+# dequantized), and the candidate of its span finds that grid exactly
+FREE_MIN_SPANS = (15, 14, 13, 12, 11, 10, 9, 8)
+FREE_MIN_REFITS = 2  # least-squares refits of the best (step, min) to the codes it rounds to
+
+
+def quantize_free_min(
+    weight: np.ndarray, block_size: int, rows_per_chunk: int = 1024, dtype: np.dtype | None = None
+) -> QuantizedWeight:
+    """4-bit codes 0 .. 15 of a [N, K] weight (K whole blocks) with a float step and minimum per
+    block, as GGUF's Q4_1 holds a block: weight = step * code + min. Stored as `QuantizedWeight`
+    holds the min term: symmetric codes (code - 8), scales = step, mins = min + 8 * step.
+
+    Each block takes, of the steps (max - min) / span for each span in `FREE_MIN_SPANS` (the
+    minimum the block's), the one with the least squared error weighted by each weight's square
+    (as the symmetric scale search weighs it); then the step and minimum are refitted
+    `FREE_MIN_REFITS` times by least squares against the codes they round to, each refit kept
+    where it lowers that error. Weights that are a dequantized 4-bit grid with a free
+    minimum come back exactly; others round to a grid that need not contain 0. Steps are stored
+    in `dtype` (default: the weight's)."""
+    n, k = weight.shape
+    stored = weight.dtype if dtype is None else dtype
+    if k % block_size:
+        raise ValueError(f"a free minimum needs whole blocks: K={k} is not a multiple of {block_size}")
+    count = k // block_size
+    codes = np.empty((n, k), np.int8)
+    steps = np.empty((n, count), np.float32)
+    mins = np.empty((n, count), np.float32)
+
+    def quantize_rows(start: int) -> None:
+        rows = slice(start, min(start + rows_per_chunk, n))
+        blocks = weight[rows].astype(np.float32).reshape(-1, count, block_size)
+        low, high = blocks.min(axis=-1), blocks.max(axis=-1)
+        importance = np.square(blocks) + np.float32(1e-30)
+        best_error = np.full(low.shape, np.inf, np.float32)
+        best_step, best_min = np.ones_like(low), low.copy()
+
+        def consider(step: np.ndarray, minimum: np.ndarray) -> None:
+            nonlocal best_error, best_step, best_min
+            q = np.clip(np.rint((blocks - minimum[..., None]) / step[..., None]), 0, 15)
+            error = (np.square(q * step[..., None] + minimum[..., None] - blocks) * importance).sum(axis=-1)
+            better = error < best_error
+            best_error = np.where(better, error, best_error)
+            best_step, best_min = np.where(better, step, best_step), np.where(better, minimum, best_min)
+
+        for span in FREE_MIN_SPANS:
+            consider(_stored((high - low) / span, stored), low)
+        for _ in range(FREE_MIN_REFITS):
+            q = np.clip(np.rint((blocks - best_min[..., None]) / best_step[..., None]), 0, 15)
+            consider(*_refit(blocks, q, importance, best_step, best_min, stored))
+        # a block of one value is its minimum at code 0 with any step: one of its own size, so
+        # that min + 8 * step, stored in the weight's dtype, keeps the minimum's precision
+        flat = high == low
+        best_step = np.where(flat, _stored(np.abs(low) / 8, stored), best_step)
+        best_min = np.where(flat, low, best_min)
+        q = np.clip(np.rint((blocks - best_min[..., None]) / best_step[..., None]), 0, 15)
+        codes[rows] = (q - 8).reshape(-1, k)
+        steps[rows] = best_step
+        mins[rows] = best_min + 8 * best_step
+
+    _run_chunks(quantize_rows, range(0, n, rows_per_chunk))
+    return QuantizedWeight(codes, steps.astype(stored), None, 4, block_size, mins=mins)
+
+
+def _refit(
+    blocks: np.ndarray, q: np.ndarray, importance: np.ndarray, step: np.ndarray, minimum: np.ndarray, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """(step, min) per block minimizing the weighted squared error of step * q + min against the
+    block; a block whose fit is degenerate or gives no positive step keeps its own."""
+    sw, sq, sqq = importance.sum(-1), (importance * q).sum(-1), (importance * q * q).sum(-1)
+    sx, sqx = (importance * blocks).sum(-1), (importance * q * blocks).sum(-1)
+    det = sw * sqq - sq * sq
+    usable = det > 0
+    safe = np.where(usable, det, 1.0)
+    fitted_step = _stored(np.where(usable, (sw * sqx - sq * sx) / safe, step), dtype)
+    fitted_min = np.where(usable, (sqq * sx - sq * sqx) / safe, minimum)
+    usable &= fitted_step > 0
+    return np.where(usable, fitted_step, step), np.where(usable, fitted_min, minimum).astype(np.float32)
+
+
+def _run_chunks(work: Callable[[int], None], starts: range) -> None:
+    """`work(start)` for every start, spread over the usable CPUs (`QUANTIZE_THREADS`)."""
+    threads = min(len(starts), QUANTIZE_THREADS or _usable_cpus())
+    if threads > 1:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(work, starts))  # list: a chunk's exception is raised here
+    else:
+        for start in starts:
+            work(start)
 
 
 def _usable_cpus() -> int:
@@ -320,12 +406,16 @@ class QuantizeWeights(InPlacePass):
         int8: tuple[str, ...] = (),
         int8_form: str | None = None,
         scales: Mapping[str, np.ndarray] | None = None,
+        free_min: bool = False,
     ) -> None:
         super().__init__()
         if bits not in BITS or block_size not in BLOCK_SIZES or form not in FORMS:
             raise ValueError(f"unsupported quantization: bits={bits}, block_size={block_size}, form={form!r}")
         if int8 and (bits != 4 or int8_form not in FORMS):
             raise ValueError(f"8-bit weights within a {bits}-bit quantization need bits=4 and an int8_form")
+        if free_min and (bits != 4 or not symmetric or form == "dequantize_linear_channel"):
+            raise ValueError("a free minimum per block is a 4-bit block-wise form, without zero points")
+        self.free_min = free_min
         self.int8 = ",".join(int8)
         self._int8 = int8
         self._int8_form = int8_form or form
@@ -346,6 +436,9 @@ class QuantizeWeights(InPlacePass):
         # for symmetric 4-bit blocks of `block_size`; `calibrated` names the weights that took them
         self._scales = {} if scales is None or bits != 4 or not symmetric else scales
         self.calibrated: list[str] = []
+        # quantized initializer (codes) name -> its min term (`free_min`)
+        self._mins: dict[str, ir.Value] = {}
+        self._min_terms = MinTerms()
 
     def call(self, model: ir.Model) -> PassResult:
         self.counts = Counter()
@@ -353,6 +446,8 @@ class QuantizeWeights(InPlacePass):
         self.wider = []
         self.forms = {}
         self.calibrated = []
+        self._mins = {}
+        self._min_terms = MinTerms()
         graph = model.graph
         head = _lm_head(graph) if LM_HEAD in self._keep + self._int8 else None
         kept_head = head if LM_HEAD in self._keep else None
@@ -398,20 +493,26 @@ class QuantizeWeights(InPlacePass):
     def _quantized_inputs(
         self, graph: ir.Graph, weight: ir.Value, transposed: bool, bits: int, form: str
     ) -> tuple[ir.Value, ...]:
-        """Initializers of the weight quantized to `bits` in `form`, named after it."""
+        """Initializers of the weight quantized to `bits` in `form`, named after it (a free
+        minimum's min term in `_mins`, where K is whole blocks)."""
         array = weight.const_value.numpy()  # type: ignore[union-attr]
         kernel = array if transposed else array.T  # [N, K], in the weight's dtype: widened chunk by chunk
         per_channel = form == "dequantize_linear_channel"
         n, k = kernel.shape
         chosen = self._choose(n, k) if self._choose is not None and bits == self.bits else None
-        scales = self._calibrated_scales(weight, n, k) if bits == 4 and not per_channel else None
-        if scales is not None:  # the calibrated codes keep their blocks; a chosen form, its accuracy level
+        calibrated = self._calibrated_scales(weight, n, k) if bits == 4 and not per_channel else None
+        if calibrated is not None:  # the calibrated codes keep their blocks; a chosen form, its accuracy level
             chosen = None if chosen is None else KernelForm(self.block_size, chosen.accuracy_level)
-            q = quantize_with_scales(kernel, scales, bits, self.block_size)
             self.calibrated.append(weight.name or "")
             self.counts["calibrated"] += 1
+        block = k if per_channel else self.block_size if chosen is None else chosen.block_size
+        if self.free_min and bits == 4 and k % block == 0:
+            # a calibrated weight's values lie on its grid, which the search finds again
+            q = quantize_free_min(kernel, block)
+            self.counts["free_min"] += 1
+        elif calibrated is not None:
+            q = quantize_with_scales(kernel, calibrated, bits, self.block_size)
         else:
-            block = k if per_channel else self.block_size if chosen is None else chosen.block_size
             q = quantize_blockwise(kernel, bits, block, self.symmetric)
         base = f"{weight.name}.q{bits}"
         if base in graph.initializers:  # the same weight, already quantized as read the other way
@@ -427,6 +528,8 @@ class QuantizeWeights(InPlacePass):
                 scale = ir.tensor(scale.numpy().reshape(-1))
                 zero_point = None if zero_point is None else ir.tensor(zero_point.numpy().reshape(-1))
             tensors = [codes, scale, zero_point]
+        if q.mins is not None:
+            self._mins[base] = register_mins(graph, base, q.mins, kernel.dtype)
         return tuple(register_quantized(graph, base, tensors))
 
     def _calibrated_scales(self, weight: ir.Value, n: int, k: int) -> np.ndarray | None:
@@ -445,22 +548,30 @@ class QuantizeWeights(InPlacePass):
         self, graph: ir.Graph, node: ir.Node, inputs: tuple[ir.Value, ...], kn: tuple[int, int], bits: int, form: str
     ) -> None:
         x = node.inputs[0]
+        assert x is not None
+        mins = self._mins.get(inputs[0].name or "")
+        chosen = self.forms.get(inputs[0].name or "")
+        block_size, accuracy_level = (self.block_size, self.accuracy_level) if chosen is None else astuple(chosen[0])
         if form.startswith("dequantize_linear"):
             per_channel = form == "dequantize_linear_channel"
             attributes = {"axis": 1} if per_channel else {"axis": 0, "block_size": self.block_size}
             dq = ir.node("DequantizeLinear", list(inputs), attributes)
             graph.insert_before(node, dq)
-            node.replace_input_with(1, dq.outputs[0])
-            return
-        k, n = kn
-        chosen = self.forms.get(inputs[0].name or "")
-        block_size, accuracy_level = (self.block_size, self.accuracy_level) if chosen is None else astuple(chosen[0])
-        attributes = {"K": k, "N": n, "bits": bits, "block_size": block_size}
-        if accuracy_level:
-            attributes["accuracy_level"] = accuracy_level
-        fused = ir.node("MatMulNBits", [x, *inputs], attributes, domain=_MS_DOMAIN)
-        graph.insert_before(node, fused)
-        replace_node(graph, node, fused.outputs[0])
+            if mins is None:
+                node.replace_input_with(1, dq.outputs[0])
+                return
+            product = ir.node("MatMul", [x, dq.outputs[0]])
+        else:
+            k, n = kn
+            attributes = {"K": k, "N": n, "bits": bits, "block_size": block_size}
+            if accuracy_level:
+                attributes["accuracy_level"] = accuracy_level
+            product = ir.node("MatMulNBits", [x, *inputs], attributes, domain=_MS_DOMAIN)
+        graph.insert_before(node, product)
+        result = product.outputs[0]
+        if mins is not None:
+            result = self._min_terms.add(graph, node, x, result, mins, kn[0], block_size)
+        replace_node(graph, node, result)
 
 
 def register_initializer(graph: ir.Graph, name: str, data: np.ndarray | _Tensor) -> ir.Value:
@@ -563,10 +674,17 @@ class WeightQuantization:
     accuracy_level: int = 4
     # weights quantized to 8 bits in a 4-bit build (glob patterns; `lm_head` names the LM head)
     int8: tuple[str, ...] = ()
+    # 4-bit blocks with a float step and minimum (`quantize_free_min`), the min added by `MinTerms`
+    free_min: bool = False
 
     def __post_init__(self) -> None:
         if self.int8 and self.bits != 4:
             raise ValueError(f"--int8 picks weights to keep at 8 bits in an int4 build; this build is int{self.bits}")
+        if self.free_min and (self.bits != 4 or not self.symmetric):
+            raise ValueError(
+                "--free-min is a 4-bit form with a float minimum per block: it needs --weights int4 and "
+                "takes no --asymmetric (an integer zero point)"
+            )
 
     @property
     def name(self) -> str:
@@ -582,6 +700,8 @@ class WeightQuantization:
         }
         if self.int8:  # absent otherwise, so earlier recipes keep their bytes
             recipe["int8"] = list(self.int8)
+        if self.free_min:
+            recipe["free_min"] = True
         return recipe
 
     @property
@@ -607,6 +727,7 @@ class WeightQuantization:
             self.int8,
             int8_form if self.int8 else None,
             scales,
+            self.free_min,
         )
 
 
@@ -629,14 +750,7 @@ class ImportQuantizedWeights(InPlacePass):
     Weights not in `imported` are left for `QuantizeWeights` (or stay float).
 
     A record with `mins` (a float term per block, which no integer zero point holds) adds it
-    through the block sums of the input, as x @ W^T = sum over blocks b of
-    (x_b @ codes_b^T) * scale_b + sum(x_b) * min_b::
-
-        x ──> MatMulNBits(codes, scales) ─────────────────────────────> Add ──> y
-         └──> Reshape [..., K / block, block] ─> ReduceSum(-1) ─> MatMul(mins^T) ─┘
-
-    a float MatMul 1/block the size of the weight, its block sums shared by every weight that
-    reads the same input.
+    through the block sums of the input (`MinTerms`).
     """
 
     def __init__(
@@ -651,12 +765,12 @@ class ImportQuantizedWeights(InPlacePass):
         self.counts: Counter[str] = Counter()
         # graph weight name -> its form and the checkpoint weights it holds
         self.imported_forms: dict[str, dict[str, object]] = {}
-        self._block_sums: dict[tuple[str, int], ir.Value] = {}
+        self._min_terms = MinTerms()
 
     def call(self, model: ir.Model) -> PassResult:
         self.counts = Counter()
         self.imported_forms = {}
-        self._block_sums = {}
+        self._min_terms = MinTerms()
         graph = model.graph
         done: dict[tuple[str, bool], tuple[tuple[ir.Value, ...], QuantizedWeight, ir.Value | None]] = {}
         for node, weight, transpose in constant_matmuls(graph):
@@ -667,8 +781,8 @@ class ImportQuantizedWeights(InPlacePass):
                 if record is None:
                     continue
                 q, sources = record
-                if q.mins is not None and _block_shape(node.inputs[0], q) is None:
-                    self.counts["skipped"] += 1  # the input's rank unknown, or K not whole blocks
+                if q.mins is not None and q.codes.shape[1] % q.block_size:
+                    self.counts["skipped"] += 1  # K not whole blocks: no block sums
                     continue
                 tensor = weight.const_value
                 assert tensor is not None
@@ -683,10 +797,8 @@ class ImportQuantizedWeights(InPlacePass):
                     order = q.input_order.astype(np.int64)
                     registered.append(register_initializer(graph, f"{base}.input_order", order))
                 mins = None
-                if q.mins is not None:  # [blocks, N], as MatMul reads its B
-                    mins_t = np.ascontiguousarray(q.mins.T).astype(tensor.dtype.numpy())
-                    mins = register_initializer(graph, f"{base}.mins", mins_t)
-                    mins.meta[FLOAT_TERM] = True
+                if q.mins is not None:
+                    mins = register_mins(graph, base, q.mins, tensor.dtype.numpy())
                 done[key] = (tuple(registered), q, mins)
                 self.imported_forms[name] = {
                     "form": self.form,
@@ -753,42 +865,61 @@ class ImportQuantizedWeights(InPlacePass):
         graph.insert_before(node, product)
         result = product.outputs[0]
         if mins is not None:
-            term = ir.node("MatMul", [self._block_sum(graph, node, x, q), mins])
-            add = ir.node("Add", [result, term.outputs[0]])
-            graph.insert_before(node, term)
-            graph.insert_before(node, add)
-            result = add.outputs[0]
+            result = self._min_terms.add(graph, node, x, result, mins, q.codes.shape[1], q.block_size)
         replace_node(graph, node, result)
 
-    def _block_sum(self, graph: ir.Graph, node: ir.Node, x: ir.Value, q: QuantizedWeight) -> ir.Value:
+
+def register_mins(graph: ir.Graph, base: str, mins: np.ndarray, dtype: np.dtype) -> ir.Value:
+    """`{base}.mins`: a weight's min term [⌈K / block⌉, N] (as MatMul reads its B) from its
+    record's mins [N, ⌈K / block⌉], marked so that no quantizer after this one rounds it."""
+    value = register_initializer(graph, f"{base}.mins", np.ascontiguousarray(mins.T).astype(dtype))
+    value.meta[FLOAT_TERM] = True
+    return value
+
+
+class MinTerms:
+    """The min term of weights stored as symmetric codes plus a float term per block
+    (`QuantizedWeight.mins`): x @ W^T = sum over blocks b of (x_b @ codes_b^T) * scale_b +
+    sum(x_b) * min_b, so::
+
+        x ──> MatMulNBits(codes, scales) ──────────────────> Add ──> y
+         └──> MatMul(block indicator [K, K / block]) ─> MatMul(mins) ─┘
+
+    two float MatMuls, the first summing each block of inputs (a constant of ones and zeros,
+    one per K and block size; it takes inputs of any rank, as a Reshape into blocks would not),
+    the second 1/block the size of the weight. The block sums are made once per input and
+    shared by every weight that reads it. One per pass run."""
+
+    def __init__(self) -> None:
+        self._block_sums: dict[tuple[str, int], ir.Value] = {}
+
+    def add(
+        self, graph: ir.Graph, node: ir.Node, x: ir.Value, product: ir.Value, mins: ir.Value, k: int, block_size: int
+    ) -> ir.Value:
+        """`product` plus the min term of `x` [..., k] (before `node`): the Add's output."""
+        term = ir.node("MatMul", [self._block_sum(graph, node, x, k, block_size, mins.dtype), mins])
+        add = ir.node("Add", [product, term.outputs[0]])
+        graph.insert_before(node, term)
+        graph.insert_before(node, add)
+        return add.outputs[0]
+
+    def _block_sum(
+        self, graph: ir.Graph, node: ir.Node, x: ir.Value, k: int, block_size: int, dtype: ir.DataType | None
+    ) -> ir.Value:
         """[..., K / block]: the sum of each block of `x`'s last axis, made once per input."""
-        key = (x.name or str(id(x)), q.block_size)
+        key = (x.name or str(id(x)), block_size)
         if key in self._block_sums:
             return self._block_sums[key]
-        shape = _block_shape(x, q)
-        assert shape is not None
-        shape_name = "kvforge.block_sum.shape." + "_".join(map(str, shape))
-        if shape_name not in graph.initializers:
-            register_initializer(graph, shape_name, np.array(shape, np.int64))
-        if "kvforge.block_sum.axes" not in graph.initializers:
-            register_initializer(graph, "kvforge.block_sum.axes", np.array([-1], np.int64))
-        reshape = ir.node("Reshape", [x, graph.initializers[shape_name]])
-        total = ir.node(
-            "ReduceSum", [reshape.outputs[0], graph.initializers["kvforge.block_sum.axes"]], {"keepdims": 0}
-        )
-        graph.insert_before(node, reshape)
+        assert dtype is not None and k % block_size == 0
+        name = f"kvforge.block_sum.{k}_{block_size}.{dtype.name.lower()}"
+        if name not in graph.initializers:
+            indicator = np.zeros((k, k // block_size), dtype.numpy())
+            indicator[np.arange(k), np.arange(k) // block_size] = 1
+            register_initializer(graph, name, indicator).meta[FLOAT_TERM] = True
+        total = ir.node("MatMul", [x, graph.initializers[name]])
         graph.insert_before(node, total)
         self._block_sums[key] = total.outputs[0]
         return total.outputs[0]
-
-
-def _block_shape(x: ir.Value | None, q: QuantizedWeight) -> list[int] | None:
-    """Reshape's shape that splits `x`'s last axis into blocks of `q`'s (the leading axes kept:
-    0), or None where `x`'s rank is unknown or K is not whole blocks."""
-    k = q.codes.shape[1]
-    if x is None or x.shape is None or k % q.block_size:
-        return None
-    return [0] * (len(x.shape) - 1) + [k // q.block_size, q.block_size]
 
 
 def stack_rows(records: Sequence[QuantizedWeight]) -> QuantizedWeight | None:

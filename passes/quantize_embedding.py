@@ -73,6 +73,7 @@ from passes.quantize import (
     holds_block,
     matmul_nbits_inputs,
     quantize_blockwise,
+    quantize_free_min,
     register_initializer,
     register_quantized,
     replace_node,
@@ -104,6 +105,7 @@ class QuantizeEmbedding(QuantizeWeights):
         keep: tuple[str, ...] = (),
         imported: dict[str, QuantizedWeight] | None = None,
         only_imported: bool = False,
+        free_min: bool = False,
     ) -> None:
         InPlacePass.__init__(self)
         if bits not in BITS or block_size not in BLOCK_SIZES or form not in EMBEDDING_FORMS:
@@ -114,6 +116,9 @@ class QuantizeEmbedding(QuantizeWeights):
         self.block_size = block_size
         self.symmetric = symmetric
         self.form = form
+        # 4-bit blocks with a float minimum (`quantize_free_min`), where the lookup form takes 4
+        # bits and hidden is whole blocks: each row's block minimums are looked up beside it
+        self.free_min = free_min and bits == 4 and form == "gather_block_quantized"
         self.keep = ",".join(keep)
         self._keep = keep
         self.counts: Counter[str] = Counter()
@@ -136,7 +141,7 @@ class QuantizeEmbedding(QuantizeWeights):
         would take once widened for Gather, with a finer step), or where `--int8 embeddings`
         asks for them."""
         bits = 8 if form == "gather_dequantize_linear" or EMBEDDINGS in weights.int8 else weights.bits
-        return cls(bits, weights.block_size, weights.symmetric, form, weights.keep, imported)
+        return cls(bits, weights.block_size, weights.symmetric, form, weights.keep, imported, free_min=weights.free_min)
 
     def call(self, model: ir.Model) -> PassResult:
         self.counts = Counter()
@@ -210,7 +215,10 @@ class QuantizeEmbedding(QuantizeWeights):
         graph = model.graph
         tensor = table.const_value
         assert tensor is not None
-        if record is None:
+        ranked = all(gather.inputs[1].shape is not None for gather in gathers)  # type: ignore[union-attr]
+        if record is None and self.free_min and ranked and tensor.shape.numpy()[1] % self.block_size == 0:
+            q = quantize_free_min(tensor.numpy(), self.block_size)
+        elif record is None:
             q = quantize_blockwise(tensor.numpy(), self.bits, self.block_size, self.symmetric)
         else:
             q = replace(record, scales=record.scales.astype(tensor.dtype.numpy()))
@@ -228,9 +236,13 @@ class QuantizeEmbedding(QuantizeWeights):
         if self.form == "gather_block_quantized":
             b, scales, zero_points = matmul_nbits_inputs(q)
             data, *rest = register_quantized(graph, name, [b.reshape(b.shape[0], -1), scales, zero_points])
+            # a free minimum's [V, blocks, 1], looked up beside the rows
+            mins = None
+            if q.mins is not None:
+                mins = register_initializer(graph, f"{name}.mins", q.mins[..., None].astype(tensor.dtype.numpy()))
             model.opset_imports.setdefault(_MS_DOMAIN, 1)
             for gather in gathers:
-                replace_node(graph, gather, self._gather_block_quantized(graph, gather, data, rest, q))
+                replace_node(graph, gather, self._gather_block_quantized(graph, gather, data, rest, q, mins))
         else:
             # codes [V, H] (int8 when symmetric, uint8 with zero points), scales and zero points [V, blocks]
             values = register_quantized(graph, name, [q.codes, q.scales, q.zero_points])
@@ -242,7 +254,13 @@ class QuantizeEmbedding(QuantizeWeights):
     # --- gather_block_quantized ------------------------------------------------------------------
 
     def _gather_block_quantized(
-        self, graph: ir.Graph, gather: ir.Node, data: ir.Value, rest: list[ir.Value], q: QuantizedWeight
+        self,
+        graph: ir.Graph,
+        gather: ir.Node,
+        data: ir.Value,
+        rest: list[ir.Value],
+        q: QuantizedWeight,
+        mins: ir.Value | None,
     ) -> ir.Value:
         ids = gather.inputs[1]
         assert ids is not None
@@ -250,6 +268,8 @@ class QuantizeEmbedding(QuantizeWeights):
         lookup = ir.node("GatherBlockQuantized", [data, ids, *rest], attributes, domain=_MS_DOMAIN)
         graph.insert_before(gather, lookup)
         hidden = q.codes.shape[1]
+        if mins is not None:
+            return _add_mins(graph, gather, lookup.outputs[0], mins, hidden, q.block_size)
         if hidden % q.block_size == 0:
             return lookup.outputs[0]
         # the codes hold whole blocks, and so does the lookup's output: cut it to H
@@ -277,6 +297,26 @@ class QuantizeEmbedding(QuantizeWeights):
 
 
 # --- graph plumbing -------------------------------------------------------------------------------
+
+
+def _add_mins(
+    graph: ir.Graph, gather: ir.Node, rows: ir.Value, mins: ir.Value, hidden: int, block_size: int
+) -> ir.Value:
+    """`rows` [..., H] (the symmetric part of a free-minimum table's rows) plus each block's min
+    term, looked up as the rows are: [..., H / block, block] + mins [..., H / block, 1]."""
+    ids = gather.inputs[1]
+    assert ids is not None and ids.shape is not None
+    blocks = hidden // block_size
+    rank = len(ids.shape)
+    split = _register(graph, f"block_rows_{rank}_{blocks}_{block_size}", np.array([0] * rank + [blocks, block_size]))
+    joined = _register(graph, f"joined_rows_{rank}_{hidden}", np.array([0] * rank + [hidden]))
+    row_mins = ir.node("Gather", [mins, ids], {"axis": 0})
+    blocked = ir.node("Reshape", [rows, split])
+    added = ir.node("Add", [blocked.outputs[0], row_mins.outputs[0]])
+    joined_rows = ir.node("Reshape", [added.outputs[0], joined])
+    for node in (row_mins, blocked, added, joined_rows):
+        graph.insert_before(gather, node)
+    return joined_rows.outputs[0]
 
 
 def _token_ids(value: ir.Value) -> bool:

@@ -472,12 +472,13 @@ def _check_fits(ckpt: checkpoints.Checkpoint, spec: DecoderSpec, options: BuildO
     )
     compute = "fp16" if half else "fp32"
     weights = fp.weight_bytes_at[compute if options.weights is None else options.weights.name]
-    kv = fp.kv_bytes_total[compute]
+    kv = fp.kv_bytes_total[compute if options.kv_dtype is None else options.kv_dtype]
+    cache = options.dtype if options.kv_dtype is None else options.kv_dtype
     precision = _DTYPE_NAMES[options.dtype] if options.weights is None else options.weights.name
     if weights + kv > options.device_memory:
         raise ArtifactError(
             f"{ckpt.path}: the built model needs {format_bytes(weights + kv)} at run time ({precision} weights "
-            f"{format_bytes(weights)} + {options.dtype} KV cache {format_bytes(kv)} for batch {options.memory_batch} × "
+            f"{format_bytes(weights)} + {cache} KV cache {format_bytes(kv)} for batch {options.memory_batch} × "
             f"{seq} tokens), more than --device-memory {format_bytes(options.device_memory)}; "
             + ("quantize the weights (--weights int4), " if precision != "int4" else "")
             + "plan for a smaller --batch or --seq, or a larger device"
@@ -492,6 +493,11 @@ def _target_options(options: BuildOptions, spec: DecoderSpec) -> BuildOptions:
         raise ArtifactError(
             f"--target {target.name} takes symmetric weight quantization only (its runtime requires a zero "
             "zero-point); drop the asymmetric setting"
+        )
+    if target.symmetric_only and options.weights is not None and options.weights.free_min:
+        raise ArtifactError(
+            f"--target {target.name} takes symmetric weight quantization only (a float minimum per block is "
+            "not checked against its parser); drop --free-min"
         )
     if not target.fixed_capacity:
         return options

@@ -34,7 +34,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from passes.quantize import LM_HEAD, WeightQuantization, symmetric_scales
+from passes.quantize import LM_HEAD, WeightQuantization, quantize_free_min, symmetric_scales
 from runners.errors import ArtifactError
 from runners.tokenizer import TokenizerBundle
 
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 BUILTIN = "builtin"  # `--calibration builtin`: the text shipped with kvforge
 NONE = "none"
 METHOD = "gptq"
-WINDOWS = 64  # calibration windows of WINDOW tokens, spread evenly over the text
+WINDOWS = 256  # calibration windows of WINDOW tokens, spread evenly over the text (65,536 tokens)
 WINDOW = 256
 BATCH = 8  # windows per forward pass
 DAMPING = 0.1  # added to H's diagonal, as a fraction of its mean: held-out error fell with it (docs/performance.md)
@@ -115,7 +115,8 @@ class CalibrationText:
 
 
 def calibratable(weights: WeightQuantization | None) -> bool:
-    """Whether a recipe's weights are calibrated: symmetric 4-bit blocks."""
+    """Whether a recipe's weights are calibrated: 4-bit blocks without zero points (symmetric,
+    or with a free minimum)."""
     return weights is not None and weights.bits == 4 and weights.symmetric
 
 
@@ -157,7 +158,7 @@ def calibrate(
             factor = inverse_factor(found.hessian, weights.block_size, text.damping, text.act_order)
             found.hessian = None  # H is freed as soon as its factor is made
             for name, module in found.modules:
-                scales[f"{name}.weight"] = _quantize_module(module, factor, weights.block_size)
+                scales[f"{name}.weight"] = _quantize_module(module, factor, weights.block_size, weights.free_min)
             del factor
     log.info(
         "calibrated %d weights on %d windows of %d tokens (%d forward passes)",
@@ -273,16 +274,19 @@ class _hooks:
 ROWS = 2048  # output rows rounded at a time: each row's rounding is its own, so the temporaries stay small
 
 
-def _quantize_module(module: torch.nn.Linear, factor: Factor, block_size: int) -> np.ndarray:
+def _quantize_module(module: torch.nn.Linear, factor: Factor, block_size: int, free_min: bool) -> np.ndarray:
     """GPTQ of `module.weight` [N, K], `ROWS` rows at a time: its weight becomes the dequantized
-    codes; returns the scales [N, ⌈K / block⌉] float32."""
+    codes; returns the scales [N, ⌈K / block⌉] float32. `free_min` (where K is whole blocks, as
+    the pass gives a free minimum): codes with a step and minimum per block."""
     weight = module.weight
-    n = weight.shape[0]
+    n, k = weight.shape
+    free_min = free_min and k % block_size == 0
     scales = np.empty((n, factor.blocks(block_size)), np.float32)
     with torch.no_grad():
         for start in range(0, n, ROWS):
             rows = slice(start, min(start + ROWS, n))
-            dequantized, scales[rows] = gptq_rows(weight[rows].to(torch.float32), factor, block_size, weight.dtype)
+            rounded = gptq_rows(weight[rows].to(torch.float32), factor, block_size, weight.dtype, free_min)
+            dequantized, scales[rows] = rounded
             weight[rows] = dequantized.to(weight.dtype)
     return scales
 
@@ -336,38 +340,45 @@ def gptq(
 
 
 def gptq_rows(
-    weight: torch.Tensor, factor: Factor, block_size: int, dtype: torch.dtype
+    weight: torch.Tensor, factor: Factor, block_size: int, dtype: torch.dtype, free_min: bool = False
 ) -> tuple[torch.Tensor, np.ndarray]:
     """(dequantized [N, K] float32, scales [N, ⌈K / block⌉] float32) of [N, K] float32 rows
-    rounded to symmetric 4-bit codes column by column, each column's error fed to the columns
-    after it through `factor.u`; scales stored in `dtype` (the weight's), as the pass stores them.
-    In act order every block's scale is chosen first, from the weight as it is; otherwise each
-    block's when its first column comes, from the weight as the earlier errors have moved it."""
+    rounded to 4-bit codes column by column, each column's error fed to the columns after it
+    through `factor.u`; scales stored in `dtype` (the weight's), as the pass stores them.
+    Symmetric codes -8..7 times the scale, or with `free_min` (K whole blocks) codes 0..15 times
+    the step plus the block's minimum (`passes.quantize.quantize_free_min`'s grid). In act order
+    every block's grid is chosen first, from the weight as it is; otherwise each block's when its
+    first column comes, from the weight as the earlier errors have moved it."""
     n, k = weight.shape
     pad = -k % block_size
+    if free_min and pad:
+        raise ValueError(f"a free minimum needs whole blocks: K={k} is not a multiple of {block_size}")
     w = torch.nn.functional.pad(weight, (0, pad)) if pad else weight.clone()  # never the caller's tensor
     w[:, factor.dead] = 0.0
     stored = _scale_dtype(dtype)
     scales = np.empty((n, (k + pad) // block_size), np.float32)
+    lows = np.zeros_like(scales)  # each block's code 0: its minimum (free_min), else 0
     order, u = factor.order, factor.u
     if order is not None:
-        scales[:] = symmetric_scales(w.numpy().reshape(n, -1, block_size), 4, stored)
-        fixed = torch.from_numpy(scales)
+        scales[:], lows[:] = _grid(w.numpy().reshape(n, -1, block_size), stored, free_min)
+        fixed, fixed_low = torch.from_numpy(scales), torch.from_numpy(lows)
         w = w[:, order]
-    qmax = 2 ** (4 - 1) - 1
+    lowest, highest = (0, 15) if free_min else (-8, 7)
     out = torch.empty_like(w)
     for lazy in range(0, k + pad, LAZY_COLUMNS):
         end = min(lazy + LAZY_COLUMNS, k + pad)
         errors = torch.empty(n, end - lazy, dtype=torch.float32)
         for j in range(lazy, end):
             if order is not None:
-                step = fixed[:, int(order[j]) // block_size]
+                block = int(order[j]) // block_size
+                step, low = fixed[:, block], fixed_low[:, block]
             elif j % block_size == 0:
-                scale = symmetric_scales(w[:, j : j + block_size].numpy()[:, None, :], 4, stored)
-                scales[:, j // block_size] = scale.reshape(n)
-                step = torch.from_numpy(scale.reshape(n).astype(np.float32))
+                block_scales, block_lows = _grid(w[:, j : j + block_size].numpy()[:, None, :], stored, free_min)
+                scales[:, j // block_size], lows[:, j // block_size] = block_scales[:, 0], block_lows[:, 0]
+                step = torch.from_numpy(block_scales[:, 0].astype(np.float32))
+                low = torch.from_numpy(block_lows[:, 0].astype(np.float32))
             column = w[:, j]
-            rounded = torch.clamp(torch.round(column / step), -qmax - 1, qmax) * step
+            rounded = torch.clamp(torch.round((column - low) / step), lowest, highest) * step + low
             out[:, j] = rounded
             error = (column - rounded) / u[j, j]
             w[:, j:end] -= error[:, None] * u[j, j:end][None, :]
@@ -376,6 +387,19 @@ def gptq_rows(
     if order is not None:
         out = out[:, torch.argsort(order)]
     return out[:, :k], scales
+
+
+def _grid(blocks: np.ndarray, stored: np.dtype, free_min: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(scale or step, minimum) per block of `blocks` [N, B, block]: round to nearest's symmetric
+    scale and 0, or the free minimum's step and minimum; steps as stored in `stored`."""
+    if not free_min:
+        scale = symmetric_scales(blocks, 4, stored).astype(np.float32)
+        return scale, np.zeros_like(scale)
+    n, count, block_size = blocks.shape
+    q = quantize_free_min(blocks.reshape(n, -1).astype(np.float32), block_size, dtype=stored)
+    step = q.scales.astype(np.float32)
+    assert q.mins is not None
+    return step, q.mins - 8 * step
 
 
 def _scale_dtype(dtype: torch.dtype) -> np.dtype:

@@ -212,15 +212,16 @@ def main(verbose: bool) -> None:
 
 
 def _calibration(choice: str | None, quantization: Any) -> Any:
-    """--calibration: the text a symmetric int4 build calibrates on, None where the build rounds to
-    nearest (the default); refused where it has nothing to calibrate."""
+    """--calibration: the text an int4 build without zero points (symmetric or --free-min)
+    calibrates on, None where the build rounds to nearest (the default); refused where it has
+    nothing to calibrate."""
     from toolchain.calibration import NONE, CalibrationText, calibratable
 
     if choice is None or choice == NONE:
         return None
     if not calibratable(quantization):
         raise click.BadParameter(
-            f"{choice}: calibration chooses symmetric int4 weights; this build is "
+            f"{choice}: calibration chooses int4 weights without zero points; this build is "
             f"{'asymmetric ' if quantization is not None and quantization.bits == 4 else ''}"
             f"{quantization.name if quantization is not None else 'unquantized'}: add --weights int4 (without "
             "--asymmetric), or drop --calibration",
@@ -279,12 +280,19 @@ def _calibration(choice: str | None, quantization: Any) -> Any:
 )
 @click.option("--asymmetric", is_flag=True, help="Quantize with a zero point per block (default: symmetric).")
 @click.option(
+    "--free-min",
+    is_flag=True,
+    help="With --weights int4: each block of weights as a float step times codes 0..15 plus a float minimum, as "
+    "GGUF's Q4_1 holds a block (the closest 4-bit form; exact on weights that were such blocks), the minimum "
+    "added through a small float term per projection. Decodes slower than the symmetric form (docs/performance.md).",
+)
+@click.option(
     "--calibration",
     metavar="builtin|none|FILE",
     default=None,
-    help="With --weights int4 (symmetric): the text whose activations choose each weight's scales and codes "
-    "(GPTQ-style error feedback; the build takes minutes longer). builtin: the text kvforge ships; none: round to "
-    "nearest (the default); or a UTF-8 text file. Recorded in the manifest with its sha256.",
+    help="With --weights int4 (symmetric, or --free-min): the text whose activations choose each weight's scales "
+    "and codes (GPTQ-style error feedback; the build takes minutes longer). builtin: the text kvforge ships; none: "
+    "round to nearest (the default); or a UTF-8 text file. Recorded in the manifest with its sha256.",
 )
 @click.option(
     "--tune",
@@ -361,6 +369,7 @@ def build(
     block_size: str,
     kv_dtype: str | None,
     asymmetric: bool,
+    free_min: bool,
     calibration: str | None,
     tune: str,
     keep: tuple[str, ...],
@@ -410,8 +419,17 @@ def build(
             "add --weights int4, or drop --int8",
             param_hint="--int8",
         )
+    if free_min and (weights != "int4" or asymmetric):
+        raise click.BadParameter(
+            "a float minimum per block is a 4-bit form without zero points: add --weights int4"
+            + (", and drop --asymmetric" if asymmetric else "")
+            + ", or drop --free-min",
+            param_hint="--free-min",
+        )
     if weights is not None:
-        quantization = WeightQuantization(int(weights[3:]), int(block_size), not asymmetric, keep, int8=int8)
+        quantization = WeightQuantization(
+            int(weights[3:]), int(block_size), not asymmetric, keep, int8=int8, free_min=free_min
+        )
     calibration_text = _calibration(calibration, quantization)
     options = BuildOptions(
         force=force,

@@ -242,3 +242,31 @@ def test_a_table_the_checkpoint_ships_quantized_is_looked_up_with_its_own_codes(
         kept = lookup_graph(record.dequantize())
         only = QuantizeEmbedding(8, form=form, imported=imported, only_imported=True)
         assert not only(kept).modified and only.counts == {"kept": 1}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_a_free_min_table_looks_up_each_row_with_its_block_minimums(dtype: type) -> None:
+    """GatherBlockQuantized's symmetric rows plus the rows' block minimums, looked up beside them:
+    the table's free-minimum grid itself (the tied head, `QuantizeWeights`, reads it through its
+    own min term)."""
+    from tests.passes.test_quantize import grid_blocks
+
+    weights = grid_blocks(VOCAB, 64, dtype)
+    model = lookup_graph(weights, tied_head=True)
+    head = QuantizeWeights(4, free_min=True)  # the head first, as the pipeline runs them
+    assert head(model).modified and head.counts == {"quantized": 1, "free_min": 1}
+    quantize = QuantizeEmbedding(4, 32, True, "gather_block_quantized", free_min=True)
+    assert quantize(model).modified and quantize.counts == {"quantized": 1}
+    assert op_count(model, "GatherBlockQuantized", "com.microsoft") == 1 and op_count(model, "Gather") == 1
+    logits, hidden = ort_outputs(model, {"input_ids": IDS})
+    rows = weights[IDS].astype(np.float32)
+    # exact to the dtype's rounding of min + 8 * step and of the products (a few of its ulps in fp16)
+    ulp = float(np.spacing(np.abs(weights).max().astype(dtype)))
+    np.testing.assert_allclose(hidden, rows, rtol=0, atol=4 * ulp)
+    want = -rows @ weights.T.astype(np.float32)
+    np.testing.assert_allclose(logits, want, rtol=2e-2 if dtype == np.float16 else 1e-4, atol=1e-2 * np.abs(want).max())
+    # a symmetric table rounds such rows again
+    plain = lookup_graph(weights)
+    QuantizeEmbedding(4, 32, True, "gather_block_quantized")(plain)
+    (symmetric,) = ort_outputs(plain, {"input_ids": IDS})
+    assert np.abs(symmetric - rows).max() > 1e-3

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from passes.quantize import WeightQuantization, quantize_blockwise, quantize_with_scales
+from passes.quantize import WeightQuantization, quantize_blockwise, quantize_free_min, quantize_with_scales
 from runners.errors import ArtifactError
 from toolchain import calibration
 from toolchain import checkpoint as checkpoints
@@ -61,6 +61,37 @@ def test_error_feedback_beats_round_to_nearest_on_the_calibration_activations(ac
     q = quantize_with_scales(dequantized.numpy(), scales, 4, 32)
     assert q.codes.min() >= -8 and q.codes.max() <= 7
     np.testing.assert_allclose(q.dequantize(), dequantized.numpy(), rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_error_feedback_on_a_free_minimum_grid_beats_its_round_to_nearest(act_order: bool) -> None:
+    """GPTQ over `--free-min`'s grid: codes 0..15 times a step plus a minimum per block, fed back as
+    the symmetric codes are; the pass's search finds each block's grid again from the values."""
+    torch.manual_seed(0)
+    weight = torch.randn(48, 96) * 0.05 + 0.02  # not centred: a free minimum has something to hold
+    x = correlated_inputs(2048, 96, seed=1)
+    factor = calibration.inverse_factor(x.T @ x, 32, calibration.DAMPING, act_order)
+    dequantized, _ = calibration.gptq_rows(weight, factor, 32, torch.float32, free_min=True)
+    nearest = torch.from_numpy(quantize_free_min(weight.numpy(), 32).dequantize())
+    symmetric, _ = calibration.gptq_rows(weight, factor, 32, torch.float32)
+    exact = x @ weight.T
+
+    def error(w: torch.Tensor) -> float:
+        return float(((x @ w.T - exact) ** 2).sum() / (exact**2).sum())
+
+    assert error(dequantized) < 0.7 * error(nearest)
+    assert error(dequantized) < error(symmetric)
+    again = quantize_free_min(dequantized.numpy(), 32)
+    assert again.codes.min() >= -8 and again.codes.max() <= 7
+    np.testing.assert_allclose(again.dequantize(), dequantized.numpy(), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="whole blocks"):
+        calibration.gptq_rows(
+            weight[:, :80],
+            calibration.inverse_factor(x[:, :80].T @ x[:, :80], 32, 0.1, False),
+            32,
+            torch.float32,
+            free_min=True,
+        )
 
 
 def test_a_layer_whose_inputs_are_zero_is_rounded_to_zero_where_they_are() -> None:

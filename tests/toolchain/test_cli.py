@@ -114,6 +114,14 @@ def test_a_build_that_would_not_fit_the_device_is_refused_before_any_work(
     assert quantized < need  # the suggestion helps: int4 fits where fp32 did not
     result = CliRunner().invoke(main, [*args, "--device-memory", "12 parsecs"])
     assert result.exit_code == 2 and "memory size '12 parsecs'" in result.output
+    # an int8 cache (--kv-dtype int8) is counted at a byte per element: a quarter of fp32's
+    from toolchain.footprint import format_bytes
+
+    assert fp.kv_bytes_total["int8"] * 4 == fp.kv_bytes_total["fp32"] > 0
+    need = fp.weight_bytes_at["fp32"] + fp.kv_bytes_total["int8"]
+    result = CliRunner().invoke(main, [*args, "--kv-dtype", "int8", "--device-memory", str(need - 1)])
+    assert result.exit_code == 2 and not (tmp_path / "out").exists()
+    assert f"int8 KV cache {format_bytes(fp.kv_bytes_total['int8'])}" in result.output, result.output
 
 
 @pytest.mark.parametrize(

@@ -190,3 +190,53 @@ def test_int8_without_int4_is_refused_before_any_work(tmp_path: Path, tiny_check
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 2 and "--int8" in result.output and "--weights int4" in result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_free_min_build_keeps_weights_on_a_free_min_grid_and_is_refused_where_it_cannot_be(
+    tmp_path: Path, tiny_checkpoint: Callable[..., Path]
+) -> None:
+    """`--weights int4 --free-min` of a checkpoint whose matrices are dequantized 4-bit blocks with a
+    free minimum (a GGUF Q4_1 file's): each block comes back as it was, so the gate's KL is the
+    int8 activations' alone, far below a symmetric int4 build's, which rounds the blocks again."""
+    import shutil
+
+    from click.testing import CliRunner
+    from safetensors.numpy import load_file, save_file
+
+    from tests.passes.test_quantize import grid_blocks
+    from toolchain.cli import main
+
+    checkpoint = tmp_path / "grid"
+    shutil.copytree(tiny_checkpoint("llama"), checkpoint)
+    for path in checkpoint.glob("*.safetensors"):
+        tensors = load_file(path)
+        for name, value in tensors.items():
+            if value.ndim == 2 and value.shape[1] % 32 == 0:
+                tensors[name] = grid_blocks(*value.shape).astype(value.dtype)
+        save_file(tensors, path, metadata={"format": "pt"})
+    kl = {}
+    for flags in ([], ["--free-min"]):
+        out = tmp_path / f"out{len(flags)}"
+        result = CliRunner().invoke(
+            main, ["build", str(checkpoint), "-o", str(out), "--weights", "int4", "-q", "--decode-steps", "2", *flags]
+        )
+        assert result.exit_code == 0, result.output
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["parity"]["passed"]
+        kl[bool(flags)] = manifest["parity"]["kl_mean"]
+    assert manifest["flags"]["weights"]["free_min"] is True
+    report = {r["name"]: r["fusions"] for r in manifest["passes"]["passes"]}
+    graph = onnx.load(out / "model.onnx", load_external_data=False).graph
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    assert report["QuantizeWeights"]["free_min"] == len(nbits)  # every projection and the LM head
+    assert len([t for t in graph.initializer if t.name.endswith(".mins")]) == len(nbits) + 1  # and the table
+    assert kl[True] < 0.25 * kl[False], kl
+    runner = CliRunner()
+    for flags, message in (
+        (["--weights", "int8"], "--weights int4"),
+        (["--weights", "int4", "--asymmetric"], "drop --asymmetric"),
+        (["--weights", "int4", "--target", "tensorrt"], "drop --free-min"),
+    ):
+        result = runner.invoke(main, ["build", str(checkpoint), "-o", str(tmp_path / "no"), "--free-min", *flags])
+        assert result.exit_code != 0 and message in result.output, result.output
+        assert not (tmp_path / "no").exists()
