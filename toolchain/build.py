@@ -43,7 +43,7 @@ from toolchain import tune as tuning
 from toolchain.emit import genai
 from toolchain.emit import tensorrt as trt_engine
 from toolchain.export import eager_model, export_decoder, layer_windows, read_spec
-from toolchain.footprint import footprint, format_bytes
+from toolchain.footprint import QuantLayout, footprint, format_bytes, quantized_weight_bytes
 from toolchain.gate import check_tolerance, eager_session, record_gate, verifiable
 from toolchain.gate import verify as verify  # `kvforge verify`, importable from here as before
 from toolchain.lower import OPSET, apply_contract, to_onnx
@@ -471,7 +471,12 @@ def _check_fits(ckpt: checkpoints.Checkpoint, spec: DecoderSpec, options: BuildO
         ckpt, spec, batch=options.memory_batch, seq=seq, compute_bytes=2 if half else 4, layer_windows=windows
     )
     compute = "fp16" if half else "fp32"
-    weights = fp.weight_bytes_at[compute if options.weights is None else options.weights.name]
+    if options.weights is None:
+        weights = fp.weight_bytes_at[compute]
+    else:
+        quant = options.weights
+        layout = QuantLayout(quant.bits, quant.block_size, zero_points=not quant.symmetric, free_min=quant.free_min)
+        weights = quantized_weight_bytes(ckpt, spec, layout, compute_bytes=2 if half else 4)
     kv = fp.kv_bytes_total[compute if options.kv_dtype is None else options.kv_dtype]
     cache = options.dtype if options.kv_dtype is None else options.kv_dtype
     precision = _DTYPE_NAMES[options.dtype] if options.weights is None else options.weights.name

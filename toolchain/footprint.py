@@ -215,11 +215,40 @@ def _stored_bytes(name: str, meta: TensorMeta, checkpoint: Checkpoint) -> int:
     return DTYPE_BYTES[dtype] * math.prod(shape)
 
 
+@dataclass(frozen=True)
+class QuantLayout:
+    """How a quantized build stores each matmul weight, as far as its bytes go: codes of
+    `bits` in blocks of `block` inputs, a scale per block in the compute dtype, and per block
+    an integer zero point (`--asymmetric`: packed at `bits`) or a float minimum (`--free-min`:
+    the compute dtype). `--keep` and `--int8` patterns are not counted."""
+
+    bits: int
+    block: int = QUANT_BLOCK
+    zero_points: bool = False
+    free_min: bool = False
+
+
+def quantized_weight_bytes(
+    checkpoint: Checkpoint, spec: DecoderSpec, layout: QuantLayout, compute_bytes: int = COMPUTE_BYTES
+) -> int:
+    """The weights' bytes quantized as `layout` says (what `--device-memory` checks a build's
+    recipe against; `Footprint.weight_bytes_at` holds the default layouts' figures)."""
+    stored = parameter_metadata(checkpoint, spec)
+    params = stored if checkpoint.quantization is None else float_metadata(stored, checkpoint.quantization)
+    return _quantized_total(params, spec, layout, compute_bytes)
+
+
 def _bytes_at(precision: str, params: Mapping[str, TensorMeta], spec: DecoderSpec, compute_bytes: int) -> int:
     if precision == "fp32":
         return sum(4 * math.prod(shape) for _, shape in params.values())
     if precision == "fp16":
         return sum(2 * math.prod(shape) for _, shape in params.values())
+    return _quantized_total(params, spec, QuantLayout(_BITS[precision]), compute_bytes)
+
+
+def _quantized_total(
+    params: Mapping[str, TensorMeta], spec: DecoderSpec, layout: QuantLayout, compute_bytes: int
+) -> int:
     total = 0
     for name, (_, shape) in params.items():
         if len(shape) != 2 or name.endswith(POSITION_EMBEDDINGS):
@@ -228,7 +257,7 @@ def _bytes_at(precision: str, params: Mapping[str, TensorMeta], spec: DecoderSpe
             table = name.endswith(TOKEN_EMBEDDINGS)
             out_in = (shape[0], shape[1]) if table else _out_in(name, shape, spec)
             copies = 2 if table and spec.tied_embeddings else 1  # the lookup's codes and the tied head's
-            total += copies * quantized_bytes(out_in, _BITS[precision], compute_bytes=compute_bytes)
+            total += copies * quantized_bytes(out_in, layout, compute_bytes)
     return total
 
 
@@ -240,14 +269,18 @@ def _out_in(name: str, shape: tuple[int, ...], spec: DecoderSpec) -> tuple[int, 
     return rows, cols
 
 
-def quantized_bytes(
-    out_in: tuple[int, int], bits: int, block: int = QUANT_BLOCK, compute_bytes: int = COMPUTE_BYTES
-) -> int:
-    """Bytes of an [out, in] weight quantized in blocks of `block` inputs, one scale each
-    in the compute dtype."""
+def quantized_bytes(out_in: tuple[int, int], layout: QuantLayout, compute_bytes: int = COMPUTE_BYTES) -> int:
+    """Bytes of an [out, in] weight stored as `layout`: per row, its blocks' codes and scales
+    (one each in the compute dtype), and their zero points (packed, a row's rounded up to a
+    byte) or float minimums."""
     out_features, in_features = out_in
-    blocks = out_features * math.ceil(in_features / block)
-    return blocks * (block * bits // 8 + compute_bytes)
+    blocks = math.ceil(in_features / layout.block)
+    row = blocks * (layout.block * layout.bits // 8 + compute_bytes)
+    if layout.zero_points:
+        row += math.ceil(blocks * layout.bits / 8)
+    if layout.free_min:
+        row += blocks * compute_bytes
+    return out_features * row
 
 
 # --- the CLI's table ----------------------------------------------------------------------

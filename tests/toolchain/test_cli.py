@@ -122,6 +122,16 @@ def test_a_build_that_would_not_fit_the_device_is_refused_before_any_work(
     result = CliRunner().invoke(main, [*args, "--kv-dtype", "int8", "--device-memory", str(need - 1)])
     assert result.exit_code == 2 and not (tmp_path / "out").exists()
     assert f"int8 KV cache {format_bytes(fp.kv_bytes_total['int8'])}" in result.output, result.output
+    # --free-min's minimums are counted: room for symmetric int4 is not room for it
+    from toolchain.footprint import QuantLayout, quantized_weight_bytes
+
+    spec = DecoderSpec.from_config(loaded.config)
+    free_min = quantized_weight_bytes(loaded, spec, QuantLayout(4, free_min=True))
+    assert free_min > fp.weight_bytes_at["int4"]
+    room = fp.weight_bytes_at["int4"] + fp.kv_bytes_total["fp32"]
+    result = CliRunner().invoke(main, [*args, "--weights", "int4", "--free-min", "--device-memory", str(room)])
+    assert result.exit_code == 2 and not (tmp_path / "out").exists(), result.output
+    assert f"int4 weights {format_bytes(free_min)}" in result.output, result.output
 
 
 @pytest.mark.parametrize(
