@@ -13,6 +13,7 @@ import gc
 import logging
 import os
 import resource
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -178,10 +179,13 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
         del reference
     scales = _calibrate(model, ckpt, options, seconds)
     models = [model]  # the compilation takes the last reference: its weights can go once lowered
-    del model
     # the sources' hashes, on a core that export and lowering leave idle (after the reference,
     # whose torch threads want both)
-    with hashing.Pending(ckpt.input_files()) as sources:
+    with (
+        _calibration_kept(model, scales, output, options.stamp) as restore_calibration,
+        hashing.Pending(ckpt.input_files()) as sources,
+    ):
+        del model
         # what both compilations share: the stamped one, and the whole stack's if the gate refuses it
         compile_models = partial(
             _compile,
@@ -210,7 +214,8 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
         log.info("the stamped graph failed the parity gate (%s); lowering the whole stack", refused)
         with _timed(seconds, "load"):
             models = [eager_model(ckpt, spec, getattr(torch, options.dtype))]
-        scales = _calibrate(models[0], ckpt, options, seconds)  # the same scales and codes again
+        if restore_calibration is not None:  # the calibrated values, read back: calibrating again takes minutes
+            restore_calibration(models[0])
         return compile_models(models, stamping=False, scales=scales, reason=_REFUSED)
 
 
@@ -358,6 +363,41 @@ def _calibrate(
         return None
     with _timed(seconds, "calibrate"):
         return calibrating.calibrate(model, options.calibration, ckpt.path, options.weights)
+
+
+@contextmanager
+def _calibration_kept(
+    model: torch.nn.Module, scales: dict[str, Any] | None, output: Path, stamping: bool
+) -> Iterator[Callable[[torch.nn.Module], None] | None]:
+    """Where a calibrated build stamps its graph: the calibrated weights' values written to a
+    locked staging directory beside `output` (raw bytes, a file per weight: nothing in them
+    executes), and a function that puts them into a freshly loaded model, for the whole stack's
+    compilation should the gate refuse the stamped graph. None where there is nothing to keep.
+    The directory goes when the build ends, however it ends."""
+    if not scales or not stamping:
+        yield None
+        return
+    names = list(scales)
+    with staged(output) as scratch:
+        try:
+            _write_weights(model, names, scratch)
+            del model  # the compilation holds the last reference, and frees the weights as it lowers them
+
+            def restore(fresh: torch.nn.Module) -> None:
+                with torch.no_grad():
+                    for i, name in enumerate(names):
+                        weight = fresh.get_parameter(name)
+                        data = torch.from_numpy(np.fromfile(scratch / f"{i}.bin", np.uint8))
+                        weight.copy_(data.view(weight.dtype).reshape(weight.shape))
+
+            yield restore
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _write_weights(model: torch.nn.Module, names: list[str], directory: Path) -> None:
+    for i, name in enumerate(names):
+        model.get_parameter(name).detach().contiguous().view(torch.uint8).numpy().tofile(directory / f"{i}.bin")
 
 
 def _check_kv_dtype(options: BuildOptions) -> None:

@@ -188,6 +188,50 @@ def test_stamped_graph_refused_by_the_gate_is_rebuilt_from_the_whole_stack(
     assert alive_at_each_load == [[], [False]]
 
 
+@pytest.mark.slow
+def test_a_calibrated_build_refused_stamped_calibrates_once(
+    llama6: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole stack's compilation after a refused stamped graph reads the calibrated weights
+    back instead of calibrating again, and quantizes them to the codes a whole-stack build
+    calibrates to; nothing of the kept weights stays beside the output."""
+    from passes.quantize import WeightQuantization
+    from tests.toolchain.test_calibration import small_text
+
+    options = BuildOptions(weights=WeightQuantization(4), calibration=small_text())
+    whole = build(llama6, tmp_path / "whole", replace(options, stamp=False))
+    real_compile, real_calibrate = build_module._compile, build_module.calibrating.calibrate
+    calls: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real_calibrate(*args, **kwargs)
+
+    def refused_when_stamped(models: list[torch.nn.Module], *, stamping: bool, **kwargs: Any) -> Any:
+        if stamping:  # as the gate refuses a stamped graph: its model's weights already lowered, and gone
+            models.clear()
+            raise build_module._StampedGraphRefused("refused")
+        return real_compile(models, stamping=stamping, **kwargs)
+
+    monkeypatch.setattr(build_module, "_compile", refused_when_stamped)
+    monkeypatch.setattr(build_module.calibrating, "calibrate", counted)
+    result = build(llama6, tmp_path / "out", options)
+    assert result.lowering is not None and result.lowering.reason == "the stamped graph failed the parity gate"
+    assert calls == [1] and result.parity.passed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "whole"]
+
+    def codes(artifact: Path) -> dict[str, bytes]:
+        graph = ir.load(artifact / "model.onnx").graph
+        return {
+            value.name: value.const_value.numpy().tobytes()
+            for value in graph.initializers.values()
+            if value.const_value is not None and value.const_value.dtype == ir.DataType.UINT8
+        }
+
+    calibrated = codes(result.output)
+    assert calibrated and calibrated == codes(whole.output)
+
+
 @pytest.mark.parametrize("error", [KeyError(1234), StopIteration()])
 def test_a_lowering_the_proof_does_not_follow_is_unstampable(monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
     """Another torch/onnxscript release can lower the cut-down layers differently (onnxscript 0.7.2
