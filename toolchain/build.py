@@ -181,10 +181,13 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     models = [model]  # the compilation takes the last reference: its weights can go once lowered
     # the sources' hashes, on a core that export and lowering leave idle (after the reference,
     # whose torch threads want both)
-    with (
-        _calibration_kept(model, scales, output, options.stamp) as restore_calibration,
-        hashing.Pending(ckpt.input_files()) as sources,
-    ):
+    with hashing.Pending(ckpt.input_files()) as sources, ExitStack() as kept:
+        # a calibrated build keeps its calibrated weights for the whole stack's compilation, should the
+        # gate refuse the stamped graph: calibrating again would take minutes
+        calibrated = list(scales) if scales and options.stamp else []
+        scratch = kept.enter_context(_scratch(output)) if calibrated else None
+        if scratch is not None:
+            _write_weights(model, calibrated, scratch)
         del model
         # what both compilations share: the stamped one, and the whole stack's if the gate refuses it
         compile_models = partial(
@@ -214,8 +217,8 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
         log.info("the stamped graph failed the parity gate (%s); lowering the whole stack", refused)
         with _timed(seconds, "load"):
             models = [eager_model(ckpt, spec, getattr(torch, options.dtype))]
-        if restore_calibration is not None:  # the calibrated values, read back: calibrating again takes minutes
-            restore_calibration(models[0])
+        if scratch is not None:
+            _read_weights(models[0], calibrated, scratch)
         return compile_models(models, stamping=False, scales=scales, reason=_REFUSED)
 
 
@@ -366,38 +369,29 @@ def _calibrate(
 
 
 @contextmanager
-def _calibration_kept(
-    model: torch.nn.Module, scales: dict[str, Any] | None, output: Path, stamping: bool
-) -> Iterator[Callable[[torch.nn.Module], None] | None]:
-    """Where a calibrated build stamps its graph: the calibrated weights' values written to a
-    locked staging directory beside `output` (raw bytes, a file per weight: nothing in them
-    executes), and a function that puts them into a freshly loaded model, for the whole stack's
-    compilation should the gate refuse the stamped graph. None where there is nothing to keep.
-    The directory goes when the build ends, however it ends."""
-    if not scales or not stamping:
-        yield None
-        return
-    names = list(scales)
+def _scratch(output: Path) -> Iterator[Path]:
+    """A locked staging directory beside `output` for what the build keeps on disk while it runs
+    (a build that cleans up leftovers leaves it alone), removed when the block ends."""
     with staged(output) as scratch:
         try:
-            _write_weights(model, names, scratch)
-            del model  # the compilation holds the last reference, and frees the weights as it lowers them
-
-            def restore(fresh: torch.nn.Module) -> None:
-                with torch.no_grad():
-                    for i, name in enumerate(names):
-                        weight = fresh.get_parameter(name)
-                        data = torch.from_numpy(np.fromfile(scratch / f"{i}.bin", np.uint8))
-                        weight.copy_(data.view(weight.dtype).reshape(weight.shape))
-
-            yield restore
+            yield scratch
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _write_weights(model: torch.nn.Module, names: list[str], directory: Path) -> None:
+    """The parameters `names` of `model` as raw bytes, a file each (nothing in them executes)."""
     for i, name in enumerate(names):
         model.get_parameter(name).detach().contiguous().view(torch.uint8).numpy().tofile(directory / f"{i}.bin")
+
+
+def _read_weights(model: torch.nn.Module, names: list[str], directory: Path) -> None:
+    """What `_write_weights` wrote, into the same parameters of a freshly loaded `model`."""
+    with torch.no_grad():
+        for i, name in enumerate(names):
+            weight = model.get_parameter(name)
+            data = torch.from_numpy(np.fromfile(directory / f"{i}.bin", np.uint8))
+            weight.copy_(data.view(weight.dtype).reshape(weight.shape))
 
 
 def _check_kv_dtype(options: BuildOptions) -> None:

@@ -43,3 +43,35 @@ def test_a_packed_weight_is_freed_once_the_eager_model_and_program_are_gone(
     gc.collect()
     assert gate() is None, "the gate projection outlived its packed replacement"
     assert down() is not None  # still read by the graph
+
+
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_the_build_holds_no_eager_model_once_it_is_lowered(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, calibrated: bool
+) -> None:
+    """The lowering takes the last reference to the eager model (its weights then live in the
+    graph, freed as the passes replace them); a calibrated build keeps no reference either."""
+    from passes.quantize import WeightQuantization
+    from tests.toolchain.test_calibration import small_text
+    from toolchain import build as build_module
+
+    loaded: list[weakref.ref[object]] = []
+    alive_after_lowering: list[bool] = []
+    real_load, real_moe_layers = build_module.eager_model, build_module.moe_graph.moe_layers
+
+    def load(*args: object, **kwargs: object) -> object:
+        model = real_load(*args, **kwargs)  # type: ignore[arg-type]
+        loaded.append(weakref.ref(model))
+        return model
+
+    def after_lowering(*args: object, **kwargs: object) -> object:  # the first thing after it
+        gc.collect()
+        alive_after_lowering.extend(ref() is not None for ref in loaded)
+        return real_moe_layers(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(build_module, "eager_model", load)
+    monkeypatch.setattr(build_module.moe_graph, "moe_layers", after_lowering)
+    options = build_module.BuildOptions(weights=WeightQuantization(4), calibration=small_text() if calibrated else None)
+    result = build_module.build(tiny_checkpoint("llama"), tmp_path / "out", options)
+    assert result.parity.passed
+    assert alive_after_lowering == [False]
