@@ -419,7 +419,12 @@ def _text_part(where: str, part: object) -> str:
 
 
 def _budget(body: Mapping[str, Any], prompt_tokens: int, context: int, where: str) -> int:
-    """max_completion_tokens, else max_tokens, else what the context has left; refused past it."""
+    """max_completion_tokens, else max_tokens, else what the context has left; refused past it.
+    Each of the two that is given must be an integer >= 1, the one not used too."""
+    for field in ("max_completion_tokens", "max_tokens"):
+        given = body.get(field)
+        if given is not None and (not _is_int(given) or given < 1):
+            raise ApiError(400, f"{field} must be an integer >= 1, got {_preview(given)}", field)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     value = body.get(name)
     if prompt_tokens >= context:
@@ -432,8 +437,6 @@ def _budget(body: Mapping[str, Any], prompt_tokens: int, context: int, where: st
         )
     if value is None:
         return context - prompt_tokens
-    if not _is_int(value) or value < 1:
-        raise ApiError(400, f"{name} must be an integer >= 1, got {_preview(value)}", name)
     if prompt_tokens + value > context:
         raise ApiError(
             400,

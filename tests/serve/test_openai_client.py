@@ -114,6 +114,8 @@ def test_the_four_include_usage_cases(client: openai.OpenAI) -> None:
         ({"n": 0}, "n"),
         ({"logprobs": 21}, "logprobs"),
         ({"max_tokens": 0}, "max_tokens"),
+        # the field not used (max_completion_tokens wins) is checked too, as the schema says
+        ({"max_tokens": 0, "extra_body": {"max_completion_tokens": 3}}, "max_tokens"),
         ({"stop": [""]}, "stop"),
         ({"seed": -3}, "seed"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
