@@ -211,9 +211,12 @@ def quantize_free_min(
         best_error = np.full(low.shape, np.inf, np.float32)
         best_step, best_min = np.ones_like(low), low.copy()
 
+        def codes_of(step: np.ndarray, minimum: np.ndarray) -> np.ndarray:
+            return np.clip(np.rint((blocks - minimum[..., None]) / step[..., None]), 0, 15)
+
         def consider(step: np.ndarray, minimum: np.ndarray) -> None:
             nonlocal best_error, best_step, best_min
-            q = np.clip(np.rint((blocks - minimum[..., None]) / step[..., None]), 0, 15)
+            q = codes_of(step, minimum)
             error = (np.square(q * step[..., None] + minimum[..., None] - blocks) * importance).sum(axis=-1)
             better = error < best_error
             best_error = np.where(better, error, best_error)
@@ -222,15 +225,13 @@ def quantize_free_min(
         for span in FREE_MIN_SPANS:
             consider(_stored((high - low) / span, stored), low)
         for _ in range(FREE_MIN_REFITS):
-            q = np.clip(np.rint((blocks - best_min[..., None]) / best_step[..., None]), 0, 15)
-            consider(*_refit(blocks, q, importance, best_step, best_min, stored))
+            consider(*_refit(blocks, codes_of(best_step, best_min), importance, best_step, best_min, stored))
         # a block of one value is its minimum at code 0 with any step: one of its own size, so
         # that min + 8 * step, stored in the weight's dtype, keeps the minimum's precision
         flat = high == low
         best_step = np.where(flat, _stored(np.abs(low) / 8, stored), best_step)
         best_min = np.where(flat, low, best_min)
-        q = np.clip(np.rint((blocks - best_min[..., None]) / best_step[..., None]), 0, 15)
-        codes[rows] = (q - 8).reshape(-1, k)
+        codes[rows] = (codes_of(best_step, best_min) - 8).reshape(-1, k)
         steps[rows] = best_step
         mins[rows] = best_min + 8 * best_step
 

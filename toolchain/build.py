@@ -500,17 +500,16 @@ def _check_fits(ckpt: checkpoints.Checkpoint, spec: DecoderSpec, options: BuildO
     assert options.device_memory is not None
     seq = options.memory_seq or spec.max_positions
     half = options.dtype != "float32"  # fp16 and bf16 take the same bytes
+    compute_bytes = 2 if half else 4
     windows = layer_windows(ckpt.config, spec) if options.target.bounded_windows else None
-    fp = footprint(
-        ckpt, spec, batch=options.memory_batch, seq=seq, compute_bytes=2 if half else 4, layer_windows=windows
-    )
+    fp = footprint(ckpt, spec, batch=options.memory_batch, seq=seq, compute_bytes=compute_bytes, layer_windows=windows)
     compute = "fp16" if half else "fp32"
     if options.weights is None:
         weights = fp.weight_bytes_at[compute]
     else:
         quant = options.weights
         layout = QuantLayout(quant.bits, quant.block_size, zero_points=not quant.symmetric, free_min=quant.free_min)
-        weights = quantized_weight_bytes(ckpt, spec, layout, compute_bytes=2 if half else 4)
+        weights = quantized_weight_bytes(ckpt, spec, layout, compute_bytes)
     kv = fp.kv_bytes_total[compute if options.kv_dtype is None else options.kv_dtype]
     cache = options.dtype if options.kv_dtype is None else options.kv_dtype
     precision = _DTYPE_NAMES[options.dtype] if options.weights is None else options.weights.name

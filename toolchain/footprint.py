@@ -131,8 +131,7 @@ def footprint(
     caches by their windows, as the default target keeps them; None: every layer holds every token."""
     _check_request(spec, batch, seq)
     stored = parameter_metadata(checkpoint, spec)
-    # a checkpoint that ships quantized weights: the precisions count the float weights they stand for
-    params = stored if checkpoint.quantization is None else float_metadata(stored, checkpoint.quantization)
+    params = _float_parameters(checkpoint, stored)
     by_dtype: dict[str, int] = {}
     for dtype, shape in params.values():
         by_dtype[dtype] = by_dtype.get(dtype, 0) + math.prod(shape)
@@ -233,9 +232,14 @@ def quantized_weight_bytes(
 ) -> int:
     """The weights' bytes quantized as `layout` says (what `--device-memory` checks a build's
     recipe against; `Footprint.weight_bytes_at` holds the default layouts' figures)."""
-    stored = parameter_metadata(checkpoint, spec)
-    params = stored if checkpoint.quantization is None else float_metadata(stored, checkpoint.quantization)
+    params = _float_parameters(checkpoint, parameter_metadata(checkpoint, spec))
     return _quantized_total(params, spec, layout, compute_bytes)
+
+
+def _float_parameters(checkpoint: Checkpoint, stored: dict[str, TensorMeta]) -> dict[str, TensorMeta]:
+    """The parameters the precisions count: a checkpoint that ships quantized weights, as the
+    float weights they stand for."""
+    return stored if checkpoint.quantization is None else float_metadata(stored, checkpoint.quantization)
 
 
 def _bytes_at(precision: str, params: Mapping[str, TensorMeta], spec: DecoderSpec, compute_bytes: int) -> int:
