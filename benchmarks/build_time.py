@@ -7,7 +7,7 @@ Each round runs every tool once, one after the other (the order turns round by r
 no tool always runs first or last), each a fresh process under `/usr/bin/time`, each
 writing a fresh output directory under WORKDIR:
 
-- kvforge: `python -m toolchain.cli build CHECKPOINT -o OUT` (fp32, ort-cpu, the parity
+- kvforge: `python -m kvforge build CHECKPOINT -o OUT` (fp32, ort-cpu, the parity
   gate included), with this interpreter; its stage times are read off its last line;
   `kvforge@DIR` runs the same from another source tree (a worktree of an earlier commit),
   for a before-and-after in the same rounds;
@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def command(tool: str, checkpoint: str, out: Path) -> list[str]:
     if tool.split("@")[0] == "kvforge":
-        return [sys.executable, "-m", "toolchain.cli", "build", checkpoint, "-o", str(out), "-q"]
+        return [sys.executable, "-m", "kvforge", "build", checkpoint, "-o", str(out), "-q"]
     if tool == "genai":
         python = str(EVAL_ROOT / "genai" / "bin" / "python")
         builder = [python, "-m", "onnxruntime_genai.models.builder"]

@@ -2,7 +2,7 @@
 
     python benchmarks/cli_startup.py [--runs 7] [--root CHECKOUT] [--json]
 
-Each command runs `--runs` times in a fresh process (`python -m toolchain.cli`, the console
+Each command runs `--runs` times in a fresh process (`python -m kvforge`, the console
 script's code), timed from the start of the process to its exit; the table gives the median
 and the fastest run. The commands: `--version`, `--help`, `build --help`, a checkpoint
 directory that does not exist, an `-o` that cannot be written (/proc/nope, refused before any
@@ -30,7 +30,7 @@ EXAMPLE = ROOT / "examples" / "model"  # a checkpoint directory kept in the repo
 
 def cases(scratch: Path) -> dict[str, tuple[list[str], int]]:
     """Name -> (argv after the interpreter, the exit status it must have)."""
-    cli = [sys.executable, "-m", "toolchain.cli"]
+    cli = [sys.executable, "-m", "kvforge"]
     return {
         "python -c pass": ([sys.executable, "-c", "pass"], 0),
         "python -c 'import torch'": ([sys.executable, "-c", "import torch"], 0),

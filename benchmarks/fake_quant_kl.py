@@ -4,10 +4,10 @@ of a checkpoint whose weights are replaced by their quantized values, against th
     python benchmarks/fake_quant_kl.py CHECKPOINT [--form symmetric|asymmetric|free-min]
         [--table same|symmetric|keep] [--only SUBSTRING ...]
 
-The eager model (transformers, float32) reads the gate's texts (`toolchain.verify.GATE_TEXTS`,
+The eager model (transformers, float32) reads the gate's texts (`kvforge.toolchain.verify.GATE_TEXTS`,
 48 tokens each) and is judged at every position after the 8th, as the distribution gate judges
 a build (a position is decisive where the reference's top token beats the second by 0.5 nats).
-Each nn.Linear weight (a tied head: through the table) is quantized by `passes.quantize` in
+Each nn.Linear weight (a tied head: through the table) is quantized by `kvforge.passes.quantize` in
 blocks of 32 and put back dequantized; `--only` limits that to the modules whose name contains
 one of the substrings; `--table` quantizes the token-embedding table in the same form, in
 symmetric int4, or keeps it. Activations stay in float: a build's int8 activations (accuracy
@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from passes.quantize import quantize_blockwise, quantize_free_min
-from runners.tokenizer import TokenizerBundle
-from toolchain.verify import GATE_TEXTS
+from kvforge.passes.quantize import quantize_blockwise, quantize_free_min
+from kvforge.runners.tokenizer import TokenizerBundle
+from kvforge.toolchain.verify import GATE_TEXTS
 
 POSITIONS = 48
 PREFILL = 8

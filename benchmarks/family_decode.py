@@ -79,8 +79,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
-    from runners import Engine
-    from toolchain.build import BuildOptions, build
+    from kvforge import BuildOptions, Engine, build
 
     engines = {}
     for family in args.families:

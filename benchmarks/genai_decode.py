@@ -25,7 +25,7 @@ from pathlib import Path
 
 import onnxruntime_genai as og
 
-from runners.engine import Engine
+from kvforge.runners.engine import Engine
 
 
 def _genai(directory: Path, ids: list[int]) -> Callable[[int], list[int]]:

@@ -11,7 +11,7 @@ do they decode next to transformers? One run, no network, one JSON report.
    and on the CPU (the artifact as the verification gate computes it there: a half-precision
    graph in float32). A row passes where every sequence is the same, or parts only at a near tie:
    where the CPU's logits score the CUDA pick within twice the dtype's tolerance (the gate's
-   table, `toolchain.verify.TOLERANCES`; quantized: fp16's) of the CPU pick, on that row's scale.
+   table, `kvforge.toolchain.verify.TOLERANCES`; quantized: fp16's) of the CPU pick, on that row's scale.
 2. The benchmark: a Llama-3.1-8B-shaped checkpoint of 4 layers (1.9B parameters, random
    weights; `benchmarks/make_8b.py --layers 4`, made here) built for `--target ort-cuda` at fp16
    and at int4, decode tokens/s at batch 1 and 8 (t(65 tokens) - t(1 token), greedy), beside
@@ -145,9 +145,9 @@ def checkpoint(source: str, workdir: Path) -> Path:
 
 
 def build_row(row: Row, workdir: Path) -> Path:
-    from passes.quantize import WeightQuantization
-    from passes.targets import TARGETS
-    from toolchain.build import BuildOptions, build
+    from kvforge import BuildOptions, build
+    from kvforge.passes.quantize import WeightQuantization
+    from kvforge.passes.targets import TARGETS
 
     out = workdir / "artifacts" / row.name.replace(" ", "_").replace("-", "")
     if (out / "manifest.json").exists():
@@ -164,9 +164,9 @@ def build_row(row: Row, workdir: Path) -> Path:
 @contextmanager
 def sessions(artifact: Path, device: str) -> Iterator[tuple[Any, Any]]:
     """(the CPU's session as the gate computes the artifact, the device's session)."""
-    from runners.contract import DecoderIO
-    from runners.session import OrtSession
-    from toolchain.gate import verifiable
+    from kvforge.runners.contract import DecoderIO
+    from kvforge.runners.session import OrtSession
+    from kvforge.toolchain.gate import verifiable
 
     manifest = json.loads((artifact / "manifest.json").read_text())
     io = DecoderIO.from_dict(manifest["io"])
@@ -178,9 +178,9 @@ def sessions(artifact: Path, device: str) -> Iterator[tuple[Any, Any]]:
 
 def greedy(session: Any, prompts: Sequence[Sequence[int]], max_positions: int) -> tuple[list[list[int]], list[Any]]:
     """Each prompt's NEW_TOKENS greedy tokens and each step's last-position logits."""
-    from runners.decoding import batch_decoders
-    from runners.generate import generate_steps
-    from runners.sampling import SamplingParams
+    from kvforge.runners.decoding import batch_decoders
+    from kvforge.runners.generate import generate_steps
+    from kvforge.runners.sampling import SamplingParams
 
     decoders = batch_decoders(SamplingParams(temperature=0.0), prompts)
     tokens: list[list[int]] = [[] for _ in prompts]
@@ -210,8 +210,8 @@ def parting(
 
 
 def check_row(row: Row, workdir: Path, device: str) -> dict[str, Any]:
-    from runners.manifest import read_max_positions
-    from toolchain.verify import TOLERANCES
+    from kvforge.runners.manifest import read_max_positions
+    from kvforge.toolchain.verify import TOLERANCES
 
     entry: dict[str, Any] = {"name": row.name, "target": row.target, "dtype": row.dtype, "bits": row.bits}
     start = time.perf_counter()
@@ -285,7 +285,7 @@ def decode_rate(run: Callable[[int], object], batch: int, new: int) -> float | N
 
 
 def ort_rates(artifact: Path, device: str, new: int) -> dict[str, Any]:
-    from runners.engine import Engine
+    from kvforge.runners.engine import Engine
 
     engine = Engine.load(artifact, runtime="ort-cuda" if device == CUDA else "ort")
     engine.eos_ids = ()

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from runners import Engine
+from kvforge import Engine
 
 SCHEMA = {
     "type": "object",

@@ -39,8 +39,8 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from runners.engine import Engine
-from runners.generate import empty_cache, forward
+from kvforge.runners.engine import Engine
+from kvforge.runners.generate import empty_cache, forward
 
 HEADS, KV_HEADS, HEAD_DIM = 12, 4, 64
 OUTLIER_CHANNELS, OUTLIER_SCALE = 4, 10.0

@@ -98,7 +98,7 @@ def llamacpp_generator(gguf: Path, length: int) -> Callable[[list[int], int], li
 
 
 def kvforge_generator(artifact: Path) -> Callable[[list[int], int], list[int]]:
-    from runners.engine import Engine
+    from kvforge.runners.engine import Engine
 
     engine = Engine.load(artifact)
     engine.eos_ids = ()  # every generation runs its full length

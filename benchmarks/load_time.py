@@ -23,7 +23,7 @@ from pathlib import Path
 CHILD = r"""
 import json, sys, threading, time
 import onnxruntime
-from runners import engine, hugepages, manifest
+from kvforge.runners import engine, hugepages, manifest
 
 parts = {"session": 0.0, "huge_pages_during": 0.0, "huge_pages_after": 0.0, "hash_threads": 0.0, "hash_wait": 0.0}
 

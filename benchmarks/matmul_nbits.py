@@ -27,9 +27,9 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from runners.bench import memory_bandwidth
-from runners.cpus import usable_cpus
-from runners.hugepages import huge_pages_for_new_memory
+from kvforge.runners.bench import memory_bandwidth
+from kvforge.runners.cpus import usable_cpus
+from kvforge.runners.hugepages import huge_pages_for_new_memory
 
 
 def nbits_shapes(artifact: Path) -> list[tuple[int, int]]:

@@ -29,8 +29,8 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from runners.cpus import usable_cpus
-from runners.hugepages import huge_pages_for_new_memory
+from kvforge.runners.cpus import usable_cpus
+from kvforge.runners.hugepages import huge_pages_for_new_memory
 
 
 def matmul_weights(artifact: Path) -> list[np.ndarray]:

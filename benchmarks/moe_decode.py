@@ -79,10 +79,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
-    from passes.quantize import WeightQuantization
-    from runners import Engine
-    from toolchain import moe_graph
-    from toolchain.build import BuildOptions, build
+    from kvforge import BuildOptions, Engine, build
+    from kvforge.passes.quantize import WeightQuantization
+    from kvforge.toolchain import moe_graph
 
     weights = WeightQuantization(int(args.weights[3:])) if args.weights else None
     suffix = f"-{args.weights}" if args.weights else ""

@@ -23,9 +23,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.window_scores import WindowScores, add_arguments  # noqa: E402
-from runners.engine import Engine  # noqa: E402
-from runners.session import Session  # noqa: E402
-from toolchain.verify import teacher_forced_logits  # noqa: E402
+from kvforge.runners.engine import Engine  # noqa: E402
+from kvforge.runners.session import Session  # noqa: E402
+from kvforge.toolchain.verify import teacher_forced_logits  # noqa: E402
 
 
 def windows(encode: Callable[[str], list[int]], eos: int, texts: list[str], window: int) -> np.ndarray:

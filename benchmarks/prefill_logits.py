@@ -18,9 +18,9 @@ import time
 
 import numpy as np
 
-from runners import Engine
-from runners.cache import device_of
-from runners.generate import empty_cache, forward
+from kvforge import Engine
+from kvforge.runners.cache import device_of
+from kvforge.runners.generate import empty_cache, forward
 
 
 def prefill_seconds(engine: Engine, ids: np.ndarray) -> tuple[float, tuple[int, ...]]:

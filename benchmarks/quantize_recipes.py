@@ -29,19 +29,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.perplexity import session_perplexity, windows  # noqa: E402
 from benchmarks.window_scores import WindowScores  # noqa: E402
-from passes import pipeline  # noqa: E402
-from passes.quantize import WeightQuantization  # noqa: E402
-from passes.targets import TARGETS  # noqa: E402
-from runners.contract import DecoderIO  # noqa: E402
-from runners.session import OrtSession  # noqa: E402
-from runners.tokenizer import TokenizerBundle  # noqa: E402
-from toolchain import checkpoint as checkpoints  # noqa: E402
-from toolchain import emit  # noqa: E402
-from toolchain.build import _graph_contract, read_spec  # noqa: E402
-from toolchain.export import eager_model, export_decoder  # noqa: E402
-from toolchain.gate import eager_session  # noqa: E402
-from toolchain.lower import to_onnx  # noqa: E402
-from toolchain.verify import check_distribution, gate_tokens, reference_log_probs  # noqa: E402
+from kvforge.passes import pipeline  # noqa: E402
+from kvforge.passes.quantize import WeightQuantization  # noqa: E402
+from kvforge.passes.targets import TARGETS  # noqa: E402
+from kvforge.runners.contract import DecoderIO  # noqa: E402
+from kvforge.runners.session import OrtSession  # noqa: E402
+from kvforge.runners.tokenizer import TokenizerBundle  # noqa: E402
+from kvforge.toolchain import checkpoint as checkpoints  # noqa: E402
+from kvforge.toolchain import emit  # noqa: E402
+from kvforge.toolchain.build import _graph_contract, read_spec  # noqa: E402
+from kvforge.toolchain.export import eager_model, export_decoder  # noqa: E402
+from kvforge.toolchain.gate import eager_session  # noqa: E402
+from kvforge.toolchain.lower import to_onnx  # noqa: E402
+from kvforge.toolchain.verify import check_distribution, gate_tokens, reference_log_probs  # noqa: E402
 
 
 def recipe(text: str) -> WeightQuantization | None:

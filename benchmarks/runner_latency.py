@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from runners import Engine
+from kvforge import Engine
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from runners import Engine
+from kvforge import Engine
 
 ADD = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n"
 STACK = (

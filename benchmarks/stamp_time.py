@@ -1,4 +1,4 @@
-"""Export + lower time of the whole stack against stamping (`toolchain.stamp`), side by side
+"""Export + lower time of the whole stack against stamping (`kvforge.toolchain.stamp`), side by side
 in one run.
 
     python benchmarks/stamp_time.py CHECKPOINT [CHECKPOINT ...] [--rounds 1]
@@ -22,12 +22,12 @@ from pathlib import Path
 
 
 def measure(checkpoint: str, mode: str) -> dict[str, float]:
-    from runners.contract import DecoderIO
-    from toolchain import checkpoint as checkpoints
-    from toolchain import stamp
-    from toolchain.build import read_spec
-    from toolchain.export import eager_model, export_decoder
-    from toolchain.lower import to_onnx
+    from kvforge.runners.contract import DecoderIO
+    from kvforge.toolchain import checkpoint as checkpoints
+    from kvforge.toolchain import stamp
+    from kvforge.toolchain.build import read_spec
+    from kvforge.toolchain.export import eager_model, export_decoder
+    from kvforge.toolchain.lower import to_onnx
 
     ckpt = checkpoints.load(checkpoint)
     spec = read_spec(ckpt)

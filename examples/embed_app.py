@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from runners import Engine, KvforgeError
+from kvforge import Engine, KvforgeError
 
 
 def stream_completion(engine: Engine, prompt: str) -> None:

@@ -25,7 +25,7 @@ from onnx_ir.passes import InPlacePass, PassResult
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter.pattern import MatchResult
 
-from passes.rewrite import FusionPass
+from kvforge.passes.rewrite import FusionPass
 
 _BHSD_TO_BSHD = [0, 2, 1, 3]
 

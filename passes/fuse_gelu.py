@@ -27,8 +27,8 @@ from onnxscript.rewriter import MatchContext, pattern
 from onnxscript.rewriter.ort_fusions import bias_gelu
 from onnxscript.rewriter.pattern import MatchResult, OpsetPatternBuilder
 
-from passes.fuse_norm import is_vector_over_last_axis
-from passes.rewrite import FusionPass
+from kvforge.passes.fuse_norm import is_vector_over_last_axis
+from kvforge.passes.rewrite import FusionPass
 
 if TYPE_CHECKING:  # annotations only, from private modules where onnxscript exports no public name:
     from onnxscript.rewriter._context import TapeBuilder  # the public RewriterContext declares no op methods

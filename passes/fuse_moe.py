@@ -68,8 +68,8 @@ import onnx_ir as ir
 from onnxscript.rewriter import MatchContext, pattern
 from onnxscript.rewriter.pattern import MatchResult, OpsetPatternBuilder
 
-from passes.fuse_norm import known_dims
-from passes.rewrite import FusionPass
+from kvforge.passes.fuse_norm import known_dims
+from kvforge.passes.rewrite import FusionPass
 
 if TYPE_CHECKING:  # annotations only: onnxscript names these in no public module
     from onnxscript.rewriter._context import TapeBuilder

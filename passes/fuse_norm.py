@@ -32,7 +32,7 @@ from onnxscript.rewriter.pattern import MatchResult, OpsetPatternBuilder
 # onnxscript's RMSNorm rule, which RMSNormFusion extends, is exported from no public module
 from onnxscript.rewriter.rules.fusion import _rms_normalization
 
-from passes.rewrite import FusionPass
+from kvforge.passes.rewrite import FusionPass
 
 if TYPE_CHECKING:  # annotations only: onnxscript names these in no public module
     from onnxscript.rewriter._context import TapeBuilder

@@ -23,7 +23,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter.pattern import MatchResult
 
-from passes.rewrite import FusionPass
+from kvforge.passes.rewrite import FusionPass
 
 
 def rotary_fusion() -> FusionPass:

@@ -5,7 +5,7 @@ PER_CHANNEL, `kv_cache_bit_width` 8, `k_scale` / `v_scale` inputs of one float p
 head and channel): it writes each new position's keys and values as codes and reads the past
 back through the scales itself, so a decode step reads a quarter of a float32 cache's bytes.
 `QuantizeKVCache` turns every `GroupQueryAttention` of a lowered graph into that form, with
-the scales a build calibrated (`toolchain.kv_scales`), and retypes the graph's cache inputs
+the scales a build calibrated (`kvforge.toolchain.kv_scales`), and retypes the graph's cache inputs
 and outputs to int8. A cache input that reaches anything but a `GroupQueryAttention` (a layer
 lowered otherwise, a recurrent state) cannot be int8, and the pass refuses the graph, naming it.
 """

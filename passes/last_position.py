@@ -23,11 +23,11 @@ from onnx_ir.passes import InPlacePass, PassResult
 # Position-wise ops the walk from the logits back to the LM head may pass through: each
 # computes every position from that position alone, so slicing before them is exact.
 _POSITION_WISE = {"Cast", "Div", "Mul", "Add", "Sub", "Tanh", "Softcap"}
-# The graph input saying how many last positions get logits (runners.contract's KEEP_INPUT),
+# The graph input saying how many last positions get logits (kvforge.runners.contract's KEEP_INPUT),
 # and its default: 0, every position
 KEEP_INPUT = "logits_to_keep"
 KEEP_DEFAULT = 0
-# The logits' positions dim under `to_keep` (runners.contract's KEPT_DIM)
+# The logits' positions dim under `to_keep` (kvforge.runners.contract's KEPT_DIM)
 KEPT_DIM = "kept"
 
 

@@ -23,8 +23,8 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter.pattern import MatchResult
 
-from passes.rewrite import FusionPass
-from passes.weight_layout import StackedRows
+from kvforge.passes.rewrite import FusionPass
+from kvforge.passes.weight_layout import StackedRows
 
 
 def pack_qkv() -> FusionPass:

@@ -20,20 +20,20 @@ from onnx_ir.passes import InPlacePass, PassBase, PassResult, common
 from onnxscript.optimizer import fold_constants_ir
 from onnxscript.rewriter.rules import common as rules
 
-from passes.fuse_attention import (
+from kvforge.passes.fuse_attention import (
     PastLengthFromMask,
     RequireOpset,
     attention_fusion,
     attention_lowering_ort,
     attention_scatter,
 )
-from passes.fuse_gelu import gelu_fusion, gelu_lowering_ort
-from passes.fuse_moe import moe_lowering_ort
-from passes.fuse_norm import norm_fusion, norm_lowering_ort
-from passes.fuse_rotary import rotary_fusion
-from passes.last_position import LastPositionLogits
-from passes.pack_matmul import pack_gate_up, pack_qkv
-from passes.quantize import (
+from kvforge.passes.fuse_gelu import gelu_fusion, gelu_lowering_ort
+from kvforge.passes.fuse_moe import moe_lowering_ort
+from kvforge.passes.fuse_norm import norm_fusion, norm_lowering_ort
+from kvforge.passes.fuse_rotary import rotary_fusion
+from kvforge.passes.last_position import LastPositionLogits
+from kvforge.passes.pack_matmul import pack_gate_up, pack_qkv
+from kvforge.passes.quantize import (
     FormChooser,
     ImportQuantizedWeights,
     KernelForm,
@@ -41,15 +41,15 @@ from passes.quantize import (
     QuantizeWeights,
     WeightQuantization,
 )
-from passes.quantize_embedding import QuantizeEmbedding
-from passes.quantize_experts import QuantizeExperts
-from passes.rewrite import FusionPass
-from passes.targets import Target
-from passes.tensorrt import tensorrt_form
-from passes.tensorrt_check import RequireTensorRT
-from passes.weight_layout import FoldWeightTransposes
+from kvforge.passes.quantize_embedding import QuantizeEmbedding
+from kvforge.passes.quantize_experts import QuantizeExperts
+from kvforge.passes.rewrite import FusionPass
+from kvforge.passes.targets import Target
+from kvforge.passes.tensorrt import tensorrt_form
+from kvforge.passes.tensorrt_check import RequireTensorRT
+from kvforge.passes.weight_layout import FoldWeightTransposes
 
-# The positions a graph returns logits for (runners.contract's LOGITS_POSITIONS, the
+# The positions a graph returns logits for (kvforge.runners.contract's LOGITS_POSITIONS, the
 # manifest's io.logits_positions): as many last ones as its `logits_to_keep` input says
 # (default 1), the last one only, or every one.
 LOGITS_POSITIONS = ("keep", "last", "all")
@@ -198,8 +198,8 @@ def quantize(
     routed experts (`moe`) in the target's `expert_quantization` (passes/quantize_experts.py).
     Then the token-embedding table in the target's `embedding_form`, after the LM head so that a
     tied table shares the head's quantized initializers. `choose` picks each MatMulNBits
-    weight's block size and accuracy level (`toolchain.tune`); other forms ignore it. `scales`:
-    calibrated weights' scales by name (`toolchain.calibration`), which their codes are rounded against."""
+    weight's block size and accuracy level (`kvforge.toolchain.tune`); other forms ignore it. `scales`:
+    calibrated weights' scales by name (`kvforge.toolchain.calibration`), which their codes are rounded against."""
     passes: list[PassBase] = [
         weights.make_pass(target.quantization_form(weights.bits), choose, target.quantization_form(8), scales)
     ]
@@ -382,7 +382,7 @@ def run(
     imported: dict[str, QuantizedWeight] | None = None,
     scales: Mapping[str, np.ndarray] | None = None,
 ) -> PassReport:
-    """Run the pipeline of `target` (its record, `passes.targets`) on `model` in place and report
+    """Run the pipeline of `target` (its record, `kvforge.passes.targets`) on `model` in place and report
     what each pass did.
 
     `expected` maps fusion pass names to how often they should fire for this model; a
@@ -393,7 +393,7 @@ def run(
     `on_pass(done, total, name)` is called after each pass (progress). `moe`: the model has
     routed experts, which get the mixture-of-experts lowering and expert quantization.
     `choose` picks each MatMulNBits weight's block size and accuracy level (`report.kernel_forms`).
-    `scales`: calibrated weights' scales by name (`toolchain.calibration`).
+    `scales`: calibrated weights' scales by name (`kvforge.toolchain.calibration`).
     """
     expected = dict(expected or {})
     report = PassReport(target.name, histogram_before=histogram(model))

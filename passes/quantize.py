@@ -269,7 +269,7 @@ def _run_chunks(work: Callable[[int], None], starts: range) -> None:
 def _usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask, which a container's cpuset narrows).
 
-    `runners.cpus.usable_cpus` counts the same way; passes import nothing of the runners."""
+    `kvforge.runners.cpus.usable_cpus` counts the same way; passes import nothing of the runners."""
     affinity = getattr(os, "sched_getaffinity", None)
     return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
@@ -390,7 +390,7 @@ class QuantizeWeights(InPlacePass):
     bits where rounding costs most, as llama.cpp's K-quant mixes do.
 
     `choose` (MatMulNBits only): picks each weight's block size and accuracy level from its
-    (N, K) in place of `block_size` and `accuracy_level` (`toolchain.tune`, measured on the
+    (N, K) in place of `block_size` and `accuracy_level` (`kvforge.toolchain.tune`, measured on the
     build machine); `forms` then says what each quantized weight got. Weights at 8 bits in a
     4-bit build keep the default form.
     """
@@ -433,7 +433,7 @@ class QuantizeWeights(InPlacePass):
         self.wider: list[str] = []  # weight names quantized to 8 bits by `int8`
         # quantized initializer (codes) name -> its form, (N, K), when `choose` picked it
         self.forms: dict[str, tuple[KernelForm, tuple[int, int]]] = {}
-        # weight name -> scales [N, ⌈K / block⌉] chosen against activations (`toolchain.calibration`),
+        # weight name -> scales [N, ⌈K / block⌉] chosen against activations (`kvforge.toolchain.calibration`),
         # for symmetric 4-bit blocks of `block_size`; `calibrated` names the weights that took them
         self._scales = {} if scales is None or bits != 4 or not symmetric else scales
         self.calibrated: list[str] = []

@@ -62,7 +62,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from passes.quantize import (
+from kvforge.passes.quantize import (
     BITS,
     BLOCK_SIZES,
     LM_HEAD,

@@ -1,9 +1,9 @@
 """Routed experts' weights under `--weights int8|int4`, in the form the target reads.
 
-`passes.quantize` quantizes the MatMuls whose weight is a constant; routed experts' weights are
+`kvforge.passes.quantize` quantizes the MatMuls whose weight is a constant; routed experts' weights are
 not: they are a stack [experts, out, in] read through com.microsoft MoE (passes/fuse_moe.py) or
 gathered per token (the gather form). This pass quantizes both, symmetric, round to nearest,
-with `passes.quantize`'s quantizer:
+with `kvforge.passes.quantize`'s quantizer:
 
 - `qmoe` (ort-cpu): every com.microsoft MoE becomes com.microsoft QMoE over uint8 codes stored as
   MatMulNBits stores them (symmetric codes moved up by the middle code, low nibble first), one
@@ -31,8 +31,8 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from passes.fuse_moe import MS_DOMAIN
-from passes.quantize import BITS, matmul_nbits_inputs, quantize_blockwise, register_initializer, replace_node
+from kvforge.passes.fuse_moe import MS_DOMAIN
+from kvforge.passes.quantize import BITS, matmul_nbits_inputs, quantize_blockwise, register_initializer, replace_node
 
 FORMS = ("qmoe", "gather")
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)

@@ -1,7 +1,7 @@
 """What each target means, as one frozen record per target.
 
-`toolchain.build`, the CLI and `passes.pipeline` read these records and name no target:
-a new target is a new record here (and the phase factories it names in `passes.pipeline`).
+`kvforge.toolchain.build`, the CLI and `kvforge.passes.pipeline` read these records and name no target:
+a new target is a new record here (and the phase factories it names in `kvforge.passes.pipeline`).
 This module imports nothing heavy, so the CLI can offer the targets without loading the
 graph passes.
 """
@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-# How a target's artifact is written (toolchain.build): the ONNX graph alone, or the graph and,
-# where TensorRT and a GPU are present, the TensorRT engine built from it (toolchain.emit.tensorrt).
+# How a target's artifact is written (kvforge.toolchain.build): the ONNX graph alone, or the graph and,
+# where TensorRT and a GPU are present, the TensorRT engine built from it (kvforge.toolchain.emit.tensorrt).
 ONNX = "onnx"
 TENSORRT_ENGINE = "tensorrt-engine"
 CPU_PROVIDER, CUDA_PROVIDER = "CPUExecutionProvider", "CUDAExecutionProvider"
@@ -23,12 +23,12 @@ CPU_PROVIDER, CUDA_PROVIDER = "CPUExecutionProvider", "CUDAExecutionProvider"
 class Target:
     name: str
     summary: str  # one line for the CLI's help
-    # Phase names, in order: keys of passes.pipeline.PHASES. Quantization, when asked for, runs
+    # Phase names, in order: keys of kvforge.passes.pipeline.PHASES. Quantization, when asked for, runs
     # just before the last phase.
     phases: tuple[str, ...]
-    # Weight bits -> how quantized weights are written (passes.quantize); absent: "dequantize_linear"
+    # Weight bits -> how quantized weights are written (kvforge.passes.quantize); absent: "dequantize_linear"
     quantization_forms: Mapping[int, str]
-    # How the token-embedding table is looked up once quantized (passes.quantize_embedding);
+    # How the token-embedding table is looked up once quantized (kvforge.passes.quantize_embedding);
     # None: the table stays in the compute dtype
     embedding_form: str | None
     # (domain, op) of the ops that write present into the past buffer when both are bound to
@@ -36,31 +36,31 @@ class Target:
     in_place_cache_ops: tuple[tuple[str, str], ...]
     # Fusions that fire once per layer on every architecture; a shortfall is explained (--explain)
     per_layer_fusions: tuple[str, ...]
-    # Fusions that fire once per mixture-of-experts layer (passes.fuse_moe); a shortfall is explained
+    # Fusions that fire once per mixture-of-experts layer (kvforge.passes.fuse_moe); a shortfall is explained
     moe_fusions: tuple[str, ...]
-    # How routed experts' weights are quantized under --weights (passes.quantize_experts): "qmoe"
+    # How routed experts' weights are quantized under --weights (kvforge.passes.quantize_experts): "qmoe"
     # (onnxruntime's QMoE, with int8 gathered slices where MoE did not fuse), "gather" (int8 codes
     # gathered then dequantized, standard ops), or None (left at full precision)
     expert_quantization: str | None
     fixed_capacity: bool  # the KV cache has a fixed length (--capacity), recorded in the flags
     symmetric_only: bool  # quantized weights must have a zero zero-point
     emitter: str  # ONNX or TENSORRT_ENGINE
-    genai: bool  # onnxruntime-genai can drive the graph (toolchain.emit.genai)
+    genai: bool  # onnxruntime-genai can drive the graph (kvforge.toolchain.emit.genai)
     # Its runner carries fixed-size layer states (convolution layers), tested end to end
     layer_states: bool = False
     # Sliding-window layers keep only their window's last positions (`DecoderIO.layer_windows`);
     # False: every layer keeps its whole history, and the mask alone applies the window
     bounded_windows: bool = False
     # Its quantized MatMul weights are onnxruntime's MatMulNBits, whose block size and accuracy
-    # level `kvforge build --tune fast|full` may choose per weight by timing them (toolchain.tune)
+    # level `kvforge build --tune fast|full` may choose per weight by timing them (kvforge.toolchain.tune)
     kernel_tuning: bool = False
-    # The compute dtype a build takes when none is asked for (toolchain.cli's --dtype)
+    # The compute dtype a build takes when none is asked for (`kvforge build --dtype`)
     default_dtype: str = "float32"
     # onnxruntime's execution providers the graph is for, the one it is meant to run on first:
-    # a fused op is emitted only where it means the same on each (passes.fuse_moe), and the
+    # a fused op is emitted only where it means the same on each (kvforge.passes.fuse_moe), and the
     # verification gate runs on the first one onnxruntime offers on the build machine
     providers: tuple[str, ...] = (CPU_PROVIDER,)
-    # The graph takes `logits_to_keep` (passes.last_position) by default: one graph for prefill
+    # The graph takes `logits_to_keep` (kvforge.passes.last_position) by default: one graph for prefill
     # (the last position) and speculative verify steps (every position fed). False: the last
     # position only, unless `--logits all` is asked for
     logits_to_keep: bool = True

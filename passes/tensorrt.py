@@ -1,7 +1,7 @@
 """The portable graph in the form TensorRT's ONNX parser builds a plain engine from.
 
 The `tensorrt` target runs the `onnx` target's phases, then these passes, then the
-checker (`passes.tensorrt_check`). Each pass turns one construct the parser refuses or
+checker (`kvforge.passes.tensorrt_check`). Each pass turns one construct the parser refuses or
 maps badly into one it takes natively (TensorRT 10.15; sources in docs/tensorrt.md):
 
 - `FixCapacity`: the KV cache inputs and outputs get a fixed sequence length `S_max`.
@@ -34,7 +34,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from passes.fuse_attention import RequireOpset
+from kvforge.passes.fuse_attention import RequireOpset
 
 PAST_PREFIX = "past_key_values."
 PRESENT_PREFIX = "present."

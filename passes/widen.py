@@ -19,7 +19,7 @@ W (bf16 initializer) ─► Cast(to=f32) ───► MatMul ─► Cast(to=f32)
 
 Run on onnxruntime without graph optimizations (constant folding would turn the Casts back
 into float32 copies of the weights) and in priority order (each Cast then runs just before
-its reader, so one weight at a time is held in float32: `runners.session.OrtSession`'s
+its reader, so one weight at a time is held in float32: `kvforge.runners.session.OrtSession`'s
 `weights_cast_per_run`).
 """
 

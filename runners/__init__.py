@@ -1,7 +1,7 @@
 """Run-time package: load a compiled artifact and generate text. Imports without torch.
 
 The names below load on first use, so that importing one small module of the package
-(`runners.errors`, say, as the command line does before it has work to do) does not load
+(`kvforge.runners.errors`, say, as the command line does before it has work to do) does not load
 the engine, numpy and the tokenizer with it.
 """
 
@@ -11,25 +11,25 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from runners.engine import Engine, GenerationStats, TextStream
-    from runners.errors import KvforgeError
-    from runners.sampling import SamplingParams
+    from kvforge.runners.engine import Engine, GenerationStats, TextStream
+    from kvforge.runners.errors import KvforgeError
+    from kvforge.runners.sampling import SamplingParams
 
 __all__ = ["Engine", "GenerationStats", "KvforgeError", "SamplingParams", "TextStream"]
 
 _HOMES = {
-    "Engine": "runners.engine",
-    "GenerationStats": "runners.engine",
-    "TextStream": "runners.engine",
-    "KvforgeError": "runners.errors",
-    "SamplingParams": "runners.sampling",
+    "Engine": "kvforge.runners.engine",
+    "GenerationStats": "kvforge.runners.engine",
+    "TextStream": "kvforge.runners.engine",
+    "KvforgeError": "kvforge.runners.errors",
+    "SamplingParams": "kvforge.runners.sampling",
 }
 
 
 def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
     if home is None:
-        raise AttributeError(f"module 'runners' has no attribute {name!r}")
+        raise AttributeError(f"module 'kvforge.runners' has no attribute {name!r}")
     value = getattr(importlib.import_module(home), name)
     globals()[name] = value
     return value

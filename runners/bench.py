@@ -29,13 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from runners.contract import DecoderIO
-from runners.cpus import usable_cpus
-from runners.decoding import batch_decoders
-from runners.engine import Engine
-from runners.generate import generate_steps
-from runners.manifest import read_manifest
-from runners.sampling import SamplingParams
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.cpus import usable_cpus
+from kvforge.runners.decoding import batch_decoders
+from kvforge.runners.engine import Engine
+from kvforge.runners.generate import generate_steps
+from kvforge.runners.manifest import read_manifest
+from kvforge.runners.sampling import SamplingParams
 
 _BANDWIDTH_BYTES = 256 << 20  # far beyond any CPU cache, so the read streams from memory
 

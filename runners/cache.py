@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from runners.contract import DecoderIO
-from runners.errors import GenerationError
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.errors import GenerationError
 
 if TYPE_CHECKING:
     import onnxruntime as ort

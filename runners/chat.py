@@ -38,7 +38,7 @@ from jinja2.parser import Parser
 from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from runners.errors import GenerationError, KvforgeError
+from kvforge.runners.errors import GenerationError, KvforgeError
 
 _MAX_POWER_BITS = 1 << 16
 _FIX_HINT = "fix or replace chat_template in the artifact's tokenizer_config.json"

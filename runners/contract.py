@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from runners.errors import ArtifactError
+from kvforge.runners.errors import ArtifactError
 
 # `concat`: past and present are separate tensors; present = concat(past, new) along
 # the sequence axis. The runner feeds each step's present back as the next past.

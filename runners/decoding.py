@@ -22,8 +22,8 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from runners.errors import GenerationError
-from runners.sampling import (
+from kvforge.runners.errors import GenerationError
+from kvforge.runners.sampling import (
     FloatArray,
     IdArray,
     SamplingParams,

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import tokenizers
 
-from runners.errors import GenerationError
+from kvforge.runners.errors import GenerationError
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens kept as decoding context: enough for any decoder's look-behind.

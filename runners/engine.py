@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from runners.decoding import Decoder, TokenLogprob, batch_decoders
-from runners.errors import ArtifactError, GenerationError
-from runners.generate import Step, check_length, generate_steps
-from runners.manifest import (
+from kvforge.runners.decoding import Decoder, TokenLogprob, batch_decoders
+from kvforge.runners.errors import ArtifactError, GenerationError
+from kvforge.runners.generate import Step, check_length, generate_steps
+from kvforge.runners.manifest import (
     FileHashes,
     check_spec_against_io,
     listed_files,
@@ -30,11 +30,11 @@ from runners.manifest import (
     read_manifest,
     read_max_positions,
 )
-from runners.request import GenerationRequest
-from runners.runtime import Choice, Environment, choose, open_session
-from runners.sampling import SamplingParams
-from runners.session import Session
-from runners.speculative import (
+from kvforge.runners.request import GenerationRequest
+from kvforge.runners.runtime import Choice, Environment, choose, open_session
+from kvforge.runners.sampling import SamplingParams
+from kvforge.runners.session import Session
+from kvforge.runners.speculative import (
     PROMPT_LOOKUP,
     Drafter,
     DraftModel,
@@ -45,10 +45,10 @@ from runners.speculative import (
     require_all_logits,
     speculative_steps,
 )
-from runners.tokenizer import TokenizerBundle
+from kvforge.runners.tokenizer import TokenizerBundle
 
-if TYPE_CHECKING:  # runners.grammar imports llguidance, loaded only when a grammar or logprobs are asked for
-    from runners.grammar import Grammar, GrammarCompiler
+if TYPE_CHECKING:  # kvforge.runners.grammar imports llguidance, loaded only when a grammar or logprobs are asked for
+    from kvforge.runners.grammar import Grammar, GrammarCompiler
 
 GENERATION_CONFIG = "generation_config.json"
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -150,7 +150,7 @@ class Engine:
         session is dropped and the mismatch raised: no Engine is returned over a modified
         file. (A TensorRT engine is checked whole before it is deserialized.)
 
-        `runtime` chooses the session (`runners.runtime`): "auto" runs the artifact's
+        `runtime` chooses the session (`kvforge.runners.runtime`): "auto" runs the artifact's
         TensorRT engine where TensorRT and a GPU are present, else onnxruntime's CUDA provider
         where onnxruntime-gpu and a GPU are, else the CPU; "ort", "ort-cuda" and "tensorrt"
         ask for one, and one that cannot run here is a RuntimeUnavailable error naming what is
@@ -158,7 +158,7 @@ class Engine:
         `environment` stands for what is installed (`Environment.detect()` when None).
 
         `huge_pages` backs the weights onnxruntime loads on the CPU with 2 MiB pages on Linux
-        (`runners.hugepages`): faster decode for a little more time at load (docs/performance.md);
+        (`kvforge.runners.hugepages`): faster decode for a little more time at load (docs/performance.md);
         pass False when a process loads to generate a few tokens.
 
         `stop_spinning` makes onnxruntime's CPU threads stop spinning as soon as a run ends,
@@ -295,7 +295,7 @@ class Engine:
 
     def _compiler(self) -> GrammarCompiler:
         if self._grammars is None:
-            from runners.grammar import GrammarCompiler
+            from kvforge.runners.grammar import GrammarCompiler
 
             self._grammars = GrammarCompiler(self.tokenizer, self.session.io.vocab_size, self.eos_ids)
         return self._grammars
@@ -322,7 +322,7 @@ class Engine:
             raise GenerationError(f"prompts[{row}]: {e}") from e
 
     def request(self, prompt: str | Sequence[Mapping[str, str]], **options: Any) -> GenerationRequest:
-        """The request record of one prompt (`runners.request`), every value checked: what `stream`
+        """The request record of one prompt (`kvforge.runners.request`), every value checked: what `stream`
         runs, as the server builds one for each choice. Unset options take the artifact's defaults:
 
         `prompt` is text, or a conversation (a list of `{"role": ..., "content": ...}` messages)
@@ -383,7 +383,7 @@ class Engine:
         made, run as it is. With logprobs asked for, the stream's `logprobs` gains an entry per token of the text.
 
         `speculative` ("prompt-lookup" or "draft:PATH") generates with exact speculative
-        decoding (`runners.speculative`), up to `draft_tokens` drafted tokens per target step
+        decoding (`kvforge.runners.speculative`), up to `draft_tokens` drafted tokens per target step
         (default 8): the same tokens as without, fewer target steps; the stream's
         `stats.speculation` says how many drafts were accepted.
 

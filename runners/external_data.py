@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Set
 from pathlib import Path
 
-from runners.errors import ArtifactError
-from runners.manifest import is_plain_file_name
+from kvforge.runners.errors import ArtifactError
+from kvforge.runners.manifest import is_plain_file_name
 
 # Field numbers from onnx.proto, by message. Only length-delimited (wire type 2) fields.
 _MODEL = {7: "graph", 20: "training", 25: "function"}  # ModelProto

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from runners.cache import HOST, Cache, Device, device_of
-from runners.contract import KEEP_INPUT, DecoderIO
-from runners.decoding import Decoder, TokenLogprob
-from runners.errors import GenerationError
-from runners.session import Session
+from kvforge.runners.cache import HOST, Cache, Device, device_of
+from kvforge.runners.contract import KEEP_INPUT, DecoderIO
+from kvforge.runners.decoding import Decoder, TokenLogprob
+from kvforge.runners.errors import GenerationError
+from kvforge.runners.session import Session
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,7 @@ def generate_steps(
     """Yield one `Step` per generated position until every row is done or the budget is spent.
 
     Each row's token is its decoder's choice (its own processors, sampler and draws; see
-    `runners.decoding.batch_decoders` for a batch under one set of parameters) and is handed
+    `kvforge.runners.decoding.batch_decoders` for a batch under one set of parameters) and is handed
     back to it. A row is done after it chooses an eos id. The caller may also mark rows done
     by setting `done[row] = True` between steps (a stop string, a cancelled request); the
     loop ends as soon as every row is done. The prompts are prefilled in one call, or

@@ -18,9 +18,9 @@ from typing import Any
 import llguidance
 import numpy as np
 
-from runners.errors import GenerationError
-from runners.sampling import FloatArray
-from runners.tokenizer import TokenizerBundle
+from kvforge.runners.errors import GenerationError
+from kvforge.runners.sampling import FloatArray
+from kvforge.runners.tokenizer import TokenizerBundle
 
 # No whitespace between JSON tokens, "," and ":" as separators: the reply is as short as it can be.
 _JSON_OPTIONS: Any = {"whitespace_flexible": False}

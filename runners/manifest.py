@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from runners.contract import DecoderIO
-from runners.cpus import usable_cpus
-from runners.errors import ArtifactError
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.cpus import usable_cpus
+from kvforge.runners.errors import ArtifactError
 
 MANIFEST = "manifest.json"
 SCHEMA_VERSION = 3

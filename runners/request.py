@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runners.decoding import Decoder, TokenLogprob, end_of_row
-from runners.detokenizer import StreamingDetokenizer
-from runners.sampling import SamplingParams
+from kvforge.runners.decoding import Decoder, TokenLogprob, end_of_row
+from kvforge.runners.detokenizer import StreamingDetokenizer
+from kvforge.runners.sampling import SamplingParams
 
 
 @dataclass(eq=False)

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runners.contract import DecoderIO
-from runners.errors import ArtifactError, KvforgeError
-from runners.manifest import FileHashes
-from runners.session import OrtSession, Session
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.errors import ArtifactError, KvforgeError
+from kvforge.runners.manifest import FileHashes
+from kvforge.runners.session import OrtSession, Session
 
 RUNTIMES = ("auto", "ort", "ort-cuda", "tensorrt")
 MODEL_FILE = "model.onnx"
@@ -134,7 +134,7 @@ def open_session(
     `providers`, where given, are passed to onnxruntime as they are (a caller that picks the
     device itself, as the Triton backend does)."""
     if choice.runtime == "tensorrt":
-        from runners.trt_session import TrtSession
+        from kvforge.runners.trt_session import TrtSession
 
         return TrtSession(directory)
     files = manifest.get("files")

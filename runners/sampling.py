@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from runners.errors import GenerationError
+from kvforge.runners.errors import GenerationError
 
 FloatArray = npt.NDArray[np.float64]
 IdArray = npt.NDArray[np.int64]
@@ -30,7 +30,7 @@ IdArray = npt.NDArray[np.int64]
 
 class Uniforms(Protocol):
     """What a draw takes its uniforms from: numpy's Generator, or anything whose `random(n)`
-    gives `n` floats in [0, 1) (a row's share of a batch's draws, `runners.speculative`)."""
+    gives `n` floats in [0, 1) (a row's share of a batch's draws, `kvforge.runners.speculative`)."""
 
     def random(self, n: int) -> npt.NDArray[np.float64]: ...
 

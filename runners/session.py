@@ -2,7 +2,7 @@
 
 A session takes the contract's feeds as numpy arrays and returns every output by name.
 The generation loop only sees this interface, so it is tested the same way against
-onnxruntime and the eager torch reference (`runners.torch_session`).
+onnxruntime and the eager torch reference (`kvforge.runners.torch_session`).
 """
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from runners.cache import HOST, Device, OrtDevice, bounded_names, full_names, in_place, on_host
-from runners.contract import KEEP_INPUT, DecoderIO
-from runners.cpus import usable_cpus
-from runners.errors import ArtifactError
-from runners.external_data import check_external_data
-from runners.hugepages import huge_pages_for_new_memory
-from runners.manifest import check_io_against_graph
+from kvforge.runners.cache import HOST, Device, OrtDevice, bounded_names, full_names, in_place, on_host
+from kvforge.runners.contract import KEEP_INPUT, DecoderIO
+from kvforge.runners.cpus import usable_cpus
+from kvforge.runners.errors import ArtifactError
+from kvforge.runners.external_data import check_external_data
+from kvforge.runners.hugepages import huge_pages_for_new_memory
+from kvforge.runners.manifest import check_io_against_graph
 
 if TYPE_CHECKING:
     import onnxruntime as ort
 
-    from runners.manifest import FileHashes
+    from kvforge.runners.manifest import FileHashes
 
 
 # Cache bindings an `OrtSession` keeps: a server's batch and the prompt it is prefilling,
@@ -56,7 +56,7 @@ class _CacheBinding:
 
 class Session(Protocol):
     io: DecoderIO
-    device: Device  # where the session keeps its cache (`runners.cache`)
+    device: Device  # where the session keeps its cache (`kvforge.runners.cache`)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
@@ -82,7 +82,7 @@ class OrtSession:
         stop_spinning: bool = False,
     ) -> None:
         """`weights_cast_per_run` is for a graph whose weights are read through Casts
-        (`passes.widen`): onnxruntime then leaves the graph as it is (constant folding would
+        (`kvforge.passes.widen`): onnxruntime then leaves the graph as it is (constant folding would
         make float32 copies of the weights), runs nodes in priority order (each Cast just
         before its reader) and allocates without an arena, so one weight at a time is held
         converted.
@@ -94,7 +94,7 @@ class OrtSession:
         quantized kernels compute differently without theirs prepacked).
 
         `huge_pages` backs the memory onnxruntime allocates while loading (the prepacked
-        weights) with 2 MiB pages on Linux (`runners.hugepages`): decode streams it faster,
+        weights) with 2 MiB pages on Linux (`kvforge.runners.hugepages`): decode streams it faster,
         for a little more time at load.
 
         `hashes`, where given, are the artifact's sha256 checks running in threads: every file
@@ -238,7 +238,7 @@ class OrtSession:
         return binding
 
     def _run_on_device(self, feeds: dict[str, Any]) -> dict[str, Any]:
-        """One step with the cache in the device's memory (`OrtValue`s from `runners.cache`).
+        """One step with the cache in the device's memory (`OrtValue`s from `kvforge.runners.cache`).
 
         Everything is bound anew at every step, since a device copies host memory when it is bound:
         a binding kept across steps would hold the values it had then. Cache tensors already on the

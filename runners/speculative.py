@@ -46,12 +46,12 @@ from typing import Any, Protocol
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from runners.cache import device_of
-from runners.contract import DecoderIO
-from runners.decoding import Decoder, TokenLogprob, end_of_row
-from runners.errors import GenerationError
-from runners.generate import Step, empty_cache, forward, last_logits
-from runners.session import Session
+from kvforge.runners.cache import device_of
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.decoding import Decoder, TokenLogprob, end_of_row
+from kvforge.runners.errors import GenerationError
+from kvforge.runners.generate import Step, empty_cache, forward, last_logits
+from kvforge.runners.session import Session
 
 PROMPT_LOOKUP = "prompt-lookup"
 DRAFT_PREFIX = "draft:"

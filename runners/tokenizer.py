@@ -15,10 +15,10 @@ from typing import Any
 
 import tokenizers
 
-from runners.chat import render_chat
-from runners.detokenizer import StreamingDetokenizer
-from runners.errors import ArtifactError, GenerationError
-from runners.manifest import read_json_object
+from kvforge.runners.chat import render_chat
+from kvforge.runners.detokenizer import StreamingDetokenizer
+from kvforge.runners.errors import ArtifactError, GenerationError
+from kvforge.runners.manifest import read_json_object
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from runners.cache import HOST, Device
-from runners.contract import DecoderIO
+from kvforge.runners.cache import HOST, Device
+from kvforge.runners.contract import DecoderIO
 
 
 class TorchSession:

@@ -1,6 +1,6 @@
 """A `Session` over the TensorRT engine of a `tensorrt`-target artifact.
 
-The same interface as `runners.session.OrtSession`, so the generation loop, the samplers
+The same interface as `kvforge.runners.session.OrtSession`, so the generation loop, the samplers
 and the streaming detokenizer are the ones every backend uses. What it adds:
 
 - **Manifest gating, before anything is deserialized.** The engine file must be the one
@@ -37,10 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from runners.cache import HOST, Device
-from runners.contract import DecoderIO
-from runners.errors import ArtifactError
-from runners.manifest import MANIFEST, is_plain_file_name, read_io, read_manifest, verify_files
+from kvforge.runners.cache import HOST, Device
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.errors import ArtifactError
+from kvforge.runners.manifest import MANIFEST, is_plain_file_name, read_io, read_manifest, verify_files
 
 DECODE_PROFILE, PREFILL_PROFILE = 0, 1
 _REBUILD = "rebuild the engine on this machine with `kvforge build-engine ARTIFACT`"

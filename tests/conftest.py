@@ -27,7 +27,7 @@ def built_artifact(
     tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[..., Path]:
     """Artifacts built from the tiny checkpoints, once per test session."""
-    from toolchain.build import BuildOptions, build
+    from kvforge import BuildOptions, build
 
     built: dict[tuple[str, str], Path] = {}
 
@@ -45,7 +45,7 @@ def built_artifact(
 @pytest.fixture(scope="session")
 def example_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """examples/model (the bundled example model) built once per test session with the Python API."""
-    from toolchain.build import build
+    from kvforge import build
 
     model = Path(__file__).resolve().parents[1] / "examples" / "model"
     return build(model, tmp_path_factory.mktemp("example") / "out").output

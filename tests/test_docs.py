@@ -8,8 +8,8 @@ from pathlib import Path
 import click
 import pytest
 
-from runners.manifest import SCHEMA_VERSION
-from toolchain.cli import main
+from kvforge.cli import main
+from kvforge.runners.manifest import SCHEMA_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI_DOC = ROOT / "docs" / "cli.md"

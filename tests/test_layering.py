@@ -1,5 +1,7 @@
 """The dependency direction of DESIGN.md, checked on the import statements of every module of
-every subpackage (`runners/serve`, `runners/triton` included).
+every subpackage (`runners/serve`, `runners/triton` included). Our packages are imported as
+`kvforge.toolchain`, `kvforge.passes` and `kvforge.runners`; an import is named here by the
+package it reaches (`toolchain`, not `kvforge`), and `kvforge` alone is its public front door.
 
 toolchain -> passes, toolchain -> runners; runners imports nothing of ours but itself and
 never torch at module level (torch_session, the eager reference, is the one exception);
@@ -18,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # package -> what none of its modules may import, anywhere in the module
 FORBIDDEN: dict[str, frozenset[str]] = {
-    "runners": frozenset({"toolchain", "passes", "tests"}),
-    "passes": frozenset({"torch", "onnxruntime", "toolchain", "runners", "transformers"}),
+    "runners": frozenset({"kvforge", "toolchain", "passes", "tests"}),
+    "passes": frozenset({"kvforge", "torch", "onnxruntime", "toolchain", "runners", "transformers"}),
 }
 # package -> what its modules may import only inside functions (deferred), and the modules exempt
 FORBIDDEN_AT_IMPORT: dict[str, tuple[frozenset[str], frozenset[str]]] = {
@@ -32,14 +34,21 @@ def modules(root: Path, package: str) -> list[Path]:
     return sorted(path for path in (root / package).rglob("*.py") if "__pycache__" not in path.parts)
 
 
+def package_of(name: str) -> str:
+    """The package a dotted module name belongs to: `kvforge.runners.cache` -> `runners`,
+    `numpy.linalg` -> `numpy`; `kvforge` alone (the front door) stays `kvforge`."""
+    parts = name.split(".")
+    return parts[1] if parts[0] == "kvforge" and len(parts) > 1 else parts[0]
+
+
 def _imported(node: ast.AST, module: str) -> set[str]:
-    """The top-level package names an import statement reaches, relative imports resolved
-    against `module` (dotted)."""
+    """The package names an import statement reaches, relative imports resolved against
+    `module` (dotted)."""
     if isinstance(node, ast.Import):
-        return {a.name.split(".")[0] for a in node.names}
+        return {package_of(a.name) for a in node.names}
     if isinstance(node, ast.ImportFrom):
         if node.level == 0:
-            return {node.module.split(".")[0]} if node.module else set()
+            return {package_of(node.module)} if node.module else set()
         base = module.split(".")[: -node.level]
         return {base[0]} if base else {(node.module or "").split(".")[0]}
     return set()
@@ -98,10 +107,11 @@ def test_every_subpackage_is_walked(package: str) -> None:
 @pytest.mark.parametrize(
     ("planted", "source"),
     [
-        ("runners/serve/scheduler.py", "from toolchain.spec import DecoderSpec\n"),
-        ("runners/triton/backend.py", "def f():\n    import passes.pipeline\n"),  # deferred counts too
+        ("runners/serve/scheduler.py", "from kvforge.toolchain.spec import DecoderSpec\n"),
+        ("runners/triton/backend.py", "def f():\n    import kvforge.passes.pipeline\n"),  # deferred counts too
         ("runners/serve/scheduler.py", "import torch\n"),  # torch at module level
-        ("passes/fuse_norm.py", "from runners.contract import DecoderIO\n"),
+        ("passes/fuse_norm.py", "from kvforge.runners.contract import DecoderIO\n"),
+        ("runners/engine.py", "from kvforge import build\n"),  # the front door is above runners
     ],
 )
 def test_an_upward_import_planted_in_a_copy_is_found(planted: str, source: str, tmp_path: Path) -> None:
@@ -115,7 +125,7 @@ def test_an_upward_import_planted_in_a_copy_is_found(planted: str, source: str, 
 
 def _name(source: str) -> str:
     statement = source.strip().splitlines()[-1].strip()
-    return statement.split()[1].split(".")[0]
+    return package_of(statement.split()[1])
 
 
 def test_relative_imports_are_resolved_against_their_package(tmp_path: Path) -> None:
@@ -127,6 +137,6 @@ def test_relative_imports_are_resolved_against_their_package(tmp_path: Path) -> 
 
 def test_layering_check_sees_imports(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
-    bad.write_text("import torch\nfrom toolchain.spec import DecoderSpec\ndef f():\n    import onnxruntime\n")
+    bad.write_text("import torch\nfrom kvforge.toolchain.spec import DecoderSpec\ndef f():\n    import onnxruntime\n")
     assert top_level_imports(bad, tmp_path) == {"torch", "toolchain"}
     assert all_imports(bad, tmp_path) == {"torch", "toolchain", "onnxruntime"}

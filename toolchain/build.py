@@ -1,9 +1,9 @@
 """`kvforge build` as a plain function over the pipeline's stages (`kvforge verify`, which
-re-runs a published artifact's gate, is `toolchain.gate.verify`, importable from here too).
+re-runs a published artifact's gate, is `kvforge.toolchain.gate.verify`, importable from here too).
 
 A build writes into a locked staging sibling of the output directory, verifies the graph
 from the files it just wrote, writes the manifest last, and only then swaps the directory
-into place (`toolchain.publish`). Any failure removes the staging directory: nothing is
+into place (`kvforge.toolchain.publish`). Any failure removes the staging directory: nothing is
 published, and a previous artifact stays as it was.
 """
 
@@ -26,32 +26,32 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from passes import pipeline
-from passes.kv_cache import KV_DTYPES, KVCacheRefused, QuantizeKVCache
-from passes.pipeline import PassReport
-from passes.quantize import WeightQuantization
-from passes.targets import DEFAULT_TARGET, TARGETS, TENSORRT_ENGINE, Target
-from passes.tensorrt_check import UnsupportedByTensorRT
-from runners.contract import KEEP_INPUT, DecoderIO
-from runners.errors import ArtifactError, ParityError
-from runners.manifest import MANIFEST
-from runners.session import Session
-from runners.tokenizer import TokenizerBundle
-from toolchain import calibration as calibrating
-from toolchain import checkpoint as checkpoints
-from toolchain import emit, hashing, kv_scales, manifest, moe_graph, prequantized, progress, stamp
-from toolchain import tune as tuning
-from toolchain.emit import genai
-from toolchain.emit import tensorrt as trt_engine
-from toolchain.export import eager_model, export_decoder, layer_windows, read_spec
-from toolchain.footprint import QuantLayout, footprint, format_bytes, quantized_weight_bytes
-from toolchain.gate import check_tolerance, eager_session, record_gate, verifiable
-from toolchain.gate import verify as verify  # `kvforge verify`, importable from here as before
-from toolchain.lower import OPSET, apply_contract, to_onnx
-from toolchain.publish import check_output, check_writable, publish, staged
-from toolchain.spec import DecoderSpec
-from toolchain.system import return_freed_memory, write_failure
-from toolchain.verify import DistributionReport, ParityReport, gate_provider, require_parity
+from kvforge.passes import pipeline
+from kvforge.passes.kv_cache import KV_DTYPES, KVCacheRefused, QuantizeKVCache
+from kvforge.passes.pipeline import PassReport
+from kvforge.passes.quantize import WeightQuantization
+from kvforge.passes.targets import DEFAULT_TARGET, TARGETS, TENSORRT_ENGINE, Target
+from kvforge.passes.tensorrt_check import UnsupportedByTensorRT
+from kvforge.runners.contract import KEEP_INPUT, DecoderIO
+from kvforge.runners.errors import ArtifactError, ParityError
+from kvforge.runners.manifest import MANIFEST
+from kvforge.runners.session import Session
+from kvforge.runners.tokenizer import TokenizerBundle
+from kvforge.toolchain import calibration as calibrating
+from kvforge.toolchain import checkpoint as checkpoints
+from kvforge.toolchain import emit, hashing, kv_scales, manifest, moe_graph, prequantized, progress, stamp
+from kvforge.toolchain import tune as tuning
+from kvforge.toolchain.emit import genai
+from kvforge.toolchain.emit import tensorrt as trt_engine
+from kvforge.toolchain.export import eager_model, export_decoder, layer_windows, read_spec
+from kvforge.toolchain.footprint import QuantLayout, footprint, format_bytes, quantized_weight_bytes
+from kvforge.toolchain.gate import check_tolerance, eager_session, record_gate, verifiable
+from kvforge.toolchain.gate import verify as verify  # `kvforge verify`, importable from here as before
+from kvforge.toolchain.lower import OPSET, apply_contract, to_onnx
+from kvforge.toolchain.publish import check_output, check_writable, publish, staged
+from kvforge.toolchain.spec import DecoderSpec
+from kvforge.toolchain.system import return_freed_memory, write_failure
+from kvforge.toolchain.verify import DistributionReport, ParityReport, gate_provider, require_parity
 
 log = logging.getLogger(__name__)
 
@@ -88,14 +88,14 @@ class BuildOptions:
     # (every one). None: "keep", or "last" on a target whose graph cannot take the input
     # (`Target.logits_to_keep`)
     logits: str | None = None
-    # Trace each distinct layer kind once and stamp out the stack (`toolchain.stamp`); False:
+    # Trace each distinct layer kind once and stamp out the stack (`kvforge.toolchain.stamp`); False:
     # export and lower the whole stack
     stamp: bool = True
     # Each quantized weight's MatMulNBits form: "off" (--block-size, accuracy level 4, for every
-    # weight), "fast" or "full" (timed on this machine, `toolchain.tune`)
+    # weight), "fast" or "full" (timed on this machine, `kvforge.toolchain.tune`)
     tune: str = tuning.DEFAULT_MODE
-    tune_cache: Path | None = None  # the timing cache's file (None: `toolchain.tune.cache_path()`)
-    # The text symmetric int4 weights are calibrated on (`toolchain.calibration`; the CLI's
+    tune_cache: Path | None = None  # the timing cache's file (None: `kvforge.toolchain.tune.cache_path()`)
+    # The text symmetric int4 weights are calibrated on (`kvforge.toolchain.calibration`; the CLI's
     # default is the text kvforge ships); None: rounded to nearest
     calibration: calibrating.CalibrationText | None = None
 
@@ -104,7 +104,7 @@ class BuildOptions:
         return self.calibration is not None and calibrating.calibratable(self.weights)
 
     # The KV cache's storage: None, the compute dtype; "int8", codes with static per-channel scales
-    # calibrated on the eager model (`toolchain.kv_scales`), judged by the distribution gate
+    # calibrated on the eager model (`kvforge.toolchain.kv_scales`), judged by the distribution gate
     kv_dtype: str | None = None
 
     def flags(self) -> dict[str, Any]:
@@ -147,7 +147,7 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     output = Path(os.path.abspath(output))
     if not isinstance(options.target, Target):
         raise ArtifactError(
-            f"unknown target {options.target!r}: BuildOptions.target takes a record of passes.targets.TARGETS "
+            f"unknown target {options.target!r}: BuildOptions.target takes a record of kvforge.passes.targets.TARGETS "
             f"({', '.join(TARGETS)}), e.g. TARGETS[{DEFAULT_TARGET!r}]"
         )
     if options.dtype not in DTYPES.values():

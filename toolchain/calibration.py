@@ -5,11 +5,11 @@ along its input features, and spreads each column's rounding error over the colu
 rounded through the inverse of the layer's input statistic H = Σ x xᵀ, collected by running
 the eager model over windows of a calibration text (GPTQ: Frantar et al., 2022). Each block of
 `block_size` columns takes its scale when its turn comes, searched as round-to-nearest searches
-it (`passes.quantize`), over the weights as the earlier columns' errors have moved them.
+it (`kvforge.passes.quantize`), over the weights as the earlier columns' errors have moved them.
 
 The result stays in the eager model: each calibrated weight is replaced by its dequantized
 values (codes times scales, exact in the weight's dtype to well under half a step), and its
-scales are returned, keyed by the weight's name. `passes.quantize.QuantizeWeights` rounds
+scales are returned, keyed by the weight's name. `kvforge.passes.quantize.QuantizeWeights` rounds
 those weights against those scales, which gives back the very codes chosen here; no codes are
 held twice, and the pass stays free of torch.
 
@@ -34,9 +34,9 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from passes.quantize import LM_HEAD, WeightQuantization, quantize_free_min, symmetric_scales
-from runners.errors import ArtifactError
-from runners.tokenizer import TokenizerBundle
+from kvforge.passes.quantize import LM_HEAD, WeightQuantization, quantize_free_min, symmetric_scales
+from kvforge.runners.errors import ArtifactError
+from kvforge.runners.tokenizer import TokenizerBundle
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ LAZY_COLUMNS = 128  # columns rounded before the rest of the weight is updated a
 
 def builtin_text() -> Path:
     """The calibration text that ships with kvforge (`toolchain/data/calibration.txt`)."""
-    return Path(str(resources.files("toolchain") / "data" / "calibration.txt"))
+    return Path(str(resources.files("kvforge.toolchain") / "data" / "calibration.txt"))
 
 
 @dataclass(frozen=True)
@@ -346,7 +346,7 @@ def gptq_rows(
     rounded to 4-bit codes column by column, each column's error fed to the columns after it
     through `factor.u`; scales stored in `dtype` (the weight's), as the pass stores them.
     Symmetric codes -8..7 times the scale, or with `free_min` (K whole blocks) codes 0..15 times
-    the step plus the block's minimum (`passes.quantize.quantize_free_min`'s grid). In act order
+    the step plus the block's minimum (`kvforge.passes.quantize.quantize_free_min`'s grid). In act order
     every block's grid is chosen first, from the weight as it is; otherwise each block's when its
     first column comes, from the weight as the earlier errors have moved it."""
     n, k = weight.shape

@@ -6,11 +6,11 @@ files, and `tensor_metadata` reads their headers only. Pickled weights
 (`pytorch_model.bin`) are opt-in and loaded with `weights_only=True`.
 
 The directory may also be a snapshot of the Hugging Face cache, named by its Hub id
-(`toolchain.hub`): there every file is a link, followed only into the same repository's
+(`kvforge.toolchain.hub`): there every file is a link, followed only into the same repository's
 `blobs/`.
 
 Every file is untrusted: paths taken from files must stay inside the directory, every
-safetensors header is validated by `toolchain.safetensors_check` before the library opens
+safetensors header is validated by `kvforge.toolchain.safetensors_check` before the library opens
 the file, and every failure is a `CheckpointError` naming the file and the field or tensor.
 `check_against_spec` then checks the weights' and tokenizer's sizes against the config.
 """
@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from runners.errors import CheckpointError
-from toolchain import gguf, hashing, hub, prequantized, progress, safetensors_check
-from toolchain.safetensors_check import short_repr
-from toolchain.spec import POSITION_EMBEDDINGS, TOKEN_EMBEDDINGS, TOKENIZER_CONFIG_FILE, DecoderSpec
+from kvforge.runners.errors import CheckpointError
+from kvforge.toolchain import gguf, hashing, hub, prequantized, progress, safetensors_check
+from kvforge.toolchain.safetensors_check import short_repr
+from kvforge.toolchain.spec import POSITION_EMBEDDINGS, TOKEN_EMBEDDINGS, TOKENIZER_CONFIG_FILE, DecoderSpec
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class Checkpoint:
     hub: hub.HubSnapshot | None = None  # the Hugging Face cache snapshot the directory is, if it is one
     # config.json's quantization_config: weights shipped quantized (AWQ, GPTQ), None otherwise
     quantization: prequantized.Quantization | None = None
-    # a GGUF file the directory was made from (`toolchain.gguf`): then the build's only input
+    # a GGUF file the directory was made from (`kvforge.toolchain.gguf`): then the build's only input
     gguf: Path | None = None
     # what keeps a made directory alive (a tempfile.TemporaryDirectory, removed with its last reference)
     scratch: Any = field(default=None, repr=False, compare=False)
@@ -107,7 +107,7 @@ class Checkpoint:
         its stored width.
 
         Weights shipped quantized (`quantization`) come as the float weights they stand for
-        (`toolchain.prequantized.dequantize_into`), dequantized from their stored scales."""
+        (`kvforge.toolchain.prequantized.dequantize_into`), dequantized from their stored scales."""
         if self.uses_pickle:
             tensors = _load_pickle(self.weight_files[0])
         else:
@@ -124,8 +124,8 @@ class Checkpoint:
 
     def quantized_weights(self) -> dict[str, prequantized.Imported]:
         """The weights the checkpoint ships quantized, by the name of the float weight each
-        stands for (`toolchain.prequantized.records`; a GGUF file's, `toolchain.gguf.quantized_weights`);
-        empty when it ships none."""
+        stands for (`kvforge.toolchain.prequantized.records`; a GGUF file's,
+        `kvforge.toolchain.gguf.quantized_weights`); empty when it ships none."""
         if self.gguf is not None:
             return gguf.quantized_weights(self.gguf, self.tensor_metadata(), self.config)
         if self.quantization is None:
@@ -180,7 +180,7 @@ class Checkpoint:
 
 def load(path: str | Path, *, allow_pickle: bool = False, revision: str | None = None) -> Checkpoint:
     """Validate a local checkpoint directory (or a Hub id's cached snapshot) and describe its files;
-    a GGUF file (or a directory holding one) is read by `toolchain.gguf`.
+    a GGUF file (or a directory holding one) is read by `kvforge.toolchain.gguf`.
 
     Raises CheckpointError naming the file and what to do when anything is missing,
     malformed or unsafe (remote code, shard names escaping the directory, pickles
@@ -225,7 +225,7 @@ def check_against_spec(checkpoint: Checkpoint, spec: DecoderSpec) -> None:
 
     Reads safetensors headers (a pickle is memory-mapped, not read) and tokenizer.json.
     Shapes of the other tensors are checked when transformers loads the weights
-    (`toolchain.export.eager_model`).
+    (`kvforge.toolchain.export.eager_model`).
     """
     locations = checkpoint.tensor_locations()
     check_embedding_shapes(locations, spec)
@@ -237,9 +237,9 @@ def check_against_spec(checkpoint: Checkpoint, spec: DecoderSpec) -> None:
 def check_runner_reads(checkpoint: Checkpoint) -> None:
     """The tokenizer and generation files as the runner will read them from the artifact: what
     `Engine.load` would refuse is refused here, before anything is built or published."""
-    from runners.engine import generation_settings
-    from runners.errors import ArtifactError
-    from runners.tokenizer import TokenizerBundle
+    from kvforge.runners.engine import generation_settings
+    from kvforge.runners.errors import ArtifactError
+    from kvforge.runners.tokenizer import TokenizerBundle
 
     # the artifact's ids are the spec's, already checked; the sampling fields are copied as they are
     ids = ("bos_token_id", "eos_token_id", "pad_token_id")

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch.export import Dim, ExportedProgram
 
-from runners.contract import KV_KINDS, STATE_KINDS, DecoderIO, LayerState
-from runners.errors import CheckpointError, ExportError
-from toolchain.checkpoint import Checkpoint, check_against_spec, tokenizer_config
-from toolchain.recurrence import traceable_kernels
-from toolchain.spec import SDPA_IGNORED_FIELDS, DecoderSpec
+from kvforge.runners.contract import KV_KINDS, STATE_KINDS, DecoderIO, LayerState
+from kvforge.runners.errors import CheckpointError, ExportError
+from kvforge.toolchain.checkpoint import Checkpoint, check_against_spec, tokenizer_config
+from kvforge.toolchain.recurrence import traceable_kernels
+from kvforge.toolchain.spec import SDPA_IGNORED_FIELDS, DecoderSpec
 
 log = logging.getLogger(__name__)
 

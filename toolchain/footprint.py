@@ -11,11 +11,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from runners.contract import DecoderIO
-from runners.errors import CheckpointError, GenerationError, KvforgeError
-from toolchain.checkpoint import Checkpoint
-from toolchain.prequantized import float_metadata
-from toolchain.spec import (
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.errors import CheckpointError, GenerationError, KvforgeError
+from kvforge.toolchain.checkpoint import Checkpoint
+from kvforge.toolchain.prequantized import float_metadata
+from kvforge.toolchain.spec import (
     BUFFER_SUFFIXES,
     EXPERTS,
     OUTPUT_HEADS,
@@ -56,7 +56,7 @@ DTYPE_BYTES: dict[str, int] = {
 # The output head, when tied to the embeddings, is the embedding matrix, counted once.
 # Token-embedding tables, [vocab, hidden], are quantized in blocks along hidden, as the LM
 # head reading a tied one is (the lookup and the head each hold a copy of the codes).
-# Learned position tables stay in the compute dtype. (Names: toolchain.spec.)
+# Learned position tables stay in the compute dtype. (Names: kvforge.toolchain.spec.)
 
 GIB = 1 << 30
 
@@ -127,7 +127,7 @@ def footprint(
     """Memory for `checkpoint` running `batch` sequences of `seq` tokens (prompt + generated).
     `compute_bytes` is the width of what quantization leaves in the compute dtype (2 for a
     `--dtype fp16|bf16` build): the scales, norms, biases and position tables. `layer_windows`
-    (`DecoderIO.layer_windows`, `toolchain.export.layer_windows`) bounds the sliding layers'
+    (`DecoderIO.layer_windows`, `kvforge.toolchain.export.layer_windows`) bounds the sliding layers'
     caches by their windows, as the default target keeps them; None: every layer holds every token."""
     _check_request(spec, batch, seq)
     stored = parameter_metadata(checkpoint, spec)

@@ -1,7 +1,7 @@
 """The parity gate's sessions, and `kvforge verify`, which re-runs the gate of a published
 artifact against its checkpoint.
 
-The build (`toolchain.build`) records the eager side of the gate with `record_gate` before it
+The build (`kvforge.toolchain.build`) records the eager side of the gate with `record_gate` before it
 compiles, and runs the compiled side in the session `verifiable` opens on the files it wrote.
 """
 
@@ -20,19 +20,19 @@ from typing import Any
 import onnx_ir as ir
 import torch
 
-from passes.widen import WidenFloats
-from runners import runtime as runtimes
-from runners.contract import DecoderIO
-from runners.errors import ArtifactError
-from runners.manifest import MANIFEST, read_manifest, verify_files
-from runners.session import OrtSession, Session
-from runners.tokenizer import TokenizerBundle
-from runners.torch_session import TorchSession
-from toolchain import checkpoint as checkpoints
-from toolchain import emit
-from toolchain.export import DecoderWrapper, eager_model, read_spec
-from toolchain.spec import DecoderSpec
-from toolchain.verify import (
+from kvforge.passes.widen import WidenFloats
+from kvforge.runners import runtime as runtimes
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.errors import ArtifactError
+from kvforge.runners.manifest import MANIFEST, read_manifest, verify_files
+from kvforge.runners.session import OrtSession, Session
+from kvforge.runners.tokenizer import TokenizerBundle
+from kvforge.runners.torch_session import TorchSession
+from kvforge.toolchain import checkpoint as checkpoints
+from kvforge.toolchain import emit
+from kvforge.toolchain.export import DecoderWrapper, eager_model, read_spec
+from kvforge.toolchain.spec import DecoderSpec
+from kvforge.toolchain.verify import (
     DistributionReport,
     ParityReport,
     check_distribution,
@@ -54,7 +54,7 @@ def verify(
     tolerance: float | None = None,
 ) -> ParityReport | DistributionReport:
     """Re-run the parity gate of a published artifact against its checkpoint (a directory or a
-    cached Hub id), in the session `runtime` chooses (`runners.runtime`; "ort", onnxruntime's
+    cached Hub id), in the session `runtime` chooses (`kvforge.runners.runtime`; "ort", onnxruntime's
     CPU provider, as the build's gate), with the tolerance it was built with (its flags), or
     `tolerance` in its place."""
     recorded = read_manifest(artifact)
@@ -90,7 +90,7 @@ def verify(
 def _device_session(artifact: Path, recorded: dict[str, Any], io: DecoderIO, choice: runtimes.Choice) -> Session:
     """The artifact on a GPU runtime; a TensorRT session copies its cache back, which the gate compares."""
     if choice.runtime == "tensorrt":
-        from runners.trt_session import TrtSession
+        from kvforge.runners.trt_session import TrtSession
 
         return TrtSession(artifact, mirror_cache=True)
     return runtimes.open_session(artifact, recorded, io, choice)
@@ -104,7 +104,7 @@ def verifiable(
     onnxruntime's CPU provider (for an unquantized graph, without prepacked weights: `OrtSession`'s
     `prepack`): the artifact itself, or, for a half-precision graph, which that provider cannot
     compute (bfloat16) or computes only from float32 copies of every weight made at load (fp16),
-    the graph computed in float32 with its weights cast as they are read (`passes.widen`). That
+    the graph computed in float32 with its weights cast as they are read (`kvforge.passes.widen`). That
     graph is written to a temporary directory beside a hard link to the artifact's weights (a
     copy where the file system has no links), and removed afterwards."""
     if provider != runtimes.CPU_PROVIDER:

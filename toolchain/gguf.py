@@ -9,12 +9,12 @@ of them quantized). Everything kvforge reads from one is read here:
   gguf_file=...)`), which parses it with the gguf package (a memory map and numpy arrays:
   nothing in the file is executed) and dequantizes the weights to float32. The config, the
   tokenizer and the weights are written to a scratch directory as an ordinary checkpoint and
-  loaded by `toolchain.checkpoint`, so the pipeline and its checks are those of every
+  loaded by `kvforge.toolchain.checkpoint`, so the pipeline and its checks are those of every
   checkpoint; the `Checkpoint` names the GGUF file as its only input (the manifest's sources)
   and keeps the scratch directory alive until it is dropped;
 - `tensors` gives the file's own tensors, still in their GGUF types, by Hugging Face name;
 - `quantized_weights` the quantized ones as records the build imports with their own codes
-  (`toolchain.gguf_import`), their rows in the order transformers' loader gives the weights.
+  (`kvforge.toolchain.gguf_import`), their rows in the order transformers' loader gives the weights.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from runners.errors import CheckpointError
-from toolchain import progress
+from kvforge.runners.errors import CheckpointError
+from kvforge.toolchain import progress
 
 if TYPE_CHECKING:
-    from toolchain.checkpoint import Checkpoint
-    from toolchain.prequantized import Imported
+    from kvforge.toolchain.checkpoint import Checkpoint
+    from kvforge.toolchain.prequantized import Imported
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def load(file: Path) -> Checkpoint:
 
     Raises CheckpointError naming the file when it is not a GGUF file, or when transformers
     cannot read it (an architecture its GGUF loader does not know, a truncated file)."""
-    from toolchain import checkpoint as checkpoints
+    from kvforge.toolchain import checkpoint as checkpoints
 
     file = file.absolute()  # not resolved: a link (a Hub snapshot's, into blobs/) keeps its name
     _check_magic(file)
@@ -239,7 +239,7 @@ def tensors(file: Path, hf_names: Iterable[str]) -> dict[str, GGUFTensor]:
 
 
 def quantized_weights(file: Path, hf_names: Iterable[str], config: Mapping[str, Any]) -> dict[str, Imported]:
-    """The file's quantized matrices as pre-quantized records (`toolchain.gguf_import.decode`),
+    """The file's quantized matrices as pre-quantized records (`kvforge.toolchain.gguf_import.decode`),
     by Hugging Face weight name, each recording its GGUF type (`Imported.stored_as`).
 
     Where transformers' loader reorders a tensor's rows after dequantizing it (the llama
@@ -249,7 +249,7 @@ def quantized_weights(file: Path, hf_names: Iterable[str], config: Mapping[str, 
     changes otherwise (its values, shape or name) is not imported: the dequantized checkpoint
     holds it in float. A file without an output matrix ties the LM head to the token
     embedding table: its record is the LM head's (`lm_head.weight`) too."""
-    from toolchain.gguf_import import decode
+    from kvforge.toolchain.gguf_import import decode
 
     reader = _reader(file)
     arch_name = str(_field(reader, file, "general.architecture"))

@@ -1,4 +1,4 @@
-"""GGUF's quantized tensors as pre-quantized records (`passes.quantize.QuantizedWeight`).
+"""GGUF's quantized tensors as pre-quantized records (`kvforge.passes.quantize.QuantizedWeight`).
 
 A GGUF matrix of ggml dims (K, N) is the [N, K] weight of a Linear, quantized in blocks along
 K, as MatMulNBits' blocks run. Where a MatMulNBits form holds a tensor type as it is, its codes
@@ -27,7 +27,7 @@ slower). `float` keeps them dequantized, for the build's `--weights` recipe to d
 
 A record that is not exact changes what the model computes: it belongs in a build judged by
 the distribution gate (`--weights`), while the exact ones also pass the float gate (the
-`exact` records alone, as `toolchain.build` imports a Hugging Face checkpoint's).
+`exact` records alone, as `kvforge.toolchain.build` imports a Hugging Face checkpoint's).
 
 The codes come from the gguf package's own dequantization (its public `gguf.quants.dequantize`),
 divided by each block's scale read from the block's bytes: the bit layout is the package's,
@@ -43,8 +43,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import Q4_K, dequantize
 
-from passes.quantize import QuantizedWeight, quantize_blockwise
-from toolchain.prequantized import Imported
+from kvforge.passes.quantize import QuantizedWeight, quantize_blockwise
+from kvforge.toolchain.prequantized import Imported
 
 FORMS = ("int4", "int8", "float")
 DEFAULT_FORM = "int4"  # the types with no exact form: the fast form, as today's int4 builds decode

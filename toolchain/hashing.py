@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from runners.manifest import sha256_file
+from kvforge.runners.manifest import sha256_file
 
 # The helper: the sha256 of each file named on its command line, one hex digest a line, in order.
 _HELPER = """

@@ -10,7 +10,7 @@ is the one huggingface_hub itself would use: `HF_HUB_CACHE`, else `HF_HOME/hub`,
 `snapshot_of` recognizes a cache snapshot directory by its layout
 (`<cache>/models--ORG--NAME/snapshots/<commit>`), whichever way it was reached: its files
 are links into the repository's `blobs/`, the one place such a link may lead
-(`toolchain.checkpoint`), and its id and commit go into the manifest.
+(`kvforge.toolchain.checkpoint`), and its id and commit go into the manifest.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runners.errors import CheckpointError
+from kvforge.runners.errors import CheckpointError
 
 _REPO_PREFIX = "models--"
 # ORG/NAME as the Hub spells it: letters, digits, '-', '_', '.'; neither part starts with '.'.

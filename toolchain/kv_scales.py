@@ -1,7 +1,7 @@
 """The static scales of an int8 KV cache (`--kv-dtype int8`), calibrated on the eager model.
 
 onnxruntime's `GroupQueryAttention` quantizes each new key and value with a scale fixed in the
-graph, one per key/value head and channel (`passes.kv_cache`). The build runs the eager model
+graph, one per key/value head and channel (`kvforge.passes.kv_cache`). The build runs the eager model
 (the gate's reference, still loaded) over windows of the calibration text kvforge ships
 (`toolchain/data/calibration.txt`) and of tokens drawn from the vocabulary, and reads each layer's
 cache:
@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from runners.generate import empty_cache, forward
-from runners.session import Session
+from kvforge.runners.generate import empty_cache, forward
+from kvforge.runners.session import Session
 
 WINDOW = 256  # tokens per calibration window
 WINDOWS = 4

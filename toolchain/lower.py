@@ -8,8 +8,8 @@ import onnx_ir as ir
 import torch
 from torch.export import ExportedProgram
 
-from runners.contract import DecoderIO, TensorSpec
-from runners.errors import ExportError
+from kvforge.runners.contract import DecoderIO, TensorSpec
+from kvforge.runners.errors import ExportError
 
 log = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from runners.contract import DecoderIO
-from runners.manifest import MANIFEST, SCHEMA_VERSION, sha256_file
-from toolchain.emit import write_json
-from toolchain.hub import HubSnapshot
-from toolchain.spec import DecoderSpec
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.manifest import MANIFEST, SCHEMA_VERSION, sha256_file
+from kvforge.toolchain.emit import write_json
+from kvforge.toolchain.hub import HubSnapshot
+from kvforge.toolchain.spec import DecoderSpec
 
 _TOOLS = (
     "kvforge",
@@ -57,9 +57,9 @@ def write(
 ) -> dict[str, Any]:
     """`hub`: the Hugging Face cache snapshot the checkpoint was, recorded as `hub` (id and commit).
     `experts`: a mixture of experts' routed experts, experts per token and their weight bytes.
-    `kernels`: the MatMulNBits forms `kvforge build --tune` chose (`toolchain.tune.kernels_entry`).
+    `kernels`: the MatMulNBits forms `kvforge build --tune` chose (`kvforge.toolchain.tune.kernels_entry`).
     `imported`: a pre-quantized checkpoint's weights and the form each was imported in
-    (`toolchain.prequantized.manifest_entry`), recorded as `imported_weights`.
+    (`kvforge.toolchain.prequantized.manifest_entry`), recorded as `imported_weights`.
     `file_hashes`: the sha256 of files of `directory` already hashed since they were written,
     by name; every other file is hashed here."""
     known = file_hashes or {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from toolchain.spec import EXPERTS, DecoderSpec
+from kvforge.toolchain.spec import EXPERTS, DecoderSpec
 
 
 def expert_stacks(model: ir.Model, spec: DecoderSpec) -> dict[str, ir.TensorProtocol]:

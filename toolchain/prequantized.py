@@ -14,9 +14,9 @@ is stored as int32 words of packed codes instead of `P.weight`:
   each zero point minus one (the reader adds it back), `gptq_v2` stores it as is.
   Weight = (code - zero) * scale[g_idx].
 
-`records` turns them into `passes.quantize.QuantizedWeight` records keyed by `P.weight`
+`records` turns them into `kvforge.passes.quantize.QuantizedWeight` records keyed by `P.weight`
 ([N, K] codes as uint8, scales [N, K / group], zero points [N, K / group]), which the
-quantize phase writes to MatMulNBits unchanged (`passes.quantize.ImportQuantizedWeights`).
+quantize phase writes to MatMulNBits unchanged (`kvforge.passes.quantize.ImportQuantizedWeights`).
 `dequantize_into` replaces the packed tensors of a state dict by the float weights they
 stand for, so the eager model, the gate's reference, is the dequantized checkpoint.
 
@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from passes.quantize import QuantizedWeight, holds_block
-from runners.errors import CheckpointError
+from kvforge.passes.quantize import QuantizedWeight, holds_block
+from kvforge.runners.errors import CheckpointError
 
 QUANTIZATION_CONFIG = "quantization_config"
 METHODS = ("awq", "gptq")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 if TYPE_CHECKING:  # the checkpoint loader reports progress too, and needs no onnxruntime
-    from runners.session import Session
+    from kvforge.runners.session import Session
 
 
 @dataclass

@@ -32,8 +32,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from runners.errors import ArtifactError
-from runners.manifest import MANIFEST
+from kvforge.runners.errors import ArtifactError
+from kvforge.runners.manifest import MANIFEST
 
 log = logging.getLogger(__name__)
 

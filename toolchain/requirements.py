@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 from importlib import metadata
 
-from runners.errors import KvforgeError
+from kvforge.runners.errors import KvforgeError
 
 MINIMUM = {
     "torch": "2.13",
@@ -34,7 +34,7 @@ def check_versions(version: Callable[[str], str] = metadata.version) -> None:
 
     A library that is not installed passes: the runtime install (`pip install kvforge`) leaves
     the compiler's out, and `generate` and `serve` run without them; a command that needs one
-    says in one line to install kvforge[build] when it imports it (`toolchain.cli`)."""
+    says in one line to install kvforge[build] when it imports it (`kvforge.toolchain.cli`)."""
     for package, minimum in MINIMUM.items():
         installed = _installed(package, version)
         if installed is None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runners.errors import CheckpointError
+from kvforge.runners.errors import CheckpointError
 
 LENGTH_BYTES = 8
 # The safetensors library refuses larger headers; a real one is a few hundred KB at most.

@@ -7,7 +7,7 @@ transformers builds the traced model from that same config. A family gets an ent
 `LAYOUTS` only where it really differs; the nine families kvforge began with keep entries
 that read their fields without transformers (their defaults written out), which the tests
 compare with the library's. The KV cache's layout (heads, key and value sizes) is not
-taken from here for the contract: `toolchain.export.cache_layout` reads it off the
+taken from here for the contract: `kvforge.toolchain.export.cache_layout` reads it off the
 modeling code itself, and `with_cache` records it in the spec.
 
 What the spec does not say: which layers use the sliding window (gemma2 alternates,
@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from runners.contract import KV_KINDS, LayerState
-from runners.errors import ArtifactError, CheckpointError, KvforgeError, UnsupportedModelError
+from kvforge.runners.contract import KV_KINDS, LayerState
+from kvforge.runners.errors import ArtifactError, CheckpointError, KvforgeError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
@@ -218,13 +218,13 @@ EXPERTS = ".experts."
 SHARED_EXPERT = ".shared_expert"
 
 # Config fields whose setting transformers' SDPA attention ignores (attention-logit softcapping):
-# a model that sets one is traced on the eager attention path (toolchain.export).
+# a model that sets one is traced on the eager attention path (kvforge.toolchain.export).
 SDPA_IGNORED_FIELDS: tuple[str, ...] = ("attn_logit_softcapping",)
 
 # onnxruntime-genai model types it runs as a plain decoder from these I/O names (its
 # ModelType::IsLLM list, less those with a model class of their own: gpt2 reads one combined
 # past tensor per layer, phi3 rewinds a long-RoPE factor, lfm2 keeps conv state). Every other
-# architecture is "decoder", the type onnxruntime-genai keeps for exactly that (toolchain.emit.genai).
+# architecture is "decoder", the type onnxruntime-genai keeps for exactly that (kvforge.toolchain.emit.genai).
 GENAI_DECODER_TYPES = frozenset({"gemma", "gemma2", "granite", "llama", "mistral", "olmo", "qwen2", "qwen3"})
 
 
@@ -267,7 +267,7 @@ class DecoderSpec:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     # Each layer's kind and fixed-size states where not every layer is attention (read off the
-    # modeling code by `toolchain.export.cache_layout`, as the cache's other sizes); None: all
+    # modeling code by `kvforge.toolchain.export.cache_layout`, as the cache's other sizes); None: all
     # layers keep a key/value pair. In `to_dict` only when set.
     layers: tuple[LayerState, ...] | None = None
 

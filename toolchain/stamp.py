@@ -34,11 +34,11 @@ import onnx_ir as ir
 import torch
 from torch.export import ExportedProgram
 
-from runners.contract import DecoderIO
-from runners.errors import ExportError
-from toolchain.export import export_decoder
-from toolchain.lower import _WRAPPER_PREFIX, apply_contract, to_onnx
-from toolchain.spec import DecoderSpec
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.errors import ExportError
+from kvforge.toolchain.export import export_decoder
+from kvforge.toolchain.lower import _WRAPPER_PREFIX, apply_contract, to_onnx
+from kvforge.toolchain.spec import DecoderSpec
 
 log = logging.getLogger(__name__)
 

@@ -1,15 +1,15 @@
 """`kvforge export-triton`: a Triton Inference Server model repository that runs an artifact.
 
 The repository holds one decoupled (streaming) Python-backend model whose `1/model.py` hands
-Triton kvforge's own engine (`runners.triton.backend`): continuous batching, sampling,
+Triton kvforge's own engine (`kvforge.runners.triton.backend`): continuous batching, sampling,
 UTF-8-safe streaming and stop strings, on the artifact copied into `1/artifact/`. Its
 `config.pbtxt` declares the tensors Triton's OpenAI frontend sends to models that are not
-vLLM's (`runners.triton.contract`), so that frontend, Triton's `generate` endpoints and gRPC
+vLLM's (`kvforge.runners.triton.contract`), so that frontend, Triton's `generate` endpoints and gRPC
 streaming clients all work.
 
 The artifact is checked against its manifest before it is copied, and the copy again after;
 the repository is staged beside the output and swapped into place as builds are
-(`toolchain.publish`), with `kvforge-triton.json` written last as the mark that kvforge wrote
+(`kvforge.toolchain.publish`), with `kvforge-triton.json` written last as the mark that kvforge wrote
 it (what `--force` may replace).
 """
 
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from runners.errors import ArtifactError, KvforgeError
-from runners.manifest import MANIFEST, read_manifest, verify_files
-from runners.triton.contract import (
+from kvforge.runners.errors import ArtifactError, KvforgeError
+from kvforge.runners.manifest import MANIFEST, read_manifest, verify_files
+from kvforge.runners.triton.contract import (
     ARTIFACT_DIR,
     AUTO_BUDGET,
     ENGINE_PARAMETERS,
@@ -36,7 +36,7 @@ from runners.triton.contract import (
     PREFIX_CACHE_PARAMETER,
     TensorSpec,
 )
-from toolchain.publish import check_output, publish, staged
+from kvforge.toolchain.publish import check_output, publish, staged
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ package, which the Python backend's environment must hold: see the repository's 
 """
 
 try:
-    from runners.triton.backend import TritonPythonModel
+    from kvforge.runners.triton.backend import TritonPythonModel
 except ImportError as error:
     raise ImportError(
         f"kvforge's runtime package is not importable in Triton's Python backend environment ({error}); "
@@ -249,7 +249,7 @@ each instance starts.
 
 ```
 {name}/config.pbtxt     backend "python", decoupled (streaming), {instances} x {kind}
-{name}/1/model.py       hands Triton kvforge's runners.triton.backend.TritonPythonModel
+{name}/1/model.py       hands Triton kvforge's kvforge.runners.triton.backend.TritonPythonModel
 {name}/1/artifact/      the artifact (model.onnx, tokenizer, manifest.json, ...)
 kvforge-triton.json     what wrote this repository (`kvforge export-triton --force` replaces it)
 ```

@@ -2,7 +2,7 @@
 
 For every distinct weight shape (N, K) of the graph, each candidate form (block size along K,
 `accuracy_level`) is timed on this machine over random data of that shape, with as many threads
-as a runner takes (`runners.session.usable_cpus`): M = 1 (a decode step) and, under `full`, also
+as a runner takes (`kvforge.runners.session.usable_cpus`): M = 1 (a decode step) and, under `full`, also
 M = PREFILL_ROWS (a prefill chunk). A decode step streams every weight from memory once, so at
 M = 1 the session holds enough copies of the weight, each its own `MatMulNBits` node, to pass
 twice the last-level cache (`stream_copies`), and a run of all of them is timed: one node run
@@ -43,12 +43,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runners.errors import ArtifactError
+from kvforge.runners.errors import ArtifactError
 
 if TYPE_CHECKING:  # the CLI reads MODES without loading the graph passes
     import onnxruntime as ort
 
-    from passes.quantize import KernelForm, WeightQuantization
+    from kvforge.passes.quantize import KernelForm, WeightQuantization
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ Timer = Callable[[int, bool, int, int, int, "KernelForm", "KernelForm"], Sequenc
 def candidates(mode: str, weights: WeightQuantization) -> tuple[KernelForm, ...]:
     """The forms `mode` compares, the default form first (it wins ties). `fast`: every block
     size at the default accuracy level; `full`: every block size at accuracy levels 4 and 0."""
-    from passes.quantize import KERNEL_BLOCK_SIZES, KernelForm
+    from kvforge.passes.quantize import KERNEL_BLOCK_SIZES, KernelForm
 
     default = weights.default_form
     levels = (default.accuracy_level,) if mode == "fast" else tuple(dict.fromkeys((default.accuracy_level, 4, 0)))
@@ -107,7 +107,7 @@ def machine_key() -> str:
     """What timings hold for: the CPU model, the cores a runner uses, the onnxruntime version."""
     import onnxruntime as ort
 
-    from runners.cpus import usable_cpus
+    from kvforge.runners.cpus import usable_cpus
 
     return f"{cpu_model()} | {usable_cpus()} cores | onnxruntime {ort.__version__}"
 
@@ -182,7 +182,7 @@ def _key(form: KernelForm) -> str:
 
 @dataclass
 class Tuner:
-    """The `choose` of `passes.quantize.QuantizeWeights`: (N, K) -> the form to write it in.
+    """The `choose` of `kvforge.passes.quantize.QuantizeWeights`: (N, K) -> the form to write it in.
 
     `timer` times a candidate beside the default form (`time_against_default` by default;
     tests pass a fake one); `timed` counts the measurements made (not taken from the cache)."""
@@ -329,8 +329,8 @@ def _matmul_nbits_session(
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from passes.quantize import matmul_nbits_inputs, quantize_blockwise
-    from runners.cpus import usable_cpus
+    from kvforge.passes.quantize import matmul_nbits_inputs, quantize_blockwise
+    from kvforge.runners.cpus import usable_cpus
 
     weight = np.random.default_rng(0).standard_normal((n, k), dtype=np.float32) * 0.02
     b, scales, zero_points = matmul_nbits_inputs(quantize_blockwise(weight, bits, form.block_size, symmetric))

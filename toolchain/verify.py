@@ -14,13 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from runners.cache import Cache, device_of
-from runners.contract import DecoderIO
-from runners.decoding import batch_decoders
-from runners.errors import GenerationError, ParityError
-from runners.generate import Step, empty_cache, forward, generate_steps, left_pad
-from runners.sampling import SamplingParams
-from runners.session import Session
+from kvforge.runners.cache import Cache, device_of
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.decoding import batch_decoders
+from kvforge.runners.errors import GenerationError, ParityError
+from kvforge.runners.generate import Step, empty_cache, forward, generate_steps, left_pad
+from kvforge.runners.sampling import SamplingParams
+from kvforge.runners.session import Session
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """`kvforge serve`: an OpenAI-compatible HTTP server with continuous batching over one artifact."""
 
-from runners.serve.server import ServeOptions, serve
+from kvforge.runners.serve.server import ServeOptions, serve
 
 __all__ = ["ServeOptions", "serve"]

@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from runners.cache import bounded_names, columns_fed, full_names, keep_columns
-from runners.contract import DecoderIO
-from runners.errors import KvforgeError
-from runners.generate import empty_states
+from kvforge.runners.cache import bounded_names, columns_fed, full_names, keep_columns
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.errors import KvforgeError
+from kvforge.runners.generate import empty_states
 
 # Shared padding below this many columns is not worth a copy of the batch's cache.
 MIN_COMPACTION = 16

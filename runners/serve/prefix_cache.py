@@ -23,10 +23,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from runners.cache import bounded_names
-from runners.contract import DecoderIO
-from runners.errors import KvforgeError
-from runners.serve.metrics import Metrics
+from kvforge.runners.cache import bounded_names
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.errors import KvforgeError
+from kvforge.runners.serve.metrics import Metrics
 
 BLOCK = 16
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

@@ -17,13 +17,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from runners.decoding import MAX_TOP_LOGPROBS, TokenLogprob
-from runners.engine import Engine
-from runners.errors import GenerationError
-from runners.sampling import SamplingParams
+from kvforge.runners.decoding import MAX_TOP_LOGPROBS, TokenLogprob
+from kvforge.runners.engine import Engine
+from kvforge.runners.errors import GenerationError
+from kvforge.runners.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from runners.grammar import Grammar
+    from kvforge.runners.grammar import Grammar
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 _MAX_STOP_STRINGS = 16

@@ -3,7 +3,7 @@
 Each step runs one decode for every row of the batch, then admits a waiting request and
 runs at most one prefill chunk, so a long prompt delays the others by one chunk at most.
 
-The running rows' caches live in one `KVBatch` (`runners.serve.batch`): a left-padded,
+The running rows' caches live in one `KVBatch` (`kvforge.runners.serve.batch`): a left-padded,
 right-aligned layout at a shared width, compacted as padding builds up; a decode step feeds every
 row's pending token at once.
 
@@ -11,11 +11,11 @@ A request is prefilled alone (batch 1: onnxruntime's GroupQueryAttention takes s
 over a non-empty cache only at batch 1) by the runner's own `prefill`, one chunk per step, into a
 cache of its own (fixed-size states start from zero); its cache then joins the batch.
 
-With a prefix cache (`runners.serve.prefix_cache`), a prefill first copies the longest cached
+With a prefix cache (`kvforge.runners.serve.prefix_cache`), a prefill first copies the longest cached
 block prefix of its prompt into its buffer and prefills the rest; a finished prefill stores its
 prompt's full blocks. Decode never sees the cache.
 
-With speculative decoding (`runners.speculative`), each row's drafter proposes up to K tokens
+With speculative decoding (`kvforge.runners.speculative`), each row's drafter proposes up to K tokens
 before the step. The batch decode runs as before (every row's pending token at the width); a
 row whose chosen token equals its first draft then verifies its drafts in a call of its own, at
 batch 1 over its row of the batch, and its decoder chooses each position's token in order, as
@@ -38,18 +38,18 @@ from typing import Any
 
 import numpy as np
 
-from runners.cache import bounded_names, columns_fed
-from runners.decoding import TokenLogprob
-from runners.engine import Engine, Speculation
-from runners.errors import KvforgeError
-from runners.generate import choose_tokens, empty_states, forward, invalid_rows, prefill
-from runners.request import GenerationRequest
-from runners.serve.batch import KVBatch
-from runners.serve.metrics import Metrics
-from runners.serve.prefix_cache import PrefixCache, unsupported
-from runners.serve.protocol import ParsedRequest
-from runners.session import Session
-from runners.speculative import Drafter, accept_drafts, require_all_logits
+from kvforge.runners.cache import bounded_names, columns_fed
+from kvforge.runners.decoding import TokenLogprob
+from kvforge.runners.engine import Engine, Speculation
+from kvforge.runners.errors import KvforgeError
+from kvforge.runners.generate import choose_tokens, empty_states, forward, invalid_rows, prefill
+from kvforge.runners.request import GenerationRequest
+from kvforge.runners.serve.batch import KVBatch
+from kvforge.runners.serve.metrics import Metrics
+from kvforge.runners.serve.prefix_cache import PrefixCache, unsupported
+from kvforge.runners.serve.protocol import ParsedRequest
+from kvforge.runners.session import Session
+from kvforge.runners.speculative import Drafter, accept_drafts, require_all_logits
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class Unavailable(KvforgeError):
 
 @dataclass(eq=False)
 class Request(GenerationRequest):
-    """One generation in the server: the request record (`runners.request`) with its events out
+    """One generation in the server: the request record (`kvforge.runners.request`) with its events out
     through `events`. The choices of one request (n > 1) are requests of their own that share
     `events`, told apart by `index`. The scheduler gives it the artifact's eos ids when it has none."""
 

@@ -25,14 +25,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from runners.cache import full_names
-from runners.decoding import TokenLogprob
-from runners.engine import Engine
-from runners.errors import KvforgeError
-from runners.serve.metrics import Metrics
-from runners.serve.openapi import openapi_schema
-from runners.serve.prefix_cache import BLOCK, PrefixCache, default_budget, unsupported
-from runners.serve.protocol import (
+from kvforge.runners.cache import full_names
+from kvforge.runners.decoding import TokenLogprob
+from kvforge.runners.engine import Engine
+from kvforge.runners.errors import KvforgeError
+from kvforge.runners.serve.metrics import Metrics
+from kvforge.runners.serve.openapi import openapi_schema
+from kvforge.runners.serve.prefix_cache import BLOCK, PrefixCache, default_budget, unsupported
+from kvforge.runners.serve.protocol import (
     ApiError,
     Choice,
     LogprobsWriter,
@@ -42,7 +42,7 @@ from runners.serve.protocol import (
     model_list,
     parse_request,
 )
-from runners.serve.scheduler import (
+from kvforge.runners.serve.scheduler import (
     BatchScheduler,
     Delta,
     Event,
@@ -54,7 +54,7 @@ from runners.serve.scheduler import (
     choice_requests,
     poll_events,
 )
-from runners.speculative import parse_speculative, takes_turns
+from kvforge.runners.speculative import parse_speculative, takes_turns
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +73,9 @@ class ServeOptions:
     max_queued: int = 64
     prefill_chunk: int = 256
     drain_timeout: float = 30.0
-    runtime: str = "auto"  # runners.runtime: which session runs the artifact
+    runtime: str = "auto"  # kvforge.runners.runtime: which session runs the artifact
     prefix_cache_bytes: int | None = None  # None: a quarter of the memory available; 0: no prefix cache
-    speculative: str | None = None  # "prompt-lookup" or "draft:PATH" (runners.speculative); None: off
+    speculative: str | None = None  # "prompt-lookup" or "draft:PATH" (kvforge.runners.speculative); None: off
     draft_tokens: int | None = None  # drafted per step with `speculative` (None: the default, 8)
     speculative_rows: int = 1  # verify steps while the batch holds at most this many rows
 

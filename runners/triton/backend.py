@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from runners.engine import Engine
-from runners.errors import KvforgeError
-from runners.serve.metrics import PREFIX, Counter, Gauge, Histogram, Metrics
-from runners.serve.prefix_cache import parse_bytes
-from runners.serve.scheduler import (
+from kvforge.runners.engine import Engine
+from kvforge.runners.errors import KvforgeError
+from kvforge.runners.serve.metrics import PREFIX, Counter, Gauge, Histogram, Metrics
+from kvforge.runners.serve.prefix_cache import parse_bytes
+from kvforge.runners.serve.scheduler import (
     BatchScheduler,
     Overloaded,
     Request,
@@ -36,9 +36,9 @@ from runners.serve.scheduler import (
     choice_requests,
     poll_events,
 )
-from runners.serve.server import prefix_cache_for
-from runners.triton.contract import ARTIFACT_DIR, AUTO_BUDGET, ENGINE_PARAMETERS, PREFIX_CACHE_PARAMETER
-from runners.triton.requests import Reply, ReplyStream, TritonRequestError, parse_inputs
+from kvforge.runners.serve.server import prefix_cache_for
+from kvforge.runners.triton.contract import ARTIFACT_DIR, AUTO_BUDGET, ENGINE_PARAMETERS, PREFIX_CACHE_PARAMETER
+from kvforge.runners.triton.requests import Reply, ReplyStream, TritonRequestError, parse_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -296,8 +296,8 @@ class _TritonLog(logging.Handler):
 
 
 def forward_logs(pb: Any) -> None:
-    """Send the `runners` loggers' INFO and above to Triton's log (once per process)."""
-    root = logging.getLogger("runners")
+    """Send the `kvforge.runners` loggers' INFO and above to Triton's log (once per process)."""
+    root = logging.getLogger("kvforge.runners")
     if not any(isinstance(h, _TritonLog) for h in root.handlers):
         handler = _TritonLog(pb.Logger)
         handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))

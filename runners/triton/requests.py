@@ -2,7 +2,7 @@
 
 Both directions are plain functions over numpy arrays and the engine's events, so they are
 tested without Triton. The request's fields are checked by the HTTP server's own parser
-(`runners.serve.protocol.parse_request`): the tensors are read into the OpenAI body they came
+(`kvforge.runners.serve.protocol.parse_request`): the tensors are read into the OpenAI body they came
 from (guided decoding's json and json_schema as its response_format), so ranges, stop strings,
 the context check and the refused penalties are exactly `kvforge serve`'s, and its messages
 name the Triton input where its name differs.
@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from runners.engine import Engine
-from runners.errors import KvforgeError
-from runners.serve.protocol import ApiError, ParsedRequest, parse_request
-from runners.serve.scheduler import Delta, Event, Failed, Finished, Request
+from kvforge.runners.engine import Engine
+from kvforge.runners.errors import KvforgeError
+from kvforge.runners.serve.protocol import ApiError, ParsedRequest, parse_request
+from kvforge.runners.serve.scheduler import Delta, Event, Failed, Finished, Request
 
 # A request's input tensor by name, as numpy, or None when the request does not carry it.
 Read = Callable[[str], "np.ndarray | None"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runners.engine import Engine
+from kvforge.runners.engine import Engine
 from tests.examples.conftest import EXAMPLES, ROOT
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runners.engine import Engine
+from kvforge.runners.engine import Engine
 from tests.examples.conftest import EXAMPLE_MODEL
 from tests.tiny import hf_greedy
 

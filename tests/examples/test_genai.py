@@ -25,7 +25,7 @@ NEW_TOKENS = 32
 
 
 def test_generator_and_tokenizer_match_kvforge_on_the_example_model(example_artifact: Path) -> None:
-    from runners.engine import Engine
+    from kvforge.runners.engine import Engine
 
     model = og.Model(str(example_artifact))
     tokenizer = og.Tokenizer(model)
@@ -41,7 +41,7 @@ def test_generator_and_tokenizer_match_kvforge_on_the_example_model(example_arti
 
 
 def _kvforge_text(artifact: Path, prompt: str) -> str:
-    from runners.engine import Engine
+    from kvforge.runners.engine import Engine
 
     return Engine.load(artifact, huge_pages=False).generate(prompt, max_new_tokens=NEW_TOKENS, temperature=0)
 

@@ -12,8 +12,8 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from passes.pipeline import canonicalize
-from passes.rewrite import FusionPass
+from kvforge.passes.pipeline import canonicalize
+from kvforge.passes.rewrite import FusionPass
 
 
 def ort_outputs(model: ir.Model, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
@@ -66,12 +66,12 @@ def decoder_feeds(model: ir.Model, batch: int = 2, seq: int = 3, past: int = 4) 
 def _canonical_proto(model_type: str, directory: Path, dtype: str) -> bytes:
     import torch
 
-    from runners.contract import DecoderIO
+    from kvforge.runners.contract import DecoderIO
+    from kvforge.toolchain import checkpoint as checkpoints
+    from kvforge.toolchain.export import eager_model, export_decoder
+    from kvforge.toolchain.lower import to_onnx
+    from kvforge.toolchain.spec import DecoderSpec
     from tests.tiny import make_checkpoint
-    from toolchain import checkpoint as checkpoints
-    from toolchain.export import eager_model, export_decoder
-    from toolchain.lower import to_onnx
-    from toolchain.spec import DecoderSpec
 
     path = directory / model_type
     ckpt = checkpoints.load(path if (path / "config.json").exists() else make_checkpoint(path, model_type))

@@ -19,9 +19,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.fuse_attention import PastLengthFromMask, attention_fusion, attention_lowering_ort
-from passes.rewrite import FusionPass
-from passes.targets import TARGETS
+from kvforge.passes.fuse_attention import PastLengthFromMask, attention_fusion, attention_lowering_ort
+from kvforge.passes.rewrite import FusionPass
+from kvforge.passes.targets import TARGETS
 from tests.passes.fusion_testing import canonical_graph, check_modified_is_exact, op_count, ort_outputs
 from tests.tiny import VOCAB_SIZE
 
@@ -450,7 +450,7 @@ def run_in_place(
     sess: ort.InferenceSession, feeds: dict[str, np.ndarray], first_output: str, cache: dict[str, str]
 ) -> np.ndarray:
     """Run with each past input (key of `cache`) bound as its present output (value) too, as
-    `runners.session.OrtSession` does; returns `first_output`, the cache arrays are written in place."""
+    `kvforge.runners.session.OrtSession` does; returns `first_output`, the cache arrays are written in place."""
     binding = sess.io_binding()
     for name, array in feeds.items():
         binding.bind_cpu_input(name, array)
@@ -687,7 +687,7 @@ def test_tiny_decoders_fuse_and_lower_every_layer(arch: str, scratch: Path) -> N
 def test_ort_cpu_pipeline_leaves_no_activation_transpose(arch: str, scratch: Path) -> None:
     """Rotary on [B,S,H*D] feeding GroupQueryAttention, and its output taken without the heads round trip:
     no Transpose is left (weights are stored as their MatMuls read them), and the outputs are unchanged."""
-    from passes.pipeline import run
+    from kvforge.passes.pipeline import run
 
     model = canonical_graph(arch, scratch)
     cases = [decoder_feeds(model, mask, seq) for mask, seq in DECODER_CASES]

@@ -14,7 +14,7 @@ import onnx_ir as ir
 import pytest
 from onnx import helper
 
-from passes.fuse_gelu import gelu_fusion, gelu_lowering_ort
+from kvforge.passes.fuse_gelu import gelu_fusion, gelu_lowering_ort
 from tests.passes.fusion_testing import canonical_graph, check_modified_is_exact, decoder_feeds, op_count, ort_outputs
 from tests.passes.test_fuse_norm import (
     ATOL,

@@ -18,13 +18,13 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.fuse_moe import CUDA_SWIGLU, PLAIN_SWIGLU, interleave_gate_up, moe_lowering_ort, routing
+from kvforge.passes.fuse_moe import CUDA_SWIGLU, PLAIN_SWIGLU, interleave_gate_up, moe_lowering_ort, routing
 from tests.passes.fusion_testing import canonical_graph, check_modified_is_exact, decoder_feeds, op_count, ort_outputs
 
 E, H, INTER, K, T = 4, 64, 32, 2, 5
 RNG = np.random.default_rng(0)
 FUSED_FAMILIES = ["qwen3_moe", "mixtral", "granitemoe", "gpt_oss"]
-# gpt_oss: alpha, beta and the clamp of its SwiGLU, what passes.fuse_moe writes for it
+# gpt_oss: alpha, beta and the clamp of its SwiGLU, what kvforge.passes.fuse_moe writes for it
 GPT_OSS_SWIGLU = dict(activation_alpha=1.702, activation_beta=1.0, swiglu_limit=7.0)
 
 
@@ -69,7 +69,7 @@ def one_node(op: str, inputs: list[str], initializers: dict[str, np.ndarray], **
 
 
 def moe_attributes(normalize: int) -> dict[str, object]:
-    """What passes.fuse_moe writes."""
+    """What kvforge.passes.fuse_moe writes."""
     return dict(
         k=K,
         activation_type="swiglu",
@@ -316,7 +316,7 @@ def test_other_routings_are_refused_with_a_reason(first: str, after: str) -> Non
 def test_built_moe_artifact_fuses_every_layer_and_decodes_as_transformers(
     model_type: str, tiny_checkpoint: Callable[..., Path], built_artifact: Callable[..., Path]
 ) -> None:
-    from runners.engine import Engine
+    from kvforge.runners.engine import Engine
     from tests.toolchain.test_pipeline import PROMPTS, eager_greedy
 
     artifact = built_artifact(model_type)

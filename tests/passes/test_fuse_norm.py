@@ -15,7 +15,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.fuse_norm import norm_fusion, norm_lowering_ort
+from kvforge.passes.fuse_norm import norm_fusion, norm_lowering_ort
 from tests.passes.fusion_testing import canonical_graph, check_modified_is_exact, decoder_feeds, op_count, ort_outputs
 from tests.tiny import ARCH_CONFIGS
 

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx_ir.passes import common
 
-from passes.fuse_rotary import rotary_fusion
+from kvforge.passes.fuse_rotary import rotary_fusion
 from tests.passes.fusion_testing import canonical_graph, check_modified_is_exact, decoder_feeds, op_count, ort_outputs
 
 FP32 = dict(rtol=1e-4, atol=1e-5)

@@ -16,8 +16,8 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.last_position import LastPositionLogits
-from passes.targets import TARGETS
+from kvforge.passes.last_position import LastPositionLogits
+from kvforge.passes.targets import TARGETS
 from tests.passes.fusion_testing import canonical_graph, ort_outputs
 from tests.tiny import VOCAB_SIZE
 
@@ -182,7 +182,7 @@ def test_logits_to_keep_input_picks_how_many_last_positions(head: Head) -> None:
 def test_logits_to_keep_survives_constant_folding() -> None:
     """The input's default is an initializer, which a fold would take for a constant: the pipeline's
     clean-up after the pass must leave Neg(logits_to_keep) to the caller's value."""
-    from passes.pipeline import canonicalize
+    from kvforge.passes.pipeline import canonicalize
 
     model = make_head(Head(softcap=True))
     feeds = head_feeds(model, 4)
@@ -279,7 +279,7 @@ def test_tiny_decoder_logits_are_the_last_position(arch: str, to_keep: bool, scr
 
 @pytest.mark.parametrize("target", ["ort-cpu", "ort-cuda", "onnx", "tensorrt"])
 def test_logits_all_leaves_the_pass_out_of_every_target(target: str) -> None:
-    from passes.pipeline import phases
+    from kvforge.passes.pipeline import phases
 
     def heads(logits: str) -> list[bool]:
         """`to_keep` of each LastPositionLogits in the target's pipeline."""

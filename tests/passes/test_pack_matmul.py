@@ -11,8 +11,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx_ir.passes import common
 
-from passes.pack_matmul import pack_gate_up, pack_qkv
-from passes.rewrite import FusionPass
+from kvforge.passes.pack_matmul import pack_gate_up, pack_qkv
+from kvforge.passes.rewrite import FusionPass
 from tests.passes.fusion_testing import canonical_graph, check_modified_is_exact, decoder_feeds, op_count, ort_outputs
 
 FP32 = dict(rtol=1e-4, atol=1e-5)

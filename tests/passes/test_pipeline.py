@@ -8,8 +8,8 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.pipeline import FOLD_LIMIT_ELEMENTS, PHASES, histogram, pass_name, run
-from passes.targets import TARGETS
+from kvforge.passes.pipeline import FOLD_LIMIT_ELEMENTS, PHASES, histogram, pass_name, run
+from kvforge.passes.targets import TARGETS
 
 
 def small_graph() -> ir.Model:

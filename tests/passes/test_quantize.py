@@ -10,8 +10,8 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
-import passes.quantize as quantize_module
-from passes.quantize import (
+import kvforge.passes.quantize as quantize_module
+from kvforge.passes.quantize import (
     LM_HEAD,
     ImportQuantizedWeights,
     QuantizedWeight,
@@ -21,7 +21,7 @@ from passes.quantize import (
     quantize_free_min,
     stack_rows,
 )
-from passes.weight_layout import StackedRows
+from kvforge.passes.weight_layout import StackedRows
 from tests.passes.fusion_testing import op_count, ort_outputs
 
 RNG = np.random.default_rng(0)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from passes.quantize import QuantizedWeight, QuantizeWeights
-from passes.weight_layout import StackedRows
+from kvforge.passes.quantize import QuantizedWeight, QuantizeWeights
+from kvforge.passes.weight_layout import StackedRows
 from tests.passes.fusion_testing import ort_outputs
 from tests.passes.test_quantize import projection_graph
 

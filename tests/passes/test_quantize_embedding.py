@@ -12,8 +12,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from passes.quantize import LM_HEAD, QuantizedWeight, QuantizeWeights, quantize_blockwise
-from passes.quantize_embedding import EMBEDDINGS, QuantizeEmbedding
+from kvforge.passes.quantize import LM_HEAD, QuantizedWeight, QuantizeWeights, quantize_blockwise
+from kvforge.passes.quantize_embedding import EMBEDDINGS, QuantizeEmbedding
 from tests.passes.fusion_testing import op_count, ort_outputs
 
 RNG = np.random.default_rng(0)

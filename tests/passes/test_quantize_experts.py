@@ -16,10 +16,10 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.fuse_moe import interleave_gate_up
-from passes.quantize import WeightQuantization, quantize_blockwise
-from passes.quantize_experts import QuantizeExperts
-from passes.targets import TARGETS
+from kvforge.passes.fuse_moe import interleave_gate_up
+from kvforge.passes.quantize import WeightQuantization, quantize_blockwise
+from kvforge.passes.quantize_experts import QuantizeExperts
+from kvforge.passes.targets import TARGETS
 from tests.passes.fusion_testing import op_count, ort_outputs
 from tests.passes.test_fuse_moe import (
     GPT_OSS_SWIGLU,
@@ -151,7 +151,7 @@ def _expert_bytes(artifact: Path) -> int:
 
 @pytest.fixture(scope="module")
 def quantized_artifact(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory):
-    from toolchain.build import BuildOptions, build
+    from kvforge import BuildOptions, build
 
     made: dict[tuple[str, int, str], Path] = {}
 

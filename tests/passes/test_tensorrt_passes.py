@@ -10,15 +10,15 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
-from passes.targets import TARGETS
-from passes.tensorrt import (
+from kvforge.passes.targets import TARGETS
+from kvforge.passes.tensorrt import (
     BoolMaskToCapacity,
     ConcatCacheToScatter,
     DropDefaultAttentionAttributes,
     FixCapacity,
     RotaryPositionIds,
 )
-from passes.tensorrt_check import check_graph, check_node, support_data
+from kvforge.passes.tensorrt_check import check_graph, check_node, support_data
 from tests.passes.fusion_testing import op_count, ort_outputs
 
 F, I64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
@@ -216,7 +216,7 @@ def test_check_graph_on_the_small_graphs_names_the_graph_level_problems() -> Non
 
 
 def test_the_tensorrt_pipeline_needs_a_capacity_and_ends_with_the_checker() -> None:
-    from passes.pipeline import pass_name, phases
+    from kvforge.passes.pipeline import pass_name, phases
 
     with pytest.raises(ValueError, match="needs capacity"):
         phases(TARGETS["tensorrt"])

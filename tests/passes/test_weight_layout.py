@@ -12,7 +12,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.weight_layout import FoldWeightTransposes, StackedRows, TransposedTensor
+from kvforge.passes.weight_layout import FoldWeightTransposes, StackedRows, TransposedTensor
 from tests.passes.fusion_testing import op_count, ort_outputs
 
 VOCAB, HIDDEN = 12, 8

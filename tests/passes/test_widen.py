@@ -9,7 +9,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.widen import WidenFloats
+from kvforge.passes.widen import WidenFloats
 from tests.passes.fusion_testing import ort_outputs
 
 
@@ -74,7 +74,7 @@ def test_quantization_scales_stay_constant_for_the_ops_that_pack_them() -> None:
     Cast produces; widened, an fp16 MatMulNBits still matches its dequantized weight."""
     from onnxruntime import ExecutionOrder, GraphOptimizationLevel, InferenceSession, SessionOptions
 
-    from passes.quantize import matmul_nbits_inputs, quantize_blockwise
+    from kvforge.passes.quantize import matmul_nbits_inputs, quantize_blockwise
 
     rng = np.random.default_rng(2)
     k, n = 64, 96

@@ -17,7 +17,7 @@ BUILD_SECONDS: dict[str, float] = {}  # what each build took, printed at the end
 
 @pytest.fixture(scope="session")
 def real_checkpoint(request: pytest.FixtureRequest) -> Callable[[str], Path]:
-    from toolchain import checkpoint as checkpoints
+    from kvforge.toolchain import checkpoint as checkpoints
 
     made: dict[str, Path] = {}
     held: list[checkpoints.Checkpoint] = []  # each file read once: loads of it reuse this while held
@@ -39,8 +39,8 @@ def real_artifact(
     real_checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[..., Path]:
     """The artifact of a real checkpoint's GGUF file at `weights` (None: fp32), built once per session."""
-    from passes.quantize import WeightQuantization
-    from toolchain.build import BuildOptions, build
+    from kvforge import BuildOptions, build
+    from kvforge.passes.quantize import WeightQuantization
 
     built: dict[tuple[str, str | None], Path] = {}
 

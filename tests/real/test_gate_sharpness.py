@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runners.errors import ParityError
-from runners.session import Session
+from kvforge.runners.errors import ParityError
+from kvforge.runners.session import Session
 
 pytestmark = pytest.mark.slow
 
@@ -40,14 +40,14 @@ class GateSides:
 
 @pytest.fixture(scope="module")
 def gate_sides(real_checkpoint: Callable[[str], Path], real_artifact: Callable[..., Path]) -> GateSides:
-    from runners.contract import DecoderIO
-    from runners.manifest import read_manifest
-    from runners.session import OrtSession
-    from toolchain import checkpoint as checkpoints
-    from toolchain.export import eager_model
-    from toolchain.gate import eager_session
-    from toolchain.spec import DecoderSpec
-    from toolchain.verify import record_reference
+    from kvforge.runners.contract import DecoderIO
+    from kvforge.runners.manifest import read_manifest
+    from kvforge.runners.session import OrtSession
+    from kvforge.toolchain import checkpoint as checkpoints
+    from kvforge.toolchain.export import eager_model
+    from kvforge.toolchain.gate import eager_session
+    from kvforge.toolchain.spec import DecoderSpec
+    from kvforge.toolchain.verify import record_reference
 
     artifact = real_artifact(NAME)
     ckpt = checkpoints.load(real_checkpoint(NAME))
@@ -167,7 +167,7 @@ FED_BUGS = {
 
 
 def _fails_naming(report: Any, first: str) -> None:
-    from toolchain.verify import require_parity
+    from kvforge.toolchain.verify import require_parity
 
     with pytest.raises(ParityError) as failure:
         require_parity(report, NAME)
@@ -175,7 +175,7 @@ def _fails_naming(report: Any, first: str) -> None:
 
 
 def test_the_unperturbed_sides_pass(gate_sides: GateSides) -> None:
-    from toolchain.verify import compare_with_reference
+    from kvforge.toolchain.verify import compare_with_reference
 
     report = compare_with_reference(gate_sides.good, gate_sides.compiled, max_positions=gate_sides.max_positions)
     assert report.passed, report.failures()
@@ -183,7 +183,7 @@ def test_the_unperturbed_sides_pass(gate_sides: GateSides) -> None:
 
 @pytest.mark.parametrize("bug", list(EAGER_BUGS))
 def test_the_gate_fails_on_a_bug_in_the_model(gate_sides: GateSides, bug: str) -> None:
-    from toolchain.verify import compare_with_reference, record_reference
+    from kvforge.toolchain.verify import compare_with_reference, record_reference
 
     perturb, first = EAGER_BUGS[bug]
     with perturb(gate_sides.model):
@@ -194,7 +194,7 @@ def test_the_gate_fails_on_a_bug_in_the_model(gate_sides: GateSides, bug: str) -
 
 @pytest.mark.parametrize("bug", list(FED_BUGS))
 def test_the_gate_fails_on_a_bug_in_what_the_graph_is_fed(gate_sides: GateSides, bug: str) -> None:
-    from toolchain.verify import compare_with_reference
+    from kvforge.toolchain.verify import compare_with_reference
 
     make, first = FED_BUGS[bug]
     candidate = Fed(gate_sides.compiled, make())

@@ -159,7 +159,7 @@ def _transformers_greedy(gguf: Path, case: Case) -> Reference:
 def test_answer_equals_transformers_token_for_token(
     real_artifact: Callable[..., Path], transformers_answer: Callable[[str], Reference], name: str
 ) -> None:
-    from runners.engine import Engine
+    from kvforge.runners.engine import Engine
 
     case, reference = CASES[name], transformers_answer(name)
     engine = Engine.load(real_artifact(name))
@@ -177,7 +177,7 @@ def test_generate_on_the_command_line_prints_transformers_answer(
 ) -> None:
     from click.testing import CliRunner
 
-    from toolchain.cli import main
+    from kvforge.cli import main
 
     case = CASES[name]
     args = ["generate", str(real_artifact(name)), case.prompt, "--temperature", "0"]
@@ -252,7 +252,7 @@ def real_tokenizer(real_checkpoint: Callable[[str], Path]) -> Callable[[str], An
 
 
 def _streamed(tokenizer: Any, ids: list[int]) -> str:
-    from runners.detokenizer import StreamingDetokenizer
+    from kvforge.runners.detokenizer import StreamingDetokenizer
 
     detokenizer = StreamingDetokenizer(tokenizer)
     return "".join([detokenizer.add(i) for i in ids] + [detokenizer.finish()])

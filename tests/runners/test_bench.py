@@ -15,7 +15,8 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-from runners.bench import (
+from kvforge.cli import main
+from kvforge.runners.bench import (
     BenchResult,
     Round,
     bench,
@@ -24,10 +25,9 @@ from runners.bench import (
     ratios,
     weight_bytes_per_step,
 )
-from runners.engine import Engine
-from runners.generate import empty_cache, forward, left_pad
-from runners.manifest import read_manifest
-from toolchain.cli import main
+from kvforge.runners.engine import Engine
+from kvforge.runners.generate import empty_cache, forward, left_pad
+from kvforge.runners.manifest import read_manifest
 
 pytestmark = pytest.mark.slow
 

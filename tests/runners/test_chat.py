@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from runners.chat import render_chat
-from runners.errors import GenerationError
+from kvforge.runners.chat import render_chat
+from kvforge.runners.errors import GenerationError
 
 # The ChatML template that Qwen2 and many others ship, written as they write it.
 CHATML = (
@@ -340,7 +340,7 @@ def _words(messages: list[dict[str, str]]) -> int:
 
 
 def test_a_conversation_drops_its_oldest_turns_to_fit_and_keeps_the_system_message() -> None:
-    from runners.chat import Conversation
+    from kvforge.runners.chat import Conversation
 
     talk = Conversation(_words, limit=12, system="be brief")  # the system message costs 3
     messages, dropped = talk.ask("one two")
@@ -359,7 +359,7 @@ def test_a_conversation_drops_its_oldest_turns_to_fit_and_keeps_the_system_messa
 
 
 def test_a_message_too_long_alone_is_refused_and_the_conversation_is_kept() -> None:
-    from runners.chat import Conversation
+    from kvforge.runners.chat import Conversation
 
     talk = Conversation(_words, limit=8)
     talk.ask("a b")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runners.contract import IO_LIMITS, DecoderIO
-from runners.errors import ArtifactError
+from kvforge.runners.contract import IO_LIMITS, DecoderIO
+from kvforge.runners.errors import ArtifactError
 
 GOOD = DecoderIO(num_layers=2, num_kv_heads=2, head_dim=16, vocab_size=384)
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runners.decoding import Decoder, end_of_row, log_softmax, make_sampler, token_logprob
-from runners.engine import Completion, Engine
-from runners.generate import empty_cache, forward
-from runners.grammar import GrammarError
-from runners.sampling import SamplingParams
+from kvforge.runners.decoding import Decoder, end_of_row, log_softmax, make_sampler, token_logprob
+from kvforge.runners.engine import Completion, Engine
+from kvforge.runners.generate import empty_cache, forward
+from kvforge.runners.grammar import GrammarError
+from kvforge.runners.sampling import SamplingParams
 
 PROMPT = "def fibonacci(n):"
 SCHEMA = {

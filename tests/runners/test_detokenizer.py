@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from runners.detokenizer import StreamingDetokenizer
-from runners.errors import GenerationError
+from kvforge.runners.detokenizer import StreamingDetokenizer
+from kvforge.runners.errors import GenerationError
 
 CORPUS = [
     "héllo wörld 日本語 🙂",

@@ -20,12 +20,12 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from runners.cache import HOST, Cache, OrtDevice
-from runners.decoding import batch_decoders
-from runners.engine import Engine
-from runners.generate import generate_steps
-from runners.sampling import SamplingParams
-from runners.session import OrtSession
+from kvforge.runners.cache import HOST, Cache, OrtDevice
+from kvforge.runners.decoding import batch_decoders
+from kvforge.runners.engine import Engine
+from kvforge.runners.generate import generate_steps
+from kvforge.runners.sampling import SamplingParams
+from kvforge.runners.session import OrtSession
 
 PROMPTS = [[5, 9, 2, 7, 11, 3], [8, 1, 4]]
 NEW_TOKENS = 12
@@ -74,8 +74,8 @@ def _tokens(artifact: Path, on_device: bool) -> list[np.ndarray]:
 
 @pytest.fixture(scope="module")
 def artifacts(built_artifact: Callable[..., Path], tiny_checkpoint: Callable[..., Path], tmp_path_factory: Any) -> Any:
-    from passes.targets import TARGETS
-    from toolchain.build import BuildOptions, build
+    from kvforge import BuildOptions, build
+    from kvforge.passes.targets import TARGETS
 
     made: dict[str, Path] = {}
 
@@ -122,7 +122,7 @@ def test_binding_the_host_cache_once_is_what_a_device_breaks(artifacts: Any) -> 
 def test_cache_layout_operations_agree_on_host_and_device(shared: bool) -> None:
     """`Cache.after` (a window-bounded layer cut to its window) and `Cache.drop_last` give the same
     tensors whether the cache is numpy on the host or OrtValues on a device."""
-    from runners.contract import DecoderIO
+    from kvforge.runners.contract import DecoderIO
 
     io = DecoderIO(
         num_layers=2,

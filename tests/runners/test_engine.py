@@ -16,14 +16,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-import runners.engine as engine_module
-import runners.manifest as manifest_module
-from runners.decoding import batch_decoders
-from runners.engine import Engine
-from runners.errors import ArtifactError, GenerationError
-from runners.generate import Step, empty_cache, forward, generate_steps, left_pad
-from runners.sampling import SamplingParams
-from runners.session import OrtSession, Session
+import kvforge.runners.engine as engine_module
+import kvforge.runners.manifest as manifest_module
+from kvforge.runners.decoding import batch_decoders
+from kvforge.runners.engine import Engine
+from kvforge.runners.errors import ArtifactError, GenerationError
+from kvforge.runners.generate import Step, empty_cache, forward, generate_steps, left_pad
+from kvforge.runners.sampling import SamplingParams
+from kvforge.runners.session import OrtSession, Session
 
 pytestmark = pytest.mark.slow
 
@@ -210,7 +210,7 @@ def test_runner_works_without_torch(artifact: Path, engine: Engine) -> None:
     script = (
         "import sys, json\n"
         "sys.modules['torch'] = None; sys.modules['transformers'] = None  # import of either now fails\n"
-        "from runners import Engine\n"
+        "from kvforge import Engine\n"
         f"e = Engine.load({str(artifact)!r}); e.eos_ids = ()\n"
         f"print(json.dumps(e.generate({PROMPT!r}, max_new_tokens=10, temperature=0.0)))\n"
         "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
@@ -343,8 +343,8 @@ def test_a_rebuilt_model_pointing_outside_the_artifact_is_refused(artifact: Path
     """The real model with its weights' location rewritten, and a manifest rehashed to match."""
     import onnx
 
-    from runners.external_data import check_external_data
-    from runners.manifest import sha256_file
+    from kvforge.runners.external_data import check_external_data
+    from kvforge.runners.manifest import sha256_file
 
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert check_external_data(artifact / "model.onnx", set(manifest["files"])) == ["model.onnx.data"]
@@ -392,7 +392,7 @@ def _io_edit(**changes: Any) -> Callable[[dict[str, Any]], None]:
     """Replace io fields, with the inputs and outputs they derive rewritten to match (a consistent forgery)."""
     from dataclasses import replace
 
-    from runners.contract import DecoderIO
+    from kvforge.runners.contract import DecoderIO
 
     def edit(manifest: dict[str, Any]) -> None:
         manifest["io"] = replace(DecoderIO.from_dict(manifest["io"]), **changes).to_dict()
@@ -423,7 +423,7 @@ def test_a_manifest_edited_without_rehashing_is_refused(
     with pytest.raises(ArtifactError, match=expected):
         Engine.load(copy)
     result = subprocess.run(
-        [sys.executable, "-m", "toolchain.cli", "generate", str(copy), "Hi", "--max-new-tokens", "2"],
+        [sys.executable, "-m", "kvforge", "generate", str(copy), "Hi", "--max-new-tokens", "2"],
         capture_output=True,
         text=True,
         check=False,

@@ -18,11 +18,11 @@ import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from runners.contract import DecoderIO
-from runners.engine import Engine
-from runners.errors import ArtifactError
-from runners.external_data import check_external_data
-from runners.manifest import MANIFEST, SCHEMA_VERSION, sha256_file
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.engine import Engine
+from kvforge.runners.errors import ArtifactError
+from kvforge.runners.external_data import check_external_data
+from kvforge.runners.manifest import MANIFEST, SCHEMA_VERSION, sha256_file
 
 IO = DecoderIO(num_layers=1, num_kv_heads=1, head_dim=2, vocab_size=8)
 SECRET = np.arange(4, dtype=np.float32)

@@ -20,11 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from runners.contract import DecoderIO
-from runners.engine import generation_settings
-from runners.errors import ArtifactError, KvforgeError
-from runners.external_data import check_external_data
-from runners.manifest import (
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.engine import generation_settings
+from kvforge.runners.errors import ArtifactError, KvforgeError
+from kvforge.runners.external_data import check_external_data
+from kvforge.runners.manifest import (
     MANIFEST,
     SCHEMA_VERSION,
     check_spec_against_io,

@@ -11,11 +11,11 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from runners.contract import DecoderIO
-from runners.decoding import batch_decoders
-from runners.errors import GenerationError
-from runners.generate import check_length, generate_steps
-from runners.sampling import SamplingParams
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.decoding import batch_decoders
+from kvforge.runners.errors import GenerationError
+from kvforge.runners.generate import check_length, generate_steps
+from kvforge.runners.sampling import SamplingParams
 
 IO = DecoderIO(num_layers=1, num_kv_heads=1, head_dim=2, vocab_size=8)
 LogitsFor = Callable[[int, np.ndarray], np.ndarray]  # (call index, input_ids) -> logits [batch, seq, vocab]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runners.hugepages import HUGE_PAGE, _subtract, huge_pages_for_new_memory
+from kvforge.runners.hugepages import HUGE_PAGE, _subtract, huge_pages_for_new_memory
 
 
 def _pages(ranges: list[tuple[int, int]]) -> set[int]:

@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from passes.targets import TARGETS
-from runners.bench import kv_bytes_per_step
-from runners.contract import DecoderIO, LayerState
-from runners.engine import Engine
-from runners.errors import ArtifactError
-from runners.generate import empty_cache, forward
-from runners.serve.scheduler import Finished
+from kvforge.passes.targets import TARGETS
+from kvforge.runners.bench import kv_bytes_per_step
+from kvforge.runners.contract import DecoderIO, LayerState
+from kvforge.runners.engine import Engine
+from kvforge.runners.errors import ArtifactError
+from kvforge.runners.generate import empty_cache, forward
+from kvforge.runners.serve.scheduler import Finished
 from tests.tiny import GENERIC_CONFIGS, hf_greedy
 
 PROMPTS = ["def fibonacci(n):", "class Point:\n    def"]
@@ -108,7 +108,7 @@ def test_manifest_records_linear_attention_states(built_artifact: Callable[..., 
 @pytest.mark.slow  # builds the tiny jamba artifact
 def test_manifest_records_selective_scan_states(built_artifact: Callable[..., Path]) -> None:
     """jamba's Mamba-1 layers: a convolution over expand × hidden channels and a selective-scan
-    state per channel, traced as one Scan per layer (`toolchain.recurrence.selective_scan`)."""
+    state per channel, traced as one Scan per layer (`kvforge.toolchain.recurrence.selective_scan`)."""
     import onnx
 
     config = GENERIC_CONFIGS["jamba"]
@@ -231,7 +231,7 @@ def test_server_rows_equal_each_request_alone(engine: Engine) -> None:
 def test_speculative_decoding_is_refused_naming_the_states(engine: Engine) -> None:
     """A rejected draft cannot be taken back out of a convolution state (speculation rolls back
     by shortening the KV cache), so speculation is refused rather than silently wrong."""
-    from runners.errors import GenerationError
+    from kvforge.runners.errors import GenerationError
 
     with pytest.raises(GenerationError, match=r"\['(conv|linear_attention|hybrid)'\] layers \(io.layers"):
         engine.generate(PROMPTS[0], max_new_tokens=4, speculative="prompt-lookup")
@@ -240,7 +240,7 @@ def test_speculative_decoding_is_refused_naming_the_states(engine: Engine) -> No
 def test_inspect_reports_state_bytes(tiny_checkpoint: Callable[..., Path]) -> None:
     from click.testing import CliRunner
 
-    from toolchain.cli import main
+    from kvforge.cli import main
 
     result = CliRunner().invoke(main, ["inspect", str(tiny_checkpoint("lfm2")), "--seq", "100"])
     assert result.exit_code == 0, result.output
@@ -294,7 +294,7 @@ def test_a_hybrid_layer_keeps_keys_values_and_both_states_in_that_order() -> Non
 
 
 def test_targets_without_state_support_are_refused(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
-    from toolchain.build import BuildOptions, build
+    from kvforge import BuildOptions, build
 
     with pytest.raises(ArtifactError, match="conv layers keep a fixed-size state.*--target ort-cpu"):
         build(tiny_checkpoint("lfm2"), tmp_path / "out", BuildOptions(target=TARGETS["tensorrt"]))

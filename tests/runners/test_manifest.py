@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-import runners.manifest as manifest_module
-from runners.errors import ArtifactError
-from runners.manifest import MANIFEST, FileHashes, listed_files, verify_files
+import kvforge.runners.manifest as manifest_module
+from kvforge.runners.errors import ArtifactError
+from kvforge.runners.manifest import MANIFEST, FileHashes, listed_files, verify_files
 
 
 def _artifact(directory: Path, contents: dict[str, bytes]) -> dict[str, str]:
@@ -70,7 +70,7 @@ _ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "int64":
 def _graph_of(io: object, **changes: tuple[str, object]) -> tuple[list[tuple[str, str, list[object]]], ...]:
     """onnxruntime's view of a graph made exactly to `io` (symbolic dims as strings), with some
     tensors' (type, dims) replaced."""
-    from runners.contract import DecoderIO
+    from kvforge.runners.contract import DecoderIO
 
     assert isinstance(io, DecoderIO)
 
@@ -85,8 +85,8 @@ def _graph_of(io: object, **changes: tuple[str, object]) -> tuple[list[tuple[str
 
 
 def test_a_graph_made_to_the_contract_passes() -> None:
-    from runners.contract import DecoderIO
-    from runners.manifest import check_io_against_graph
+    from kvforge.runners.contract import DecoderIO
+    from kvforge.runners.manifest import check_io_against_graph
 
     io = DecoderIO(num_layers=2, num_kv_heads=2, head_dim=4, vocab_size=32)
     check_io_against_graph(Path("m.onnx"), io, *_graph_of(io))
@@ -102,8 +102,8 @@ def test_a_graph_made_to_the_contract_passes() -> None:
     ],
 )
 def test_a_graph_that_disagrees_with_the_manifest_is_refused(name: str, change: tuple[Any, ...], expected: str) -> None:
-    from runners.contract import DecoderIO
-    from runners.manifest import check_io_against_graph
+    from kvforge.runners.contract import DecoderIO
+    from kvforge.runners.manifest import check_io_against_graph
 
     io = DecoderIO(num_layers=2, num_kv_heads=2, head_dim=4, vocab_size=32)
     with pytest.raises(ArtifactError, match=expected) as exc:

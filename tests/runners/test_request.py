@@ -6,10 +6,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runners.decoding import TokenLogprob
-from runners.detokenizer import StreamingDetokenizer
-from runners.request import GenerationRequest
-from runners.sampling import SamplingParams
+from kvforge.runners.decoding import TokenLogprob
+from kvforge.runners.detokenizer import StreamingDetokenizer
+from kvforge.runners.request import GenerationRequest
+from kvforge.runners.sampling import SamplingParams
 from tests.runners.test_detokenizer import byte_level_tokenizer
 
 EOS = 0  # the first special token of the test tokenizer
@@ -81,7 +81,7 @@ def test_new_logprobs_hands_each_entry_out_once() -> None:
 
 
 def test_engine_streams_a_record_as_it_streams_its_prompt(built_artifact: Callable[..., Path]) -> None:
-    from runners.engine import Engine
+    from kvforge.runners.engine import Engine
 
     engine = Engine.load(built_artifact("llama"), huge_pages=False)
     options: dict[str, Any] = {"max_new_tokens": 12, "temperature": 0.8, "top_k": 20, "seed": 3}

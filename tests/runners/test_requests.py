@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from runners.contract import DecoderIO
-from runners.engine import Engine
-from runners.errors import GenerationError
-from runners.sampling import SamplingParams
-from runners.tokenizer import TokenizerBundle
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.engine import Engine
+from kvforge.runners.errors import GenerationError
+from kvforge.runners.sampling import SamplingParams
+from kvforge.runners.tokenizer import TokenizerBundle
 
 CONTEXT = 32
 TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"

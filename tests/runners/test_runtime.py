@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from runners import runtime
-from runners.runtime import Choice, Environment, RuntimeUnavailable, choose
+from kvforge.runners import runtime
+from kvforge.runners.runtime import Choice, Environment, RuntimeUnavailable, choose
 
 CPU_ONLY = Environment(providers=("CPUExecutionProvider",), tensorrt=False, gpus=0)
 GPU_ORT = Environment(providers=("CUDAExecutionProvider", "CPUExecutionProvider"), tensorrt=False, gpus=1)
@@ -99,8 +99,8 @@ def artifact_with_engine(built_artifact: Callable[..., Path], tmp_path: Path) ->
 def test_engine_load_opens_the_session_chosen(
     artifact_with_engine: Path, monkeypatch: pytest.MonkeyPatch, env: Environment, asked: str, expected: tuple
 ) -> None:
-    from runners import trt_session
-    from runners.engine import Engine
+    from kvforge.runners import trt_session
+    from kvforge.runners.engine import Engine
 
     opened: list[tuple[str, Any]] = []
 
@@ -122,7 +122,7 @@ def test_engine_load_opens_the_session_chosen(
 def test_engine_load_refuses_a_forced_runtime_that_is_missing_before_opening_anything(
     built_artifact: Callable[..., Path],
 ) -> None:
-    from runners.engine import Engine
+    from kvforge.runners.engine import Engine
 
     with pytest.raises(RuntimeUnavailable, match="no TensorRT engine"):
         Engine.load(built_artifact("llama"), runtime="tensorrt", environment=GPU_ALL)
@@ -139,7 +139,7 @@ def test_engine_load_refuses_a_forced_runtime_that_is_missing_before_opening_any
 def test_cli_refuses_a_forced_runtime_in_one_line_and_runs_the_cpu_one(built_artifact: Callable[..., Path]) -> None:
     from click.testing import CliRunner
 
-    from toolchain.cli import main
+    from kvforge.cli import main
 
     artifact = str(built_artifact("llama"))
     refused = CliRunner().invoke(main, ["generate", artifact, "def", "--runtime", "tensorrt"])
@@ -161,8 +161,8 @@ def test_export_triton_runtime_picks_the_instance_kind(
 ) -> None:
     from click.testing import CliRunner
 
-    import toolchain.triton
-    from toolchain.cli import main
+    import kvforge.toolchain.triton
+    from kvforge.cli import main
 
     seen: list[str] = []
 
@@ -170,7 +170,7 @@ def test_export_triton_runtime_picks_the_instance_kind(
         seen.append(options.kind)
         raise RuntimeUnavailable("stop here")
 
-    monkeypatch.setattr(toolchain.triton, "export_triton", fake_export)
+    monkeypatch.setattr(kvforge.toolchain.triton, "export_triton", fake_export)
     result = CliRunner().invoke(main, ["export-triton", str(tmp_path), "-o", str(tmp_path / "repo"), *args])
     assert result.exit_code == 2 and seen == [kind]
 
@@ -185,7 +185,7 @@ def test_export_triton_runtime_picks_the_instance_kind(
 def test_export_triton_refuses_a_runtime_it_cannot_serve(args: list[str], message: str, tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from toolchain.cli import main
+    from kvforge.cli import main
 
     result = CliRunner().invoke(main, ["export-triton", str(tmp_path), "-o", str(tmp_path / "repo"), *args])
     assert result.exit_code == 2 and message in result.stderr

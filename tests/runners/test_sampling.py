@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runners.decoding import Decoder, make_sampler
-from runners.errors import GenerationError
-from runners.sampling import (
+from kvforge.runners.decoding import Decoder, make_sampler
+from kvforge.runners.errors import GenerationError
+from kvforge.runners.sampling import (
     SamplingParams,
     apply_min_p,
     apply_repetition_penalty,

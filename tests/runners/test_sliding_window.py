@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from runners.bench import kv_bytes_per_step
-from runners.contract import DecoderIO
-from runners.engine import Engine
-from runners.errors import ArtifactError
-from runners.generate import empty_cache, forward
-from runners.serve.scheduler import Finished
+from kvforge.cli import main
+from kvforge.runners.bench import kv_bytes_per_step
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.engine import Engine
+from kvforge.runners.errors import ArtifactError
+from kvforge.runners.generate import empty_cache, forward
+from kvforge.runners.serve.scheduler import Finished
 from tests.serve.test_scheduler import collect, request, scheduler_for, solo
 from tests.tiny import CORPUS, hf_greedy, make_checkpoint
-from toolchain.cli import main
 
 WINDOW = 8
 NEW_TOKENS = 24
@@ -81,9 +81,9 @@ def test_kv_bytes_by_kind_is_the_arithmetic_of_what_each_layer_holds() -> None:
 def test_layer_windows_are_transformers_layer_types(
     model_type: str, overrides: dict[str, object], expected: tuple[int | None, ...] | None
 ) -> None:
+    from kvforge.toolchain.export import layer_windows
+    from kvforge.toolchain.spec import DecoderSpec
     from tests.tiny import _COMMON, ARCH_CONFIGS
-    from toolchain.export import layer_windows
-    from toolchain.spec import DecoderSpec
 
     fields = dict(_COMMON, model_type=model_type, **(ARCH_CONFIGS[model_type] | overrides))
     assert layer_windows(fields, DecoderSpec.from_config(fields)) == expected
@@ -95,7 +95,7 @@ def test_layer_windows_are_transformers_layer_types(
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A mistral checkpoint with a window of 8 on every layer, and its ort-cpu artifact."""
-    from toolchain.build import build
+    from kvforge import build
 
     checkpoint = make_checkpoint(tmp_path_factory.mktemp("ckpt-mistral-w8"), "mistral", sliding_window=WINDOW)
     return checkpoint, build(checkpoint, tmp_path_factory.mktemp("art-mistral-w8") / "out").output

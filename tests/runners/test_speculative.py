@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from runners.cache import device_of
-from runners.decoding import BatchDraws, RowDraws
-from runners.engine import Completion, Engine
-from runners.errors import GenerationError
-from runners.generate import empty_cache, forward
-from runners.speculative import PromptLookup, parse_speculative, takes_turns
+from kvforge.runners.cache import device_of
+from kvforge.runners.decoding import BatchDraws, RowDraws
+from kvforge.runners.engine import Completion, Engine
+from kvforge.runners.errors import GenerationError
+from kvforge.runners.generate import empty_cache, forward
+from kvforge.runners.speculative import PromptLookup, parse_speculative, takes_turns
 from tests.runners.test_decoding import SCHEMA, check_schema
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ OLDER = {
 @pytest.fixture(scope="module")
 def artifacts(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Tiny artifacts built by `kvforge build`, by case (CASES: defaults; OLDER), once per module."""
-    from toolchain.cli import main
+    from kvforge.cli import main
 
     built: dict[str, Path] = {}
 
@@ -251,7 +251,7 @@ def test_draft_with_another_tokenizer_is_refused(engine: Engine, example: Engine
 
 
 def test_cli_generate_speculative_prints_the_same_text_and_its_stats(engine: Engine) -> None:
-    from toolchain.cli import main
+    from kvforge.cli import main
 
     assert engine.directory is not None
     base = ["generate", str(engine.directory), PROMPTS[1], "--max-new-tokens", "24", "--temperature", "0"]
@@ -283,7 +283,7 @@ def test_a_draft_and_its_target_stop_spinning_between_their_turns(
     assert stops_spinning(speculation.draft.session)
 
     # the CLI loads the target of a draft the same way, and only then
-    from toolchain import cli
+    from kvforge import cli
 
     loaded: list[bool] = []
     real_load = Engine.load

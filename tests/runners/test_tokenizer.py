@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from runners.detokenizer import StreamingDetokenizer
-from runners.errors import ArtifactError, GenerationError
-from runners.tokenizer import TokenizerBundle
+from kvforge.runners.detokenizer import StreamingDetokenizer
+from kvforge.runners.errors import ArtifactError, GenerationError
+from kvforge.runners.tokenizer import TokenizerBundle
 
 CORPUS = ["héllo wörld 日本語 🙂", "hello world, hello there", "the quick brown fox"] * 20
 CHATML = (
@@ -116,7 +116,7 @@ def test_list_of_named_templates_takes_default(tmp_path: Path) -> None:
 
 def test_list_without_default_disables_chat_and_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     config = {"chat_template": [{"name": "rag", "template": "R"}, {"name": "tool_use", "template": "T"}]}
-    with caplog.at_level(logging.WARNING, logger="runners.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="kvforge.runners.tokenizer"):
         bundle = TokenizerBundle.load(write_artifact(tmp_path, config))
     assert bundle.chat_template is None
     assert "no 'default' entry (found rag, tool_use)" in caplog.text

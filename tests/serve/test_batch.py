@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runners.contract import DecoderIO, LayerState
-from runners.generate import empty_cache, forward, prefill
-from runners.serve.batch import KVBatch
+from kvforge.runners.contract import DecoderIO, LayerState
+from kvforge.runners.generate import empty_cache, forward, prefill
+from kvforge.runners.serve.batch import KVBatch
 
 CONTEXT = 48
 

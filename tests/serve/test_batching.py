@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from runners.engine import Engine
+from kvforge.runners.engine import Engine
 from tests.serve.conftest import Server
 from tests.tiny import CORPUS
 

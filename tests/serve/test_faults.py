@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 
-from runners.engine import Engine
+from kvforge.runners.engine import Engine
 from tests.serve.conftest import Server
 
 pytestmark = pytest.mark.slow

@@ -11,8 +11,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from runners.serve.metrics import Metrics
-from runners.serve.server import App, _Server
+from kvforge.runners.serve.metrics import Metrics
+from kvforge.runners.serve.server import App, _Server
 from tests.serve.conftest import Server
 
 TIMEOUT_S = 60.0
@@ -265,8 +265,8 @@ class _FailingDecode:
 
 @pytest.mark.slow
 def test_an_engine_failure_mid_stream_is_an_error_event_and_health_turns_503(tiny_artifact: Any) -> None:
-    from runners.engine import Engine
-    from runners.serve.scheduler import BatchScheduler
+    from kvforge.runners.engine import Engine
+    from kvforge.runners.serve.scheduler import BatchScheduler
 
     engine = Engine.load(tiny_artifact)
     app = App(Metrics())

@@ -9,7 +9,7 @@ from typing import Any
 import openai
 import pytest
 
-from runners.engine import Completion, Engine
+from kvforge.runners.engine import Completion, Engine
 from tests.serve.conftest import Server
 
 pytestmark = pytest.mark.slow

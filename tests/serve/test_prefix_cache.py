@@ -13,12 +13,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runners.engine import Engine
-from runners.errors import KvforgeError
-from runners.serve.metrics import Metrics
-from runners.serve.prefix_cache import BLOCK, PrefixCache, parse_bytes, unsupported
-from runners.serve.scheduler import BatchScheduler, Finished
-from runners.serve.server import prefix_cache_for
+from kvforge.runners.engine import Engine
+from kvforge.runners.errors import KvforgeError
+from kvforge.runners.serve.metrics import Metrics
+from kvforge.runners.serve.prefix_cache import BLOCK, PrefixCache, parse_bytes, unsupported
+from kvforge.runners.serve.scheduler import BatchScheduler, Finished
+from kvforge.runners.serve.server import prefix_cache_for
 from tests.serve.conftest import KVFORGE, Server
 from tests.serve.test_scheduler import collect, request, solo
 from tests.tiny import CORPUS

@@ -10,9 +10,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runners.engine import Engine
-from runners.serve.metrics import Metrics
-from runners.serve.scheduler import BatchScheduler, Delta, Event, Failed, Finished, Overloaded, Request, Unavailable
+from kvforge.runners.engine import Engine
+from kvforge.runners.serve.metrics import Metrics
+from kvforge.runners.serve.scheduler import (
+    BatchScheduler,
+    Delta,
+    Event,
+    Failed,
+    Finished,
+    Overloaded,
+    Request,
+    Unavailable,
+)
 from tests.tiny import CORPUS
 
 pytestmark = pytest.mark.slow

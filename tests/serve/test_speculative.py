@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from runners.engine import Engine
-from runners.errors import KvforgeError
-from runners.serve.metrics import Metrics
-from runners.serve.scheduler import BatchScheduler, Finished, Request
+from kvforge.runners.engine import Engine
+from kvforge.runners.errors import KvforgeError
+from kvforge.runners.serve.metrics import Metrics
+from kvforge.runners.serve.scheduler import BatchScheduler, Finished, Request
 from tests.serve.conftest import KVFORGE, Server
 from tests.serve.test_scheduler import PROMPTS, Recording, collect, request
 
@@ -41,7 +41,7 @@ def default_build(tiny_artifact: Path) -> Path:
 @pytest.fixture(scope="module")
 def last_only(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Built with `--logits last`: the last position's logits only, which cannot verify drafts."""
-    from toolchain.build import BuildOptions, build
+    from kvforge import BuildOptions, build
 
     out = tmp_path_factory.mktemp("serve-last") / "out"
     return build(tiny_checkpoint("llama"), out, BuildOptions(logits="last")).output
@@ -156,7 +156,7 @@ def test_refusals_name_the_option(tiny_artifact: Path, last_only: Path) -> None:
     plain = Engine.load(last_only)  # last-position logits only
     with pytest.raises(KvforgeError, match="io.logits_positions 'last'.*rebuild it with `kvforge build CHECKPOINT"):
         scheduler_for(plain, "prompt-lookup")
-    from toolchain.cli import main
+    from kvforge.cli import main
 
     result = CliRunner().invoke(main, ["serve", str(tiny_artifact), "--port", "0", "--draft-tokens", "3"])
     assert result.exit_code != 0 and "--speculative" in result.output

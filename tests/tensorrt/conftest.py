@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from passes.targets import TARGETS
+from kvforge.passes.targets import TARGETS
 
 if TYPE_CHECKING:
-    from toolchain.build import BuildResult
+    from kvforge.toolchain.build import BuildResult
 
 
 @pytest.fixture(scope="session")
@@ -18,7 +18,7 @@ def tensorrt_artifact(
 ) -> Callable[..., BuildResult]:
     """`--target tensorrt` builds of the tiny checkpoints (graph and gate; an engine only where TensorRT
     and a GPU are present), once per test session."""
-    from toolchain.build import BuildOptions, build
+    from kvforge import BuildOptions, build
 
     built: dict[str, BuildResult] = {}
 

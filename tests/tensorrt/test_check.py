@@ -7,7 +7,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.tensorrt_check import (
+from kvforge.passes.tensorrt_check import (
     RULES,
     RequireTensorRT,
     UnsupportedByTensorRT,

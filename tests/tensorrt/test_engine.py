@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from passes.targets import TARGETS
-from runners.contract import DecoderIO
-from runners.errors import ArtifactError
-from toolchain.cli import main
-from toolchain.emit import tensorrt as engine
+from kvforge.cli import main
+from kvforge.passes.targets import TARGETS
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.errors import ArtifactError
+from kvforge.toolchain.emit import tensorrt as engine
 
 IO = DecoderIO(
     num_layers=2,
@@ -141,7 +141,7 @@ def test_build_engine_command_refuses_a_directory_that_is_no_artifact(tmp_path: 
 
 
 def test_build_engine_refuses_other_targets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from runners.manifest import MANIFEST, SCHEMA_VERSION, sha256_file
+    from kvforge.runners.manifest import MANIFEST, SCHEMA_VERSION, sha256_file
 
     (tmp_path / "model.onnx").write_bytes(b"graph")
     manifest = {
@@ -155,8 +155,8 @@ def test_build_engine_refuses_other_targets(tmp_path: Path, monkeypatch: pytest.
 
 
 def test_tensorrt_build_settings_are_resolved_and_checked_before_any_work() -> None:
-    from passes.quantize import WeightQuantization
-    from toolchain.build import BuildOptions, _target_options
+    from kvforge.passes.quantize import WeightQuantization
+    from kvforge.toolchain.build import BuildOptions, _target_options
 
     class Spec:
         max_positions = 256

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from passes.targets import TARGETS
-from toolchain.emit import tensorrt as engine_build
+from kvforge.passes.targets import TARGETS
+from kvforge.toolchain.emit import tensorrt as engine_build
 
 _MISSING = engine_build.unavailable()
 
@@ -28,7 +28,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def engine_artifact(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tensorrt-target artifact of the tiny llama, with an engine whose prefill chunk is short."""
-    from toolchain.build import BuildOptions, build
+    from kvforge import BuildOptions, build
 
     out = tmp_path_factory.mktemp("trt-engine") / "out"
     build(tiny_checkpoint("llama"), out, BuildOptions(target=TARGETS["tensorrt"], capacity=128))
@@ -40,7 +40,7 @@ def engine_artifact(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pyte
 
 
 def test_engine_is_built_and_recorded_in_the_manifest(engine_artifact: Path) -> None:
-    from runners.manifest import read_manifest, verify_files
+    from kvforge.runners.manifest import read_manifest, verify_files
 
     manifest = read_manifest(engine_artifact)
     verify_files(engine_artifact, manifest)
@@ -51,13 +51,13 @@ def test_engine_is_built_and_recorded_in_the_manifest(engine_artifact: Path) -> 
 
 
 def test_engine_matches_the_eager_model(engine_artifact: Path, tiny_checkpoint: Callable[..., Path]) -> None:
-    from runners.contract import DecoderIO
-    from runners.torch_session import TorchSession
-    from runners.trt_session import TrtSession
-    from toolchain import checkpoint as checkpoints
-    from toolchain.export import DecoderWrapper, eager_model
-    from toolchain.spec import DecoderSpec
-    from toolchain.verify import compare_with_reference, record_reference
+    from kvforge.runners.contract import DecoderIO
+    from kvforge.runners.torch_session import TorchSession
+    from kvforge.runners.trt_session import TrtSession
+    from kvforge.toolchain import checkpoint as checkpoints
+    from kvforge.toolchain.export import DecoderWrapper, eager_model
+    from kvforge.toolchain.spec import DecoderSpec
+    from kvforge.toolchain.verify import compare_with_reference, record_reference
 
     ckpt = checkpoints.load(tiny_checkpoint("llama"))
     spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
@@ -69,10 +69,10 @@ def test_engine_matches_the_eager_model(engine_artifact: Path, tiny_checkpoint: 
 
 
 def test_chunked_prefill_on_the_engine_equals_one_prefill_on_onnxruntime(engine_artifact: Path) -> None:
-    from runners.generate import empty_cache, position_ids
-    from runners.manifest import read_io, read_manifest
-    from runners.session import OrtSession
-    from runners.trt_session import TrtSession
+    from kvforge.runners.generate import empty_cache, position_ids
+    from kvforge.runners.manifest import read_io, read_manifest
+    from kvforge.runners.session import OrtSession
+    from kvforge.runners.trt_session import TrtSession
 
     io = read_io(engine_artifact, read_manifest(engine_artifact))
     ids = np.random.default_rng(0).integers(3, 300, (2, 21)).astype(np.int64)  # 21 > max_prefill 8: 3 chunks
@@ -85,12 +85,12 @@ def test_chunked_prefill_on_the_engine_equals_one_prefill_on_onnxruntime(engine_
 
 
 def test_decode_is_faster_than_onnxruntime_on_the_cpu(engine_artifact: Path) -> None:
-    from runners.decoding import batch_decoders
-    from runners.generate import generate_steps
-    from runners.manifest import read_io, read_manifest
-    from runners.sampling import SamplingParams
-    from runners.session import OrtSession
-    from runners.trt_session import TrtSession
+    from kvforge.runners.decoding import batch_decoders
+    from kvforge.runners.generate import generate_steps
+    from kvforge.runners.manifest import read_io, read_manifest
+    from kvforge.runners.sampling import SamplingParams
+    from kvforge.runners.session import OrtSession
+    from kvforge.runners.trt_session import TrtSession
 
     io = read_io(engine_artifact, read_manifest(engine_artifact))
 
@@ -115,8 +115,8 @@ def test_decode_is_faster_than_onnxruntime_on_the_cpu(engine_artifact: Path) -> 
 def test_a_modified_engine_is_refused_before_deserializing(engine_artifact: Path, tmp_path: Path) -> None:
     import shutil
 
-    from runners.errors import ArtifactError
-    from runners.trt_session import TrtSession
+    from kvforge.runners.errors import ArtifactError
+    from kvforge.runners.trt_session import TrtSession
 
     copy = tmp_path / "copy"
     shutil.copytree(engine_artifact, copy)

@@ -12,9 +12,9 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from passes.targets import TARGETS
-from passes.tensorrt_check import check_graph
-from runners.engine import Engine
+from kvforge.passes.targets import TARGETS
+from kvforge.passes.tensorrt_check import check_graph
+from kvforge.runners.engine import Engine
 from tests.tiny import SUPPORTED, hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -76,9 +76,9 @@ def test_left_padded_batch_equals_one_by_one(tensorrt_artifact: Callable) -> Non
 def test_chunked_prefill_through_the_graph_matches_one_prefill(tensorrt_artifact: Callable) -> None:
     """What the TensorRT runner does for a long prompt (chunks, each advancing the write index),
     run on the same graph with onnxruntime: the last logits and the cache are those of one prefill."""
-    from runners.generate import empty_cache, position_ids
-    from runners.session import OrtSession
-    from runners.trt_session import chunk_feeds, prefill_chunks
+    from kvforge.runners.generate import empty_cache, position_ids
+    from kvforge.runners.session import OrtSession
+    from kvforge.runners.trt_session import chunk_feeds, prefill_chunks
 
     artifact = tensorrt_artifact("qwen2").output
     engine = Engine.load(artifact)
@@ -104,7 +104,7 @@ def test_cli_build_passes_the_capacity_and_prints_the_build_engine_step(
 ) -> None:
     from click.testing import CliRunner
 
-    from toolchain.cli import main
+    from kvforge.cli import main
 
     result = tensorrt_artifact("llama")
     seen = {}
@@ -113,7 +113,7 @@ def test_cli_build_passes_the_capacity_and_prints_the_build_engine_step(
         seen["options"] = options
         return result
 
-    monkeypatch.setattr("toolchain.build.build", fake_build)
+    monkeypatch.setattr("kvforge.toolchain.build.build", fake_build)
     # the CLI checks the checkpoint path and -o before it builds: both real, the build faked
     args = ["build", str(tmp_path), "-o", str(tmp_path / "out"), "--target", "tensorrt", "--capacity", "128"]
     run = CliRunner().invoke(main, args)
@@ -125,7 +125,7 @@ def test_cli_build_passes_the_capacity_and_prints_the_build_engine_step(
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2"])
 def test_a_second_run_of_the_pipeline_changes_nothing(model_type: str, tensorrt_artifact: Callable) -> None:
-    from passes import pipeline
+    from kvforge.passes import pipeline
 
     model = ir.load(tensorrt_artifact(model_type).output / "model.onnx")
     report = pipeline.run(model, TARGETS["tensorrt"], capacity=256)
@@ -142,8 +142,8 @@ def test_a_graph_the_parser_would_refuse_fails_the_build_naming_the_node(
 
     from click.testing import CliRunner
 
-    from passes import tensorrt_check
-    from toolchain.cli import main
+    from kvforge.cli import main
+    from kvforge.passes import tensorrt_check
 
     data = copy.deepcopy(tensorrt_check.support_data())
     del data["ops"]["RotaryEmbedding"]

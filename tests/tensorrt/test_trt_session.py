@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runners.contract import DecoderIO
-from runners.errors import ArtifactError, GenerationError
-from runners.generate import empty_cache, position_ids
-from runners.trt_session import (
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.errors import ArtifactError, GenerationError
+from kvforge.runners.generate import empty_cache, position_ids
+from kvforge.runners.trt_session import (
     DECODE_PROFILE,
     PREFILL_PROFILE,
     EngineEntry,
@@ -130,8 +130,8 @@ def test_capacity_only_with_a_shared_cache() -> None:
 
 
 def test_opening_a_session_without_an_engine_section_says_how_to_add_one(tmp_path: Path) -> None:
-    from runners.manifest import MANIFEST, SCHEMA_VERSION
-    from runners.trt_session import TrtSession
+    from kvforge.runners.manifest import MANIFEST, SCHEMA_VERSION
+    from kvforge.runners.trt_session import TrtSession
 
     (tmp_path / "model.onnx").write_bytes(b"graph")
     digest = hashlib.sha256(b"graph").hexdigest()

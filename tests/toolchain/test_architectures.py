@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from runners.engine import Engine
-from runners.errors import CheckpointError, KvforgeError
+from kvforge.runners.engine import Engine
+from kvforge.runners.errors import CheckpointError, KvforgeError
+from kvforge.toolchain import checkpoint as checkpoints
+from kvforge.toolchain.export import cache_layout
+from kvforge.toolchain.footprint import footprint
+from kvforge.toolchain.spec import LAYOUTS, DecoderSpec, verified_families
 from tests.tiny import BUILD_CONTEXT, FAMILIES, GENERIC, LLAMA_LIKE, hf_greedy, make_checkpoint
-from toolchain import checkpoint as checkpoints
-from toolchain.export import cache_layout
-from toolchain.footprint import footprint
-from toolchain.spec import LAYOUTS, DecoderSpec, verified_families
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,7 +83,7 @@ def test_a_model_without_a_context_length_takes_context_or_the_tokenizers(
     """bloom (ALiBi) names no context length, as its real configs: `--context` gives it, else
     tokenizer_config.json's model_max_length where that is a length; else the error says to pass
     --context. Where config.json states one, --context may only lower it."""
-    from toolchain.export import read_spec
+    from kvforge.toolchain.export import read_spec
 
     bloom = checkpoints.load(tiny_checkpoint("bloom"))
     assert not {"max_position_embeddings", "seq_length", "n_positions"} & set(bloom.config)
@@ -127,7 +127,7 @@ UNSEEN_CONFIG = dict(LLAMA_LIKE, clip_qkv=8.0)  # OLMo 1 clips q/k/v
 def test_a_family_in_no_table_builds_and_matches_eager(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from toolchain.build import build
+    from kvforge import build
 
     assert UNSEEN not in LAYOUTS and UNSEEN not in verified_families()
     directory = make_checkpoint(tmp_path / "ckpt", UNSEEN, arch=UNSEEN_CONFIG)
@@ -146,7 +146,7 @@ def test_a_family_in_no_table_builds_and_matches_eager(tmp_path: Path) -> None:
 def test_moe_manifest_and_bench_count_the_experts_a_step_reads(
     built_artifact: Callable[..., Path], tiny_checkpoint: Callable[..., Path]
 ) -> None:
-    from runners.bench import weight_bytes_per_step
+    from kvforge.runners.bench import weight_bytes_per_step
 
     artifact = built_artifact("qwen3_moe")
     manifest = json.loads((artifact / "manifest.json").read_text())
@@ -160,8 +160,8 @@ def test_moe_manifest_and_bench_count_the_experts_a_step_reads(
 
 @pytest.mark.slow
 def test_moe_int8_build_passes_the_distribution_gate(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
-    from passes.quantize import WeightQuantization
-    from toolchain.build import BuildOptions, build
+    from kvforge import BuildOptions, build
+    from kvforge.passes.quantize import WeightQuantization
 
     result = build(tiny_checkpoint("mixtral"), tmp_path / "out", BuildOptions(weights=WeightQuantization(bits=8)))
     assert result.manifest["parity"]["passed"] is True

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from runners.errors import ArtifactError
-from toolchain import publish as publish_module
-from toolchain.build import BuildOptions, build
-from toolchain.publish import check_output, clean_leftovers, publish, staged
+from kvforge import BuildOptions, build
+from kvforge.runners.errors import ArtifactError
+from kvforge.toolchain import publish as publish_module
+from kvforge.toolchain.publish import check_output, clean_leftovers, publish, staged
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,8 +114,8 @@ def test_a_symlink_planted_at_the_output_is_never_written_through(tmp_path: Path
 KILLED_BUILD = """
 import os, signal, sys
 from pathlib import Path
-from toolchain import emit, manifest, publish
-from toolchain.build import BuildOptions, build
+from kvforge.toolchain import emit, manifest, publish
+from kvforge import BuildOptions, build
 
 stage = sys.argv[3]
 
@@ -210,7 +210,7 @@ def test_a_full_disk_is_a_clear_error_and_keeps_the_previous_artifact(
     assert [p.name for p in disk.iterdir()] == ["out"]
 
 
-REPRODUCIBLE_BUILD = "from toolchain.cli import main; main()"
+REPRODUCIBLE_BUILD = "from kvforge.cli import main; main()"
 
 
 @pytest.mark.slow
@@ -250,7 +250,7 @@ def test_builds_are_byte_identical_across_paths_hash_seeds_and_working_directori
 PUBLISHER = """
 import sys, time
 from pathlib import Path
-from toolchain.publish import check_output, publish, staged
+from kvforge.toolchain.publish import check_output, publish, staged
 
 out, force, content, go = Path(sys.argv[1]), sys.argv[2] == "force", sys.argv[3], Path(sys.argv[4])
 check_output(out, force)  # what a build checks before any work
@@ -305,8 +305,8 @@ def test_two_builds_released_together_publish_one_after_the_other(tmp_path: Path
 PUBLISH_AFTER_THE_OTHER = """
 import sys, time
 from pathlib import Path
-from toolchain import build
-from toolchain.cli import main
+from kvforge.toolchain import build
+from kvforge.cli import main
 
 real = build.publish
 
@@ -335,8 +335,7 @@ def test_two_real_builds_without_and_with_force(tmp_path: Path, tiny_checkpoint:
         text=True,
     )
     forced = subprocess.run(
-        [sys.executable, "-m", "toolchain.cli", "build", str(tiny_checkpoint("qwen2")), "-o", str(out)]
-        + ["--force", "-q"],
+        [sys.executable, "-m", "kvforge", "build", str(tiny_checkpoint("qwen2")), "-o", str(out)] + ["--force", "-q"],
         cwd=ROOT,
         capture_output=True,
         text=True,

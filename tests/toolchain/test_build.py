@@ -10,9 +10,9 @@ from pathlib import Path
 import onnx_ir as ir
 import pytest
 
-from runners.errors import ArtifactError, ParityError
-from toolchain import build as build_module
-from toolchain.build import BuildOptions, build, verify
+from kvforge.runners.errors import ArtifactError, ParityError
+from kvforge.toolchain import build as build_module
+from kvforge.toolchain.build import BuildOptions, build, verify
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +75,7 @@ def test_failing_gate_publishes_nothing_and_keeps_previous_artifact(
 def test_manifest_records_hashes_versions_contract_and_parity(
     tiny_checkpoint: Callable[..., Path], built_artifact: Callable[..., Path]
 ) -> None:
-    from runners.manifest import sha256_file
+    from kvforge.runners.manifest import sha256_file
 
     artifact = built_artifact("llama")
     manifest = json.loads((artifact / "manifest.json").read_text())
@@ -119,7 +119,7 @@ def test_half_precision_checkpoints_build(dtype: str, tmp_path: Path, tiny_check
 
 
 def test_logits_default_to_keep_where_the_target_takes_the_input(tmp_path: Path) -> None:
-    from passes.targets import TARGETS
+    from kvforge.passes.targets import TARGETS
 
     assert build_module.logits_positions(BuildOptions()) == "keep"
     assert build_module.logits_positions(BuildOptions(target=TARGETS["onnx"])) == "keep"

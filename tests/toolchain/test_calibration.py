@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from passes.quantize import WeightQuantization, quantize_blockwise, quantize_free_min, quantize_with_scales
-from runners.errors import ArtifactError
-from toolchain import calibration
-from toolchain import checkpoint as checkpoints
-from toolchain.cli import _calibration
-from toolchain.export import eager_model, read_spec
+from kvforge.passes.quantize import WeightQuantization, quantize_blockwise, quantize_free_min, quantize_with_scales
+from kvforge.runners.errors import ArtifactError
+from kvforge.toolchain import calibration
+from kvforge.toolchain import checkpoint as checkpoints
+from kvforge.toolchain.cli import _calibration
+from kvforge.toolchain.export import eager_model, read_spec
 
 INT4 = WeightQuantization(4)
 
@@ -193,7 +193,7 @@ def test_the_shipped_text_is_mixed_and_stays_small() -> None:
 def test_a_calibrated_build_records_its_text_and_rounding_to_nearest_does_not(
     tiny_checkpoint: Callable[..., Path], tmp_path: Path
 ) -> None:
-    from toolchain.build import BuildOptions, build
+    from kvforge import BuildOptions, build
 
     path = tiny_checkpoint("llama")
     text = small_text()

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import runners.manifest as manifest_module
-from runners.errors import CheckpointError
-from toolchain import checkpoint as ckpt
-from toolchain.checkpoint import Checkpoint, load
+import kvforge.runners.manifest as manifest_module
+from kvforge.runners.errors import CheckpointError
+from kvforge.toolchain import checkpoint as ckpt
+from kvforge.toolchain.checkpoint import Checkpoint, load
 
 CONFIG: dict[str, Any] = {
     "model_type": "llama",
@@ -551,8 +551,8 @@ def test_tensor_in_two_shards(tmp_path: Path) -> None:
 
 
 def test_chat_template_file_travels_with_the_tokenizer(tmp_path: Path) -> None:
+    from kvforge.toolchain.checkpoint import load
     from tests.tiny import make_checkpoint
-    from toolchain.checkpoint import load
 
     ckpt = make_checkpoint(tmp_path / "c", "llama")
     (ckpt / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")

@@ -13,14 +13,15 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from runners.engine import Engine
-from toolchain import cli
-from toolchain.cli import EXIT_GATE_REFUSED, main
+from kvforge.cli import main
+from kvforge.runners import cli as runtime_cli
+from kvforge.runners.cli import EXIT_GATE_REFUSED
+from kvforge.runners.engine import Engine
 
 
 def kvforge(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "toolchain.cli", *args],
+        [sys.executable, "-m", "kvforge", *args],
         capture_output=True,
         text=True,
         check=False,
@@ -98,9 +99,9 @@ def test_a_build_that_would_not_fit_the_device_is_refused_before_any_work(
     tmp_path: Path, tiny_checkpoint: Callable[..., Path]
 ) -> None:
     """The refusal names the figures it compared; the same request fits once quantized or given room."""
-    from toolchain import checkpoint as checkpoints
-    from toolchain.footprint import footprint
-    from toolchain.spec import DecoderSpec
+    from kvforge.toolchain import checkpoint as checkpoints
+    from kvforge.toolchain.footprint import footprint
+    from kvforge.toolchain.spec import DecoderSpec
 
     ckpt = tiny_checkpoint("llama")
     loaded = checkpoints.load(ckpt)
@@ -115,7 +116,7 @@ def test_a_build_that_would_not_fit_the_device_is_refused_before_any_work(
     result = CliRunner().invoke(main, [*args, "--device-memory", "12 parsecs"])
     assert result.exit_code == 2 and "memory size '12 parsecs'" in result.output
     # an int8 cache (--kv-dtype int8) is counted at a byte per element: a quarter of fp32's
-    from toolchain.footprint import format_bytes
+    from kvforge.toolchain.footprint import format_bytes
 
     assert fp.kv_bytes_total["int8"] * 4 == fp.kv_bytes_total["fp32"] > 0
     need = fp.weight_bytes_at["fp32"] + fp.kv_bytes_total["int8"]
@@ -123,7 +124,7 @@ def test_a_build_that_would_not_fit_the_device_is_refused_before_any_work(
     assert result.exit_code == 2 and not (tmp_path / "out").exists()
     assert f"int8 KV cache {format_bytes(fp.kv_bytes_total['int8'])}" in result.output, result.output
     # --free-min's minimums are counted: room for symmetric int4 is not room for it
-    from toolchain.footprint import QuantLayout, quantized_weight_bytes
+    from kvforge.toolchain.footprint import QuantLayout, quantized_weight_bytes
 
     spec = DecoderSpec.from_config(loaded.config)
     free_min = quantized_weight_bytes(loaded, spec, QuantLayout(4, free_min=True))
@@ -152,8 +153,8 @@ def test_a_tolerance_the_gate_cannot_use_is_refused_before_any_work(
 def test_verify_takes_a_tolerance_in_place_of_the_recorded_one(
     tiny_checkpoint: Callable[..., Path], built_artifact: Callable[..., Path]
 ) -> None:
-    from toolchain.build import BuildOptions
-    from toolchain.build import verify as run_verify
+    from kvforge import BuildOptions
+    from kvforge.toolchain.build import verify as run_verify
 
     assert BuildOptions(tolerance=1e-3).flags()["tolerance"] == 1e-3
     assert BuildOptions().flags()["tolerance"] is None
@@ -173,10 +174,10 @@ def test_the_command_as_a_process_sleeps_idle_openmp_threads_and_marks_its_conte
     else:
         monkeypatch.setenv("OMP_WAIT_POLICY", set_by_user)
     calls: list[dict[str, object]] = []
-    monkeypatch.setattr(cli, "main", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(runtime_cli, "main", lambda **kwargs: calls.append(kwargs))
     threshold = gc.get_threshold()
     try:
-        cli.run()
+        runtime_cli.run()
     finally:
         gc.set_threshold(*threshold)
         gc.unfreeze()

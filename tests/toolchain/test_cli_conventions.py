@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from runners.engine import Engine
-from toolchain.cli import EXIT_BAD_INPUT, EXIT_GATE_REFUSED, EXIT_INTERRUPTED, main
+from kvforge.cli import main
+from kvforge.runners.cli import EXIT_BAD_INPUT, EXIT_GATE_REFUSED, EXIT_INTERRUPTED
+from kvforge.runners.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "onnx", "onnxruntime", "onnxscript", "onnx_ir")
@@ -30,7 +31,7 @@ HEAVY = ("torch", "transformers", "onnx", "onnxruntime", "onnxscript", "onnx_ir"
 # Runs the command line in this process's place and reports which heavy libraries it loaded.
 _PROBE = """
 import json, sys
-from toolchain.cli import main
+from kvforge.cli import main
 try:
     main(sys.argv[1:], standalone_mode=True)
 except SystemExit as e:
@@ -41,7 +42,7 @@ print(json.dumps({"exit": code, "loaded": sorted(m for m in HEAVY if m in sys.mo
 
 def kvforge(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "toolchain.cli", *args], input=stdin, capture_output=True, text=True, check=False
+        [sys.executable, "-m", "kvforge", *args], input=stdin, capture_output=True, text=True, check=False
     )
 
 
@@ -116,7 +117,7 @@ def test_build_json_carries_paths_hashes_gate_figures_and_stage_times(
     assert all(e["error"] <= gate["tolerance"]["relative"] for e in gate["prefill"] + gate["decode"])
     assert {"load", "export", "lower", "passes", "emit", "verify", "publish"} <= set(data["seconds"])
     # -v: the log marks each stage's start once; no progress lines repeat it
-    assert result.stderr.count("toolchain.build: load...") == 1 and "kvforge: load" not in result.stderr
+    assert result.stderr.count("kvforge.toolchain.build: load...") == 1 and "kvforge: load" not in result.stderr
 
 
 def test_ctrl_c_exits_130_with_one_line_and_publishes_nothing(
@@ -124,7 +125,7 @@ def test_ctrl_c_exits_130_with_one_line_and_publishes_nothing(
 ) -> None:
     out = tmp_path / "out"
     build = subprocess.Popen(
-        [sys.executable, "-m", "toolchain.cli", "build", str(tiny_checkpoint("llama")), "-o", str(out)],
+        [sys.executable, "-m", "kvforge", "build", str(tiny_checkpoint("llama")), "-o", str(out)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -246,7 +247,7 @@ def test_chat_through_a_terminal_keeps_the_conversation_resets_and_exits(built_a
     second = [*first, {"role": "assistant", "content": reply(first)}, {"role": "user", "content": "again"}]
     assert reply(second) != reply([system, {"role": "user", "content": "again"}])  # the history matters
 
-    argv = [sys.executable, "-m", "toolchain.cli", "chat", str(artifact), "--system", "be brief"]
+    argv = [sys.executable, "-m", "kvforge", "chat", str(artifact), "--system", "be brief"]
     chat = Terminal([*argv, "--temperature", "0", "--max-new-tokens", "6"])
     chat.read_until(b"> ")
     for typed, messages in (("hello", first), ("again", second), ("/reset", None), ("hello", first)):
@@ -263,7 +264,7 @@ def test_chat_through_a_terminal_keeps_the_conversation_resets_and_exits(built_a
 def test_chat_drops_the_oldest_turns_to_stay_within_the_context(built_artifact: Callable[..., Path]) -> None:
     artifact = built_artifact("llama")
     # a reply may take 200 of the 256 positions: the prompt keeps 56, too few for two turns
-    chat = Terminal([sys.executable, "-m", "toolchain.cli", "chat", str(artifact), "--max-new-tokens", "200"])
+    chat = Terminal([sys.executable, "-m", "kvforge", "chat", str(artifact), "--max-new-tokens", "200"])
     chat.read_until(b"> ")
     long_message = "x " * 20
     chat.type(long_message)
@@ -308,7 +309,7 @@ def test_ctrl_c_in_a_command_that_runs_an_artifact_exits_130_with_one_line(
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Engine, "load", interrupted)
-    monkeypatch.setattr("runners.bench.bench", interrupted)
+    monkeypatch.setattr("kvforge.runners.bench.bench", interrupted)
     (tmp_path / "manifest.json").write_text("{}")  # what tells an artifact from a checkpoint
     args = {"generate": [str(tmp_path), "hi"], "bench": [str(tmp_path), "--json"], "chat": [str(tmp_path)]}[command]
     result = CliRunner().invoke(main, [command, *args])

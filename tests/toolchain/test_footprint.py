@@ -13,9 +13,9 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from runners.errors import CheckpointError, GenerationError, KvforgeError
-from toolchain.checkpoint import Checkpoint, load
-from toolchain.footprint import (
+from kvforge.runners.errors import CheckpointError, GenerationError, KvforgeError
+from kvforge.toolchain.checkpoint import Checkpoint, load
+from kvforge.toolchain.footprint import (
     Footprint,
     QuantLayout,
     footprint,
@@ -23,7 +23,7 @@ from toolchain.footprint import (
     quantized_bytes,
     quantized_weight_bytes,
 )
-from toolchain.spec import SUPPORTED_MODEL_TYPES, DecoderSpec
+from kvforge.toolchain.spec import SUPPORTED_MODEL_TYPES, DecoderSpec
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -254,7 +254,7 @@ def test_seq_beyond_max_positions_warns(
     llama: tuple[Checkpoint, DecoderSpec],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="toolchain.footprint"):
+    with caplog.at_level(logging.WARNING, logger="kvforge.toolchain.footprint"):
         fp = footprint(*llama, batch=1, seq=65)
     assert "max_position_embeddings" in caplog.text
     assert fp.kv_bytes_total["fp16"] == 65 * fp.kv_bytes_per_token["fp16"]

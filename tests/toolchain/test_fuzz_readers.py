@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from runners.errors import CheckpointError, KvforgeError
+from kvforge.runners.errors import CheckpointError, KvforgeError
+from kvforge.toolchain import checkpoint as ckpt
+from kvforge.toolchain import safetensors_check
+from kvforge.toolchain.spec import LAYOUTS, DecoderSpec
 from tests.fuzzing import json_values
 from tests.tiny import ARCH_CONFIGS
-from toolchain import checkpoint as ckpt
-from toolchain import safetensors_check
-from toolchain.spec import LAYOUTS, DecoderSpec
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -384,8 +384,8 @@ def test_kvforge_build_on_mutated_checkpoints_is_one_line_and_publishes_nothing(
 
     from click.testing import CliRunner
 
-    from toolchain import build as build_module
-    from toolchain.cli import main
+    from kvforge.cli import main
+    from kvforge.toolchain import build as build_module
 
     with tempfile.TemporaryDirectory() as scratch, pytest.MonkeyPatch.context() as patch:
         parent = Path(scratch)

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from passes.targets import TARGETS
-from runners.contract import DecoderIO
-from runners.errors import ArtifactError
-from runners.manifest import read_manifest, verify_files
+from kvforge.passes.targets import TARGETS
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.errors import ArtifactError
+from kvforge.runners.manifest import read_manifest, verify_files
+from kvforge.toolchain.emit import genai
+from kvforge.toolchain.spec import DecoderSpec
 from tests.genai import genai_greedy
 from tests.tiny import CORPUS
-from toolchain.emit import genai
-from toolchain.spec import DecoderSpec
 
 NEW_TOKENS = 16
 # Prompts: the start of each tiny corpus text (code, and one with accents, CJK and an emoji).
@@ -92,8 +92,8 @@ def test_only_targets_onnxruntime_genai_can_drive_get_the_file() -> None:
 
 @pytest.fixture(scope="module")
 def int4_artifact(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from passes.quantize import WeightQuantization
-    from toolchain.build import BuildOptions, build
+    from kvforge import BuildOptions, build
+    from kvforge.passes.quantize import WeightQuantization
 
     out = tmp_path_factory.mktemp("art-int4") / "out"
     return build(tiny_checkpoint("llama"), out, BuildOptions(weights=WeightQuantization(4))).output
@@ -103,7 +103,7 @@ def int4_artifact(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest
 def concat_artifact(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """gemma2 (eager attention: a concat cache) on target onnx, where its sliding layers keep their
     whole history; on ort-cpu they are bounded by the window, and no genai config is written."""
-    from toolchain.build import BuildOptions, build
+    from kvforge import BuildOptions, build
 
     out = tmp_path_factory.mktemp("art-gemma2-onnx") / "out"
     return build(tiny_checkpoint("gemma2"), out, BuildOptions(target=TARGETS["onnx"])).output
@@ -120,7 +120,7 @@ def test_onnxruntime_genai_generates_the_same_tokens_and_text(
     case: str, built_artifact: Callable[..., Path], request: pytest.FixtureRequest
 ) -> None:
     og = pytest.importorskip("onnxruntime_genai")
-    from runners.engine import Engine
+    from kvforge.runners.engine import Engine
 
     fixtures = {"llama-int4": "int4_artifact", "gemma2-onnx": "concat_artifact"}
     artifact = request.getfixturevalue(fixtures[case]) if case in fixtures else built_artifact(case)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from runners.errors import CheckpointError
-from toolchain import checkpoint as checkpoints
-from toolchain import gguf as gguf_files
+from kvforge.runners.errors import CheckpointError
+from kvforge.toolchain import checkpoint as checkpoints
+from kvforge.toolchain import gguf as gguf_files
 
 gguf = pytest.importorskip("gguf", reason="the gguf package reads and writes GGUF files (.ci/install installs it)")
 
@@ -192,9 +192,9 @@ def test_kvforge_build_of_a_gguf_file_generates_what_transformers_generates_from
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
-    from runners import Engine
+    from kvforge import Engine
+    from kvforge.cli import main
     from tests.tiny import hf_greedy
-    from toolchain.cli import main
 
     out = tmp_path / "out"
     result = CliRunner().invoke(main, ["build", str(tiny_gguf), "-o", str(out), "-q"])
@@ -251,9 +251,9 @@ def test_a_gguf_files_quantized_tensors_are_imported_exactly_and_pass_the_float_
     from click.testing import CliRunner
     from transformers import AutoModelForCausalLM
 
-    from runners import Engine
+    from kvforge import Engine
+    from kvforge.cli import main
     from tests.tiny import hf_greedy, make_checkpoint
-    from toolchain.cli import main
 
     source = make_checkpoint(  # k-quants: K a multiple of 256
         tmp_path / "ckpt", "llama", hidden_size=256, intermediate_size=256, tie_word_embeddings=True

@@ -11,10 +11,10 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 
-from passes.quantize import ImportQuantizedWeights
+from kvforge.passes.quantize import ImportQuantizedWeights
+from kvforge.toolchain.gguf_import import decode, records
 from tests.passes.fusion_testing import ort_outputs
 from tests.passes.test_quantize import projection_graph
-from toolchain.gguf_import import decode, records
 
 RNG = np.random.default_rng(0)
 N, K = 24, 256

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from toolchain import hashing
+from kvforge.toolchain import hashing
 
 
 def _files(directory: Path) -> list[Path]:

@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runners.errors import CheckpointError, KvforgeError, ParityError, UnsupportedModelError
+from kvforge.runners.errors import CheckpointError, KvforgeError, ParityError, UnsupportedModelError
+from kvforge.toolchain import checkpoint as ckpt
+from kvforge.toolchain import safetensors_check
+from kvforge.toolchain.checkpoint import check_against_spec, check_tokenizer_fits, load
+from kvforge.toolchain.spec import DecoderSpec
 from tests.toolchain.test_checkpoint import CONFIG, _mapped_ranges
-from toolchain import checkpoint as ckpt
-from toolchain import safetensors_check
-from toolchain.checkpoint import check_against_spec, check_tokenizer_fits, load
-from toolchain.spec import DecoderSpec
 
 
 def write_dir(directory: Path, *, config: Any = None, weights: dict[str, torch.Tensor] | None = None) -> Path:
@@ -423,7 +423,7 @@ def test_a_file_cut_short_after_its_header_was_checked_is_a_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The file shrinks between the header check and the read (another process rewriting it)."""
-    from toolchain import safetensors_check
+    from kvforge.toolchain import safetensors_check
 
     c = load(write_dir(tmp_path / "m"))
     file = c.weight_files[0]
@@ -584,7 +584,7 @@ def test_transformers_config_errors_at_model_build_name_config_json(monkeypatch:
     """Whatever the config class still rejects when the model is made is one line naming config.json."""
     from transformers import AutoConfig
 
-    from toolchain import export
+    from kvforge.toolchain import export
 
     spec = DecoderSpec.from_config(CONFIG)
 
@@ -729,7 +729,7 @@ def _wrong_shape(weights: dict[str, torch.Tensor]) -> None:
 def test_weights_that_do_not_fit_the_architecture_fail_the_build(
     llama_copy: Path, tmp_path: Path, change: Callable[[dict[str, torch.Tensor]], None], expected: list[str]
 ) -> None:
-    from toolchain.build import build
+    from kvforge import build
 
     rewrite_weights(llama_copy, change)
     out = tmp_path / "out"
@@ -742,7 +742,7 @@ def test_weights_that_do_not_fit_the_architecture_fail_the_build(
 
 @pytest.mark.slow
 def test_nan_weight_fails_the_parity_gate_and_publishes_nothing(llama_copy: Path, tmp_path: Path) -> None:
-    from toolchain.build import build
+    from kvforge import build
 
     def plant_nan(weights: dict[str, torch.Tensor]) -> None:
         weights[LAYER_WEIGHT][3, 5] = float("nan")

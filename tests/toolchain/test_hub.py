@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runners.errors import CheckpointError
-from toolchain import hub, safetensors_check
-from toolchain.checkpoint import load
+from kvforge.runners.errors import CheckpointError
+from kvforge.toolchain import hub, safetensors_check
+from kvforge.toolchain.checkpoint import load
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
@@ -263,7 +263,7 @@ def test_kvforge_build_by_id_and_revision_records_them_and_shows_progress(
     gives, and the manifest names the id and the commit. Not a terminal: progress as lines."""
     from click.testing import CliRunner
 
-    from toolchain.cli import main
+    from kvforge.cli import main
 
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)

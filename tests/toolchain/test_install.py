@@ -48,7 +48,7 @@ def runtime_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_runtime_install_has_no_torch_and_generates_what_the_engine_generates(
     runtime_venv: Path, built_artifact: Callable[..., Path]
 ) -> None:
-    from runners import Engine
+    from kvforge import Engine
 
     python = runtime_venv / "bin" / "python"
     for heavy in ("torch", "transformers", "onnx", "onnxscript"):
@@ -61,6 +61,24 @@ def test_the_runtime_install_has_no_torch_and_generates_what_the_engine_generate
     expected = Engine.load(artifact).generate(PROMPT, max_new_tokens=16, temperature=0.0)
     assert isinstance(expected, str) and expected
     assert result.stdout in (expected, expected + "\n")
+
+
+def test_the_runtime_install_is_one_package_named_kvforge(runtime_venv: Path, tmp_path: Path) -> None:
+    """Outside the repository (whose folders would otherwise be found from the working
+    directory), the install holds `kvforge` and its public runtime names, and no generic
+    top-level package."""
+    python = str(runtime_venv / "bin" / "python")
+    public = "import sys; from kvforge import Engine, SamplingParams, KvforgeError; print('torch' in sys.modules)"
+    result = subprocess.run([python, "-c", public], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+    for generic in ("runners", "toolchain", "passes"):
+        found = subprocess.run([python, "-c", f"import {generic}"], capture_output=True, text=True, cwd=tmp_path)
+        assert found.returncode != 0 and "No module named" in found.stderr, f"pip install . installed {generic}"
+    listing = subprocess.run(
+        [python, "-c", "import kvforge; print(' '.join(kvforge.__all__))"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert {"Engine", "build", "BuildOptions", "serve"} <= set(listing.stdout.split())
 
 
 def test_build_without_the_compiler_says_to_install_it(runtime_venv: Path, tmp_path: Path) -> None:

@@ -13,15 +13,15 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from passes.targets import TARGETS
-from runners.contract import DecoderIO
-from runners.engine import Engine
-from runners.errors import ArtifactError
-from runners.generate import empty_cache, forward
-from runners.session import OrtSession
+from kvforge import BuildOptions, build
+from kvforge.passes.targets import TARGETS
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.engine import Engine
+from kvforge.runners.errors import ArtifactError
+from kvforge.runners.generate import empty_cache, forward
+from kvforge.runners.session import OrtSession
+from kvforge.toolchain import kv_scales
 from tests.serve.test_scheduler import collect, request, scheduler_for, solo
-from toolchain import kv_scales
-from toolchain.build import BuildOptions, build
 
 
 @pytest.fixture(scope="module")

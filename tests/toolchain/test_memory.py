@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from passes import pipeline
-from passes.pack_matmul import pack_gate_up
-from runners.contract import DecoderIO
-from toolchain import checkpoint as checkpoints
-from toolchain.export import eager_model, export_decoder
-from toolchain.lower import to_onnx
-from toolchain.spec import DecoderSpec
+from kvforge.passes import pipeline
+from kvforge.passes.pack_matmul import pack_gate_up
+from kvforge.runners.contract import DecoderIO
+from kvforge.toolchain import checkpoint as checkpoints
+from kvforge.toolchain.export import eager_model, export_decoder
+from kvforge.toolchain.lower import to_onnx
+from kvforge.toolchain.spec import DecoderSpec
 
 pytestmark = pytest.mark.slow
 
@@ -51,9 +51,9 @@ def test_the_build_holds_no_eager_model_once_it_is_lowered(
 ) -> None:
     """The lowering takes the last reference to the eager model (its weights then live in the
     graph, freed as the passes replace them); a calibrated build keeps no reference either."""
-    from passes.quantize import WeightQuantization
+    from kvforge.passes.quantize import WeightQuantization
+    from kvforge.toolchain import build as build_module
     from tests.toolchain.test_calibration import small_text
-    from toolchain import build as build_module
 
     loaded: list[weakref.ref[object]] = []
     alive_after_lowering: list[bool] = []

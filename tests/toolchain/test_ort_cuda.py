@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from passes.targets import CPU_PROVIDER, CUDA_PROVIDER, TARGETS
-from toolchain.cli import main
-from toolchain.verify import gate_provider
+from kvforge.cli import main
+from kvforge.passes.targets import CPU_PROVIDER, CUDA_PROVIDER, TARGETS
+from kvforge.toolchain.verify import gate_provider
 
 
 def test_the_gate_runs_on_the_first_provider_onnxruntime_offers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runners.engine import Engine
-from runners.generate import empty_cache, forward
+from kvforge.runners.engine import Engine
+from kvforge.runners.generate import empty_cache, forward
 from tests.tiny import FAMILIES, hf_greedy
 
 pytestmark = pytest.mark.slow

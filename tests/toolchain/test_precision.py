@@ -14,16 +14,16 @@ import pytest
 import torch
 from onnx import TensorProto
 
-from passes.quantize import WeightQuantization
-from passes.targets import TARGETS
-from runners.engine import Engine
-from runners.errors import ArtifactError
-from toolchain import checkpoint as checkpoints
-from toolchain.build import BuildOptions, build, verify
-from toolchain.export import eager_model
-from toolchain.footprint import footprint
-from toolchain.spec import DecoderSpec
-from toolchain.verify import TOLERANCES, ParityReport
+from kvforge.passes.quantize import WeightQuantization
+from kvforge.passes.targets import TARGETS
+from kvforge.runners.engine import Engine
+from kvforge.runners.errors import ArtifactError
+from kvforge.toolchain import checkpoint as checkpoints
+from kvforge.toolchain.build import BuildOptions, build, verify
+from kvforge.toolchain.export import eager_model
+from kvforge.toolchain.footprint import footprint
+from kvforge.toolchain.spec import DecoderSpec
+from kvforge.toolchain.verify import TOLERANCES, ParityReport
 
 pytestmark = pytest.mark.slow
 

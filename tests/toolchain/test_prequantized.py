@@ -1,7 +1,7 @@
 """AWQ and GPTQ checkpoints, made here and packed as those libraries pack, import exactly.
 
 The packing functions below are written from the libraries' documented layouts, not from
-`toolchain.prequantized`: AutoAWQ's gemm layout (`awq/utils/packing_utils.py`: eight 4-bit
+`kvforge.toolchain.prequantized`: AutoAWQ's gemm layout (`awq/utils/packing_utils.py`: eight 4-bit
 codes of one input row per int32, output columns in the order 0 2 4 6 1 3 5 7 from the
 lowest nibble) and AutoGPTQ's (`QuantLinear.pack`: 32 / bits codes of consecutive input
 rows per int32 of `qweight`, consecutive output columns per int32 of `qzeros`, each zero
@@ -21,12 +21,12 @@ import torch
 from onnx import numpy_helper
 from safetensors.torch import load_file, save_file
 
-from runners.contract import DecoderIO
-from runners.errors import CheckpointError
-from runners.generate import empty_cache, forward
-from runners.session import OrtSession
-from toolchain import checkpoint as checkpoints
-from toolchain.build import BuildOptions, build, verify
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.errors import CheckpointError
+from kvforge.runners.generate import empty_cache, forward
+from kvforge.runners.session import OrtSession
+from kvforge.toolchain import checkpoint as checkpoints
+from kvforge.toolchain.build import BuildOptions, build, verify
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUP = 32
@@ -287,7 +287,7 @@ def test_a_weights_recipe_keeps_the_imported_codes_and_quantizes_only_the_float_
 ) -> None:
     """`--weights int4` on an AWQ checkpoint: its projections keep their codes (at the recipe's
     accuracy level, judged by the distribution gate), the float LM head and table are quantized."""
-    from passes.quantize import WeightQuantization
+    from kvforge.passes.quantize import WeightQuantization
 
     codes_of, _ = make_quantized(tiny_checkpoint("llama"), tmp_path / "awq", "awq")
     manifest = build(tmp_path / "awq", tmp_path / "out", BuildOptions(weights=WeightQuantization(4))).manifest
@@ -333,8 +333,8 @@ def test_the_footprint_counts_the_weights_the_codes_stand_for(
     method: str, tmp_path: Path, tiny_checkpoint: Callable[..., Path]
 ) -> None:
     """`kvforge inspect`: the precisions' bytes are the float model's, the stored bytes the file's."""
-    from toolchain.footprint import footprint
-    from toolchain.spec import DecoderSpec
+    from kvforge.toolchain.footprint import footprint
+    from kvforge.toolchain.spec import DecoderSpec
 
     source = tiny_checkpoint("llama")
     make_quantized(source, tmp_path / method, method)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from toolchain import progress
+from kvforge.toolchain import progress
 
 
 class TerminalStream(io.StringIO):

@@ -11,16 +11,16 @@ import onnx
 import pytest
 from onnx import TensorProto
 
-import passes.quantize as quantize_module
-from passes.quantize import WeightQuantization
-from passes.targets import TARGETS
-from runners.bench import weight_bytes_per_step
-from runners.engine import Engine
-from runners.errors import ArtifactError, ParityError
-from toolchain import checkpoint as checkpoints
-from toolchain.build import BuildOptions, build, verify
-from toolchain.footprint import QUANT_BLOCK, footprint
-from toolchain.spec import DecoderSpec
+import kvforge.passes.quantize as quantize_module
+from kvforge.passes.quantize import WeightQuantization
+from kvforge.passes.targets import TARGETS
+from kvforge.runners.bench import weight_bytes_per_step
+from kvforge.runners.engine import Engine
+from kvforge.runners.errors import ArtifactError, ParityError
+from kvforge.toolchain import checkpoint as checkpoints
+from kvforge.toolchain.build import BuildOptions, build, verify
+from kvforge.toolchain.footprint import QUANT_BLOCK, footprint
+from kvforge.toolchain.spec import DecoderSpec
 
 pytestmark = pytest.mark.slow
 
@@ -157,7 +157,7 @@ def test_a_mixed_int4_build_keeps_the_named_weights_at_int8(
     at 8 bits, every other projection at 4; the gate passes and the manifest records the recipe."""
     from click.testing import CliRunner
 
-    from toolchain.cli import main
+    from kvforge.cli import main
 
     out = tmp_path / "out"
     mixed = ["--int8", "*down_proj*", "--int8", "lm_head", "--int8", "embeddings"]
@@ -183,7 +183,7 @@ def test_a_mixed_int4_build_keeps_the_named_weights_at_int8(
 def test_int8_without_int4_is_refused_before_any_work(tmp_path: Path, tiny_checkpoint: Callable[..., Path]) -> None:
     from click.testing import CliRunner
 
-    from toolchain.cli import main
+    from kvforge.cli import main
 
     for weights in ([], ["--weights", "int8"]):
         args = ["build", str(tiny_checkpoint("llama")), "-o", str(tmp_path / "out"), *weights, "--int8", "lm_head"]
@@ -203,8 +203,8 @@ def test_a_free_min_build_keeps_weights_on_a_free_min_grid_and_is_refused_where_
     from click.testing import CliRunner
     from safetensors.numpy import load_file, save_file
 
+    from kvforge.cli import main
     from tests.passes.test_quantize import grid_blocks
-    from toolchain.cli import main
 
     checkpoint = tmp_path / "grid"
     shutil.copytree(tiny_checkpoint("llama"), checkpoint)

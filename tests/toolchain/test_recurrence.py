@@ -1,4 +1,4 @@
-"""The traceable recurrences (`toolchain.recurrence`) against transformers' own kernels, in eager
+"""The traceable recurrences (`kvforge.toolchain.recurrence`) against transformers' own kernels, in eager
 mode: the same outputs and states for a prompt from an empty cache and for one-token decoding,
 and a prompt prefilled in chunks equal to one shot."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvforge.toolchain.recurrence import traceable_kernels
 from tests.tiny import _COMMON, GENERIC_CONFIGS
-from toolchain.recurrence import traceable_kernels
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 

@@ -23,9 +23,9 @@ import pytest
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.ops import load_op
 
-from passes.targets import TARGETS
-from runners.contract import DecoderIO
-from toolchain.build import BuildOptions, build
+from kvforge import BuildOptions, build
+from kvforge.passes.targets import TARGETS
+from kvforge.runners.contract import DecoderIO
 
 # Two left-padded prompts (the runner's batch form), then greedy decode steps fed to both runtimes
 PROMPTS = ([5, 17, 42, 8, 99, 23], [61, 7, 30])

@@ -14,8 +14,8 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from toolchain import emit
-from toolchain.requirements import MINIMUM, DependencyError, check_versions, release
+from kvforge.toolchain import emit
+from kvforge.toolchain.requirements import MINIMUM, DependencyError, check_versions, release
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,7 +86,7 @@ def test_the_command_line_prints_one_line_for_a_too_old_library(tmp_path: Path) 
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: onnx-ir\nVersion: 0.1.10\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     result = subprocess.run(
-        [sys.executable, "-m", "toolchain.cli", "--help"], capture_output=True, text=True, env=env, check=False
+        [sys.executable, "-m", "kvforge", "--help"], capture_output=True, text=True, env=env, check=False
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [

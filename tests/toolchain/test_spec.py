@@ -11,9 +11,9 @@ import pytest
 import torch
 import transformers
 
-from runners.contract import LayerState
-from runners.errors import ArtifactError, CheckpointError, KvforgeError, UnsupportedModelError
-from toolchain.spec import SUPPORTED_MODEL_TYPES, DecoderSpec, verified_families
+from kvforge.runners.contract import LayerState
+from kvforge.runners.errors import ArtifactError, CheckpointError, KvforgeError, UnsupportedModelError
+from kvforge.toolchain.spec import SUPPORTED_MODEL_TYPES, DecoderSpec, verified_families
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 

@@ -18,14 +18,14 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from runners.contract import DecoderIO
+from kvforge.runners.contract import DecoderIO
+from kvforge.toolchain import build as build_module
+from kvforge.toolchain import checkpoint as checkpoints
+from kvforge.toolchain import stamp
+from kvforge.toolchain.build import BuildOptions, build, read_spec
+from kvforge.toolchain.export import eager_model, export_decoder, layer_windows
+from kvforge.toolchain.lower import to_onnx
 from tests.tiny import make_checkpoint
-from toolchain import build as build_module
-from toolchain import checkpoint as checkpoints
-from toolchain import stamp
-from toolchain.build import BuildOptions, build, read_spec
-from toolchain.export import eager_model, export_decoder, layer_windows
-from toolchain.lower import to_onnx
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -195,7 +195,7 @@ def test_a_calibrated_build_refused_stamped_calibrates_once(
     """The whole stack's compilation after a refused stamped graph reads the calibrated weights
     back instead of calibrating again, and quantizes them to the codes a whole-stack build
     calibrates to; nothing of the kept weights stays beside the output."""
-    from passes.quantize import WeightQuantization
+    from kvforge.passes.quantize import WeightQuantization
     from tests.toolchain.test_calibration import small_text
 
     options = BuildOptions(weights=WeightQuantization(4), calibration=small_text())

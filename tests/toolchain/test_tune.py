@@ -16,12 +16,12 @@ import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
 
-from passes.quantize import KernelForm, WeightQuantization
-from passes.targets import TARGETS
-from runners.errors import ArtifactError
-from toolchain import tune
-from toolchain.build import BuildOptions, build
-from toolchain.cli import main
+from kvforge import BuildOptions, build
+from kvforge.cli import main
+from kvforge.passes.quantize import KernelForm, WeightQuantization
+from kvforge.passes.targets import TARGETS
+from kvforge.runners.errors import ArtifactError
+from kvforge.toolchain import tune
 
 DEFAULT = KernelForm(32, 4)
 
@@ -280,8 +280,8 @@ class FailedReport:
 
 
 def test_a_tuned_build_the_gate_refuses_says_to_build_with_tune_off() -> None:
-    from runners.errors import ParityError
-    from toolchain.build import _require_parity
+    from kvforge.runners.errors import ParityError
+    from kvforge.toolchain.build import _require_parity
 
     with pytest.raises(ParityError, match=r"distribution FAILED .*the kernel forms --tune fast chose .*--tune off$"):
         _require_parity(FailedReport(), "ckpt", "fast")  # type: ignore[arg-type]

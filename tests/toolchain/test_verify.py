@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from runners.contract import DecoderIO
-from runners.session import Session
-from toolchain.verify import (
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.session import Session
+from kvforge.toolchain.verify import (
     TOLERANCES,
     ParityReport,
     check_distribution,
@@ -109,7 +109,7 @@ def test_a_shifted_logit_is_reported_with_the_first_diverging_step() -> None:
 
 
 def test_the_first_diverging_output_is_named_in_the_order_the_model_computes_it() -> None:
-    from toolchain.verify import OutputError
+    from kvforge.toolchain.verify import OutputError
 
     report = ParityReport("float32", TOL)
     report.prefill = [
@@ -138,7 +138,7 @@ def test_nan_during_decode_is_a_failed_report_not_an_exception() -> None:
 
 
 def test_a_near_tie_may_part_the_tokens_a_clear_lead_may_not() -> None:
-    from toolchain.verify import TOLERANCES, _near_tie
+    from kvforge.toolchain.verify import TOLERANCES, _near_tie
 
     tol = TOLERANCES["float16"]
     logits = np.array([[0.0, 5.0, 4.8], [1.0, 0.0, 0.0]], np.float32)

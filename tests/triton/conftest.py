@@ -203,7 +203,7 @@ def triton_server(
     triton_install: TritonInstall, tiny_artifact: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[TritonServer]:
     """One server per module: two CPU instances of the tiny llama, 4 sequences each."""
-    from toolchain.triton import TritonOptions, export_triton
+    from kvforge.toolchain.triton import TritonOptions, export_triton
 
     workdir = tmp_path_factory.mktemp("triton")
     repository = workdir / "repository"

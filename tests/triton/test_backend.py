@@ -1,4 +1,4 @@
-"""The Python-backend model (`runners.triton.backend`) with a stand-in for Triton's
+"""The Python-backend model (`kvforge.runners.triton.backend`) with a stand-in for Triton's
 `triton_python_backend_utils`: streaming through the response sender, errors, cancellation,
 the engine's settings and metrics. The real stub runs it in test_tritonserver.py."""
 
@@ -16,21 +16,21 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runners.engine import Engine
-from runners.errors import KvforgeError
-from runners.serve.metrics import Metrics
-from runners.serve.prefix_cache import BLOCK
-from runners.triton.backend import (
+from kvforge.runners.engine import Engine
+from kvforge.runners.errors import KvforgeError
+from kvforge.runners.serve.metrics import Metrics
+from kvforge.runners.serve.prefix_cache import BLOCK
+from kvforge.runners.triton.backend import (
     EngineSettings,
     MetricsMirror,
     ServingModel,
     _TritonLog,
     providers_for,
 )
+from kvforge.toolchain.triton import TritonOptions, export_triton
 from tests.tiny import CORPUS
 from tests.triton.frontend import frontend_request
 from tests.triton.test_requests import _NUMPY
-from toolchain.triton import TritonOptions, export_triton
 
 FINAL = 1
 TIMEOUT_S = 30.0
@@ -181,7 +181,7 @@ def load(repository: Path, pb: SimpleNamespace, **parameters: str) -> ServingMod
 @pytest.fixture
 def served(repository: Path) -> Iterator[tuple[ServingModel, SimpleNamespace]]:
     pb = fake_pb()
-    runners_log = logging.getLogger("runners")
+    runners_log = logging.getLogger("kvforge.runners")
     handlers, level = list(runners_log.handlers), runners_log.level
     model = load(repository, pb, max_num_seqs="2")
     yield model, pb
@@ -376,7 +376,7 @@ def test_a_triton_without_custom_metrics_still_serves() -> None:
 
 def test_log_records_go_to_tritons_log() -> None:
     pb = fake_pb()
-    log = logging.getLogger("runners.triton.test")
+    log = logging.getLogger("kvforge.runners.triton.test")
     handler = _TritonLog(pb.Logger)
     log.addHandler(handler)
     try:

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from runners.errors import ArtifactError, KvforgeError
-from runners.manifest import MANIFEST, read_manifest, sha256_file
-from runners.triton.contract import INPUTS, OUTPUTS
+from kvforge.cli import main
+from kvforge.runners.errors import ArtifactError, KvforgeError
+from kvforge.runners.manifest import MANIFEST, read_manifest, sha256_file
+from kvforge.runners.triton.contract import INPUTS, OUTPUTS
+from kvforge.toolchain.triton import REPOSITORY_MARKER, TritonOptions, default_model_name, export_triton
 from tests.triton.frontend import CONFIG_TYPES, FRONTEND_INPUTS, FRONTEND_OUTPUTS, frontend_request
-from toolchain.cli import main
-from toolchain.triton import REPOSITORY_MARKER, TritonOptions, default_model_name, export_triton
 
 
 def parse_pbtxt(text: str) -> dict[str, object]:
@@ -99,7 +99,7 @@ def test_the_contract_table_is_what_the_config_says(repository: Path) -> None:
 
 def test_model_py_imports_the_adapter_and_the_readme_has_the_commands(repository: Path) -> None:
     model_py = (repository / "llm" / "1" / "model.py").read_text()
-    assert "from runners.triton.backend import TritonPythonModel" in model_py
+    assert "from kvforge.runners.triton.backend import TritonPythonModel" in model_py
     compile(model_py, "model.py", "exec")
     readme = (repository / "README.md").read_text()
     for command in (

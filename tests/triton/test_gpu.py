@@ -25,13 +25,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from passes.targets import TARGETS
-from runners.engine import Engine
-from runners.generate import position_ids
-from runners.manifest import read_io, read_manifest
+from kvforge.passes.targets import TARGETS
+from kvforge.runners.engine import Engine
+from kvforge.runners.generate import position_ids
+from kvforge.runners.manifest import read_io, read_manifest
+from kvforge.toolchain.triton import TritonOptions, export_triton
 from tests.triton.conftest import START_TIMEOUT_S, TritonServer, start_triton
 from tests.triton.test_tritonserver import NEW_TOKENS, PROMPT, generate_stream
-from toolchain.triton import TritonOptions, export_triton
 
 TRITON_HOME = Path("/opt/tritonserver")
 FRONTEND = TRITON_HOME / "python" / "openai" / "openai_frontend" / "main.py"
@@ -183,8 +183,8 @@ def test_onnxruntime_backend_runs_the_artifacts_graph(tiny_artifact: Path, tmp_p
 
 
 def test_tensorrt_backend_runs_the_artifacts_engine(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
-    from toolchain.build import BuildOptions, build
-    from toolchain.emit import tensorrt as engine_build
+    from kvforge import BuildOptions, build
+    from kvforge.toolchain.emit import tensorrt as engine_build
 
     if engine_build.unavailable() is not None or not (TRITON_HOME / "backends" / "tensorrt").is_dir():
         pytest.skip(f"needs TensorRT here and Triton's tensorrt backend: {engine_build.unavailable()}")

@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runners.engine import Engine
-from runners.serve.scheduler import Delta, Failed, Finished, Request
-from runners.triton.requests import Generation, Read, Reply, ReplyStream, TritonRequestError, parse_inputs
+from kvforge.runners.engine import Engine
+from kvforge.runners.serve.scheduler import Delta, Failed, Finished, Request
+from kvforge.runners.triton.requests import Generation, Read, Reply, ReplyStream, TritonRequestError, parse_inputs
 from tests.triton.frontend import frontend_request
 
 _NUMPY = {"BOOL": np.bool_, "INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64}

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from runners.engine import Engine
+from kvforge.runners.engine import Engine
 from tests.triton.conftest import KVFORGE, MODEL, TritonInstall, TritonServer, run_client
 from tests.triton.frontend import FRONTEND_INPUTS, frontend_request
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import onnx_ir as ir
 
-from toolchain.checkpoint import Checkpoint
-from toolchain.spec import DecoderSpec
+from kvforge.toolchain.checkpoint import Checkpoint
+from kvforge.toolchain.spec import DecoderSpec
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"

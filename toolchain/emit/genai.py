@@ -25,11 +25,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from passes.targets import Target
-from runners.contract import DecoderIO
-from runners.engine import generation_settings
-from toolchain.emit import GENERATION_CONFIG, MODEL_FILE, write_json
-from toolchain.spec import GENAI_DECODER_TYPES, DecoderSpec
+from kvforge.passes.targets import Target
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.engine import generation_settings
+from kvforge.toolchain.emit import GENERATION_CONFIG, MODEL_FILE, write_json
+from kvforge.toolchain.spec import GENAI_DECODER_TYPES, DecoderSpec
 
 GENAI_CONFIG = "genai_config.json"
 # Cache dtypes onnxruntime's CPU provider computes (bfloat16 is a TensorRT artifact's).

@@ -13,11 +13,11 @@ docs.nvidia.com/deeplearning/tensorrt/latest/performance/builder-performance.htm
 `build_serialized_network`.
 
 One engine has two optimization profiles over the same graph, both derived from the
-contract (`runners.contract.DecoderIO`) and the engine options:
+contract (`kvforge.runners.contract.DecoderIO`) and the engine options:
 
 - `decode` (profile 0): one new token per row, batch 1..max_batch;
 - `prefill` (profile 1): 1..max_prefill new tokens per row, batch 1..max_batch; a longer
-  prompt is prefilled in chunks (`runners.trt_session`).
+  prompt is prefilled in chunks (`kvforge.runners.trt_session`).
 
 In both the cache inputs are `[batch, kv_heads, S_max, head_dim]` with `S_max` the graph's
 fixed capacity, and the attention mask covers 1..S_max positions.
@@ -35,12 +35,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from passes.targets import TARGETS, TENSORRT_ENGINE
-from passes.tensorrt_check import min_tensorrt_version
-from runners.contract import DecoderIO
-from runners.errors import ArtifactError
-from runners.manifest import MANIFEST, read_io, read_manifest, sha256_file, verify_files
-from toolchain.emit import MODEL_FILE, write_json
+from kvforge.passes.targets import TARGETS, TENSORRT_ENGINE
+from kvforge.passes.tensorrt_check import min_tensorrt_version
+from kvforge.runners.contract import DecoderIO
+from kvforge.runners.errors import ArtifactError
+from kvforge.runners.manifest import MANIFEST, read_io, read_manifest, sha256_file, verify_files
+from kvforge.toolchain.emit import MODEL_FILE, write_json
 
 log = logging.getLogger(__name__)
 
@@ -281,8 +281,8 @@ def with_engine(manifest: dict[str, Any], directory: Path, entry: dict[str, Any]
 
 def add_engine(artifact: Path, options: EngineOptions) -> dict[str, Any]:
     """`kvforge build-engine OUT`: build the engine of a published tensorrt-target artifact and
-    republish it, with the engine in the manifest, in one atomic swap (toolchain.publish)."""
-    from toolchain.publish import publish, staged
+    republish it, with the engine in the manifest, in one atomic swap (kvforge.toolchain.publish)."""
+    from kvforge.toolchain.publish import publish, staged
 
     artifact = Path(os.path.abspath(artifact))
     recorded = read_manifest(artifact)

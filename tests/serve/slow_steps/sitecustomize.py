@@ -9,7 +9,7 @@ import time
 _DELAY = float(os.environ.get("KVFORGE_TEST_STEP_S", "0"))
 
 if _DELAY > 0:
-    from runners.session import OrtSession
+    from kvforge.runners.session import OrtSession
 
     _run = OrtSession.run
 
