@@ -17,6 +17,7 @@ the file, and every failure is a `CheckpointError` naming the file and the field
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import io
 import json
@@ -24,6 +25,8 @@ import logging
 import math
 import mmap
 import os
+import tempfile
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,6 +181,32 @@ class Checkpoint:
         return tuple(files)
 
 
+def _load_gguf(file: Path) -> Checkpoint:
+    """The checkpoint a GGUF file holds, dequantized to float32 into a scratch directory that the
+    `Checkpoint` keeps alive (`kvforge.toolchain.gguf`); it names the file as its only input."""
+    file = file.absolute()  # not resolved: a link (a Hub snapshot's, into blobs/) keeps its name
+    stat = file.stat()
+    key = (str(file), stat.st_size, stat.st_mtime_ns)
+    if (held := _FROM_GGUF.get(key)) is not None:
+        return held
+    scratch = tempfile.TemporaryDirectory(prefix="kvforge-gguf-")
+    try:
+        gguf.dequantize(file, Path(scratch.name))
+        ckpt = load(scratch.name)
+    except BaseException:
+        scratch.cleanup()
+        raise
+    ckpt = dataclasses.replace(ckpt, gguf=file, scratch=scratch)
+    _FROM_GGUF[key] = ckpt
+    return ckpt
+
+
+# The checkpoints made from GGUF files that something still holds, by file, size and mtime: a
+# second load of an unchanged file in the same process (a test session building it at several
+# precisions, say) reuses the dequantized copy rather than reading the file again.
+_FROM_GGUF: weakref.WeakValueDictionary[tuple[str, int, int], Checkpoint] = weakref.WeakValueDictionary()
+
+
 def load(path: str | Path, *, allow_pickle: bool = False, revision: str | None = None) -> Checkpoint:
     """Validate a local checkpoint directory (or a Hub id's cached snapshot) and describe its files;
     a GGUF file (or a directory holding one) is read by `kvforge.toolchain.gguf`.
@@ -190,7 +219,7 @@ def load(path: str | Path, *, allow_pickle: bool = False, revision: str | None =
     located = hub.locate(path, revision)
     gguf_file = gguf.find(located)
     if gguf_file is not None:
-        return gguf.load(gguf_file)
+        return _load_gguf(gguf_file)
     directory = _checkpoint_dir(located)
     snapshot = hub.snapshot_of(directory)
     if snapshot is not None:

@@ -5,13 +5,13 @@ of them quantized). Everything kvforge reads from one is read here:
 
 - `find` says whether a path names a GGUF file (the file itself, or a directory holding
   exactly one and no config.json);
-- `load` reads the file through transformers' GGUF loader (`from_pretrained(...,
+- `dequantize` reads the file through transformers' GGUF loader (`from_pretrained(...,
   gguf_file=...)`), which parses it with the gguf package (a memory map and numpy arrays:
   nothing in the file is executed) and dequantizes the weights to float32. The config, the
-  tokenizer and the weights are written to a scratch directory as an ordinary checkpoint and
-  loaded by `kvforge.toolchain.checkpoint`, so the pipeline and its checks are those of every
-  checkpoint; the `Checkpoint` names the GGUF file as its only input (the manifest's sources)
-  and keeps the scratch directory alive until it is dropped;
+  tokenizer and the weights are written to a directory as an ordinary checkpoint, which
+  `kvforge.toolchain.checkpoint.load` reads (into a scratch directory it keeps alive as long as
+  the `Checkpoint`), so the pipeline and its checks are those of every checkpoint; the
+  `Checkpoint` names the GGUF file as its only input (the manifest's sources);
 - `tensors` gives the file's own tensors, still in their GGUF types, by Hugging Face name;
 - `quantized_weights` the quantized ones as records the build imports with their own codes
   (`kvforge.toolchain.gguf_import`), their rows in the order transformers' loader gives the weights.
@@ -24,8 +24,6 @@ import functools
 import gc
 import json
 import logging
-import tempfile
-import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,7 +36,6 @@ from kvforge.runners.errors import CheckpointError
 from kvforge.toolchain import progress
 
 if TYPE_CHECKING:
-    from kvforge.toolchain.checkpoint import Checkpoint
     from kvforge.toolchain.prequantized import Imported
 
 logger = logging.getLogger(__name__)
@@ -67,37 +64,16 @@ def find(path: Path) -> Path | None:
     return found[0] if found else None
 
 
-def load(file: Path) -> Checkpoint:
-    """The checkpoint a GGUF file holds, dequantized to float32 (see the module's docstring).
+def dequantize(file: Path, out: Path) -> None:
+    """Write the checkpoint `file` holds into the directory `out`, dequantized to float32 (see the
+    module's docstring): what `kvforge.toolchain.checkpoint.load` then reads as any checkpoint.
 
     Raises CheckpointError naming the file when it is not a GGUF file, or when transformers
     cannot read it (an architecture its GGUF loader does not know, a truncated file)."""
-    from kvforge.toolchain import checkpoint as checkpoints
-
-    file = file.absolute()  # not resolved: a link (a Hub snapshot's, into blobs/) keeps its name
     _check_magic(file)
-    stat = file.stat()
-    key = (str(file), stat.st_size, stat.st_mtime_ns)
-    if (held := _LOADED.get(key)) is not None:
-        return held
-    scratch = tempfile.TemporaryDirectory(prefix="kvforge-gguf-")
-    try:
-        with progress.stage("gguf"), _no_transformers_bars():
-            _write_checkpoint(file, Path(scratch.name))
-        ckpt = checkpoints.load(scratch.name)
-    except BaseException:
-        scratch.cleanup()
-        raise
-    logger.info("%s: dequantized to float32 into %s", file, scratch.name)
-    ckpt = dataclasses.replace(ckpt, gguf=file, scratch=scratch)
-    _LOADED[key] = ckpt
-    return ckpt
-
-
-# The checkpoints made from GGUF files that something still holds, by file, size and mtime: a
-# second load of an unchanged file in the same process (a test session building it at several
-# precisions, say) reuses the dequantized copy rather than reading the file again.
-_LOADED: weakref.WeakValueDictionary[tuple[str, int, int], Checkpoint] = weakref.WeakValueDictionary()
+    with progress.stage("gguf"), _no_transformers_bars():
+        _write_checkpoint(file, out)
+    logger.info("%s: dequantized to float32 into %s", file, out)
 
 
 @contextmanager
