@@ -544,10 +544,10 @@ def serve(
     _require_artifact(artifact)
     from kvforge.runners.serve import ServeOptions
     from kvforge.runners.serve import serve as run_serve
-    from kvforge.runners.serve.prefix_cache import parse_bytes
+    from kvforge.runners.units import parse_bytes
 
     try:
-        budget = None if prefix_cache_bytes is None else parse_bytes(prefix_cache_bytes)
+        budget = None if prefix_cache_bytes is None else parse_bytes(prefix_cache_bytes, "size")
     except KvforgeError as error:
         raise click.BadParameter(str(error), param_hint="--prefix-cache-bytes") from error
     options = ServeOptions(

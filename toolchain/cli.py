@@ -76,6 +76,16 @@ def _tolerance_option(default: str) -> Callable[[Callable[..., Any]], Callable[.
     )
 
 
+def _device_memory(text: str) -> int:
+    """--device-memory's bytes (`kvforge.runners.units`), above 0."""
+    from kvforge.runners.units import parse_bytes
+
+    size = parse_bytes(text, "--device-memory: memory size")
+    if size <= 0:
+        raise KvforgeError(f"--device-memory: memory size {text!r}: write a size above 0, e.g. 24GiB or 16GB")
+    return size
+
+
 def _calibration(choice: str | None, quantization: Any) -> Any:
     """--calibration: the text an int4 build without zero points (symmetric or --free-min)
     calibrates on, None where the build rounds to nearest (the default); refused where it has
@@ -271,7 +281,6 @@ def build(
     from kvforge.toolchain import progress
     from kvforge.toolchain.build import DTYPES, BuildOptions
     from kvforge.toolchain.build import build as run_build
-    from kvforge.toolchain.footprint import parse_bytes
 
     if _own_process():
         # What the imports made lives as long as the process: frozen out of the collector's
@@ -305,7 +314,7 @@ def build(
         weights=quantization,
         capacity=capacity,
         context=context,
-        device_memory=None if device_memory is None else parse_bytes(device_memory),
+        device_memory=None if device_memory is None else _device_memory(device_memory),
         memory_batch=batch,
         memory_seq=seq,
         revision=revision,
@@ -441,10 +450,10 @@ def export_triton(artifact: Path, output: Path, name: str | None, runtime: str, 
     options["kind"] = _triton_kind(runtime, options["kind"], click.get_current_context())
     budget = options.pop("prefix_cache_bytes")
     if budget is not None:
-        from kvforge.runners.serve.prefix_cache import parse_bytes
+        from kvforge.runners.units import parse_bytes
 
         try:
-            options["prefix_cache_bytes"] = parse_bytes(budget)
+            options["prefix_cache_bytes"] = parse_bytes(budget, "size")
         except KvforgeError as error:
             raise click.BadParameter(str(error), param_hint="--prefix-cache-bytes") from error
 

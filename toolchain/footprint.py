@@ -342,23 +342,6 @@ def _size_row(label: str, nbytes: int) -> str:
     return _row(f"  {label}", f"{nbytes:,}", _gib(nbytes))
 
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20}
-_UNITS |= {"GIB": 1 << 30, "TIB": 1 << 40}
-
-
-def parse_bytes(text: str) -> int:
-    """'24GiB', '512 MiB', '16GB', '1000000' -> bytes."""
-    number = text.strip().rstrip("bBiIkKmMgGtT ")
-    unit = text.strip()[len(number) :].strip().upper()
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in _UNITS or not value > 0:
-        raise KvforgeError(f"memory size {text!r}: write a positive number with a unit, e.g. 24GiB, 512MiB or 16GB")
-    return int(value * _UNITS[unit])
-
-
 def format_bytes(nbytes: int) -> str:
     return f"{nbytes / GIB:.2f} GiB"
 

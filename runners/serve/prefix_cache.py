@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,17 +28,6 @@ from kvforge.runners.errors import KvforgeError
 from kvforge.runners.serve.metrics import Metrics
 
 BLOCK = 16
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_bytes(text: str) -> int:
-    """A byte count such as ``0``, ``1048576``, ``512M`` or ``2GiB`` (binary units); bad text raises."""
-    match = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    if match is None or (match.group(3) and not match.group(2) and match.group(3) != "b"):
-        raise KvforgeError(
-            f"--prefix-cache-bytes must be a byte count such as 0 (off), 268435456, 256M or 2G, got {text!r}"
-        )
-    return int(match.group(1)) * _UNITS[match.group(2)]
 
 
 def default_budget() -> int:

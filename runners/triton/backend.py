@@ -27,7 +27,6 @@ from typing import Any, cast
 from kvforge.runners.engine import Engine
 from kvforge.runners.errors import KvforgeError
 from kvforge.runners.serve.metrics import PREFIX, Counter, Gauge, Histogram, Metrics
-from kvforge.runners.serve.prefix_cache import parse_bytes
 from kvforge.runners.serve.scheduler import (
     BatchScheduler,
     Overloaded,
@@ -39,6 +38,7 @@ from kvforge.runners.serve.scheduler import (
 from kvforge.runners.serve.server import prefix_cache_for
 from kvforge.runners.triton.contract import ARTIFACT_DIR, AUTO_BUDGET, ENGINE_PARAMETERS, PREFIX_CACHE_PARAMETER
 from kvforge.runners.triton.requests import Reply, ReplyStream, TritonRequestError, parse_inputs
+from kvforge.runners.units import parse_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def _budget(entry: Any) -> int | None:
     if str(text).strip().lower() == AUTO_BUDGET:
         return None
     try:
-        return parse_bytes(str(text))
+        return parse_bytes(str(text), PREFIX_CACHE_PARAMETER)
     except KvforgeError as error:
         raise KvforgeError(
             f"config.pbtxt: parameters {PREFIX_CACHE_PARAMETER} is {text!r}, not a byte count (such as 0, "

@@ -16,7 +16,7 @@ import pytest
 from kvforge.runners.engine import Engine
 from kvforge.runners.errors import KvforgeError
 from kvforge.runners.serve.metrics import Metrics
-from kvforge.runners.serve.prefix_cache import BLOCK, PrefixCache, parse_bytes, unsupported
+from kvforge.runners.serve.prefix_cache import BLOCK, PrefixCache, unsupported
 from kvforge.runners.serve.scheduler import BatchScheduler, Finished
 from kvforge.runners.serve.server import prefix_cache_for
 from tests.serve.conftest import KVFORGE, Server
@@ -143,17 +143,6 @@ def test_a_small_budget_holds_under_distinct_prompts(engine: Engine) -> None:
     finally:
         scheduler.stop()
     assert texts == [solo(engine, prompt + engine.encode(" x"), 8)[0]]
-
-
-def test_parse_bytes_and_refusals() -> None:
-    assert parse_bytes("0") == 0
-    assert parse_bytes("1048576") == 1 << 20
-    assert parse_bytes("512M") == 512 << 20
-    assert parse_bytes("2GiB") == 2 << 30
-    assert parse_bytes("64k") == 64 << 10
-    for bad in ("", "-1", "1.5G", "lots", "12X", "G"):
-        with pytest.raises(KvforgeError, match="--prefix-cache-bytes"):
-            parse_bytes(bad)
 
 
 def test_unsupported_for_windows_and_states(engine: Engine) -> None:
