@@ -116,26 +116,20 @@ def _require_artifact(path: Path) -> None:
 
 
 def _engine_options(queue_note: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """The batching engine's knobs, shared by `serve` and `export-triton`."""
-    options = [
-        click.option(
-            "--max-num-seqs", default=8, show_default=True, type=click.IntRange(1), help="Requests generating at once."
-        ),
-        click.option(
-            "--max-queued", default=64, show_default=True, type=click.IntRange(0), help=f"Requests waiting{queue_note}."
-        ),
-        click.option(
-            "--prefill-chunk",
-            default=256,
-            show_default=True,
-            type=click.IntRange(1),
-            help="Prompt tokens prefilled per engine step.",
-        ),
-    ]
+    """The batching engine's knobs, shared by `serve` and `export-triton`: one option per field
+    `ServingParams` declares (`kvforge.runners.settings`); `queue_note` ends max_queued's help."""
+    from kvforge.runners.settings import serving_settings
 
     def apply(fn: Callable[..., Any]) -> Callable[..., Any]:
-        for option in reversed(options):
-            fn = option(fn)
+        for declared in reversed(serving_settings()):
+            fn = click.option(
+                declared.flag,
+                declared.name,
+                default=declared.default,
+                show_default=True,
+                type=click.IntRange(None if declared.minimum is None else int(declared.minimum)),
+                help=declared.help + (f"{queue_note}." if declared.name == "max_queued" else ""),
+            )(fn)
         return fn
 
     return apply
@@ -193,23 +187,12 @@ def main(verbose: bool) -> None:
 
 
 def _sampling_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The sampling knobs, shared by `generate` and `chat`."""
-    options = [
-        click.option(
-            "--temperature", type=float, default=None, help="0 is greedy. Default: the artifact's generation config."
-        ),
-        click.option("--top-k", type=int, default=None, help="Keep the k most likely tokens (0: off)."),
-        click.option(
-            "--top-p", type=float, default=None, help="Keep the smallest set of tokens with this total probability."
-        ),
-        click.option(
-            "--min-p", type=float, default=None, help="Drop tokens below this fraction of the top probability."
-        ),
-        click.option("--repetition-penalty", type=float, default=None, help="Penalize tokens already seen (1: off)."),
-        click.option("--seed", type=int, default=None, help="Same seed, same text."),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
+    """The sampling knobs, shared by `generate` and `chat`: one option per field `SamplingParams`
+    declares (`kvforge.runners.settings`); unset, the artifact's generation defaults hold."""
+    from kvforge.runners.settings import sampling_settings
+
+    for declared in reversed(sampling_settings()):
+        fn = click.option(declared.flag, declared.name, type=declared.kind, default=None, help=declared.help)(fn)
     return fn
 
 

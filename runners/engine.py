@@ -34,6 +34,7 @@ from kvforge.runners.request import GenerationRequest
 from kvforge.runners.runtime import Choice, Environment, choose, open_session
 from kvforge.runners.sampling import SamplingParams
 from kvforge.runners.session import Session
+from kvforge.runners.settings import declared
 from kvforge.runners.speculative import (
     PROMPT_LOOKUP,
     Drafter,
@@ -630,7 +631,7 @@ def sampling_defaults(generation: Mapping[str, Any]) -> SamplingParams:
     `temperature: "hot"` is broken, not merely unused.
     """
 
-    def get(key: str, default: float, integral: bool = False) -> Any:
+    def get(key: str, default: Any, integral: bool = False) -> Any:
         value = generation.get(key)
         if value is None:
             return default
@@ -642,15 +643,10 @@ def sampling_defaults(generation: Mapping[str, Any]) -> SamplingParams:
     do_sample = generation.get("do_sample")
     if do_sample is not None and not isinstance(do_sample, bool):
         raise GenerationError(f"do_sample must be true or false, got {_preview(do_sample)}")
-    penalty = float(get("repetition_penalty", 1.0))
-    sampled = SamplingParams(
-        temperature=float(get("temperature", 1.0)),
-        top_k=int(get("top_k", 0, integral=True)),
-        top_p=float(get("top_p", 1.0)),
-        min_p=float(get("min_p", 0.0)),
-        repetition_penalty=penalty,
-    )
-    return sampled if do_sample else SamplingParams(temperature=0.0, repetition_penalty=penalty)
+    read = [s for s in declared(SamplingParams) if s.generation_config]  # kvforge.runners.settings
+    given = {s.name: s.kind(get(s.name, s.default, s.kind is int)) for s in read}
+    kept = {s.name: given[s.name] for s in read if s.kept_when_greedy}  # logits processors, not samplers
+    return SamplingParams(**given) if do_sample else SamplingParams(temperature=0.0, **kept)
 
 
 def _preview(value: object, limit: int = 60) -> str:

@@ -16,13 +16,14 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from kvforge.runners.errors import GenerationError
+from kvforge.runners.settings import SamplingParams as SamplingParams  # declared there, with its settings
+from kvforge.runners.settings import sampling_settings as sampling_settings
 
 FloatArray = npt.NDArray[np.float64]
 IdArray = npt.NDArray[np.int64]
@@ -33,58 +34,6 @@ class Uniforms(Protocol):
     gives `n` floats in [0, 1) (a row's share of a batch's draws, `kvforge.runners.speculative`)."""
 
     def random(self, n: int) -> npt.NDArray[np.float64]: ...
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the next token is chosen; the neutral value of each field turns it off.
-
-    ``temperature == 0`` means greedy decoding (argmax after the repetition penalty).
-    ``repetition_penalty`` follows Hugging Face: for every token already seen (prompt and
-    generated), a positive logit is divided by the penalty and a negative one multiplied.
-    """
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-
-    def validate(self) -> None:
-        """Raise GenerationError naming the first field whose value is out of range."""
-        _check_real("temperature", self.temperature)
-        if self.temperature < 0:
-            raise GenerationError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        _check_int("top_k", self.top_k)
-        if self.top_k < 0:
-            raise GenerationError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
-        _check_real("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:
-            raise GenerationError(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p}")
-        _check_real("min_p", self.min_p)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise GenerationError(f"min_p must be in [0, 1] (0 turns it off), got {self.min_p}")
-        _check_real("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise GenerationError(f"repetition_penalty must be > 0 (1 turns it off), got {self.repetition_penalty}")
-        if self.seed is not None:
-            _check_int("seed", self.seed)
-            if self.seed < 0:
-                raise GenerationError(f"seed must be >= 0 or None, got {self.seed}")
-
-    @property
-    def greedy(self) -> bool:
-        """True when the token is the argmax: top-k/top-p/min-p never remove the argmax."""
-        return self.temperature == 0
-
-
-def _check_real(field: str, value: object) -> None:
-    """Reject non-numbers, bools and NaN/inf before range checks compare them."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise GenerationError(f"{field} must be a number, got {value!r}")
-    if not math.isfinite(float(value)):
-        raise GenerationError(f"{field} must be finite, got {value}")
 
 
 def _check_int(field: str, value: object) -> None:

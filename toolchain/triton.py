@@ -27,14 +27,15 @@ from pathlib import Path
 
 from kvforge.runners.errors import ArtifactError, KvforgeError
 from kvforge.runners.manifest import MANIFEST, read_manifest, verify_files
+from kvforge.runners.settings import serving_settings
 from kvforge.runners.triton.contract import (
     ARTIFACT_DIR,
     AUTO_BUDGET,
     ENGINE_PARAMETERS,
-    INPUTS,
     OUTPUTS,
     PREFIX_CACHE_PARAMETER,
     TensorSpec,
+    inputs,
 )
 from kvforge.toolchain.publish import check_output, publish, staged
 
@@ -62,12 +63,8 @@ class TritonOptions:
     def validate(self) -> None:
         if self.kind not in KINDS:
             raise KvforgeError(f"--kind {self.kind!r} is not one of {', '.join(KINDS)}; choose one")
-        for flag, value, least in (
-            ("--instances", self.instances, 1),
-            ("--max-num-seqs", self.max_num_seqs, 1),
-            ("--max-queued", self.max_queued, 0),
-            ("--prefill-chunk", self.prefill_chunk, 1),
-        ):
+        engine = [(s.flag, getattr(self, s.name), int(s.minimum or 0)) for s in serving_settings()]
+        for flag, value, least in [("--instances", self.instances, 1), *engine]:
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise KvforgeError(f"{flag} must be an integer >= {least}, got {value!r}")
         budget = self.prefix_cache_bytes
@@ -162,7 +159,7 @@ def render_config(name: str, options: TritonOptions) -> str:
         "model_transaction_policy {",
         "  decoupled: true",
         "}",
-        _tensors("input", INPUTS),
+        _tensors("input", inputs()),
         _tensors("output", OUTPUTS),
         "instance_group [",
         "  {",
@@ -255,8 +252,9 @@ kvforge-triton.json     what wrote this repository (`kvforge export-triton --for
 ```
 
 Inputs (each `[1, 1]`, `stop_words` `[1, n]`): `text_input` (string, required), `stream`
-(bool), `max_tokens` (int32), `stop_words` (strings), `temperature`, `top_p` (fp32), `top_k`
-(int32), `frequency_penalty`, `presence_penalty` (fp32, only 0 is accepted), `seed` (uint64),
+(bool), `max_tokens` (int32), `stop_words` (strings), `temperature`, `top_p`, `min_p`,
+`repetition_penalty` (fp32), `top_k` (int32), `frequency_penalty`, `presence_penalty` (fp32,
+only 0 is accepted), `seed` (uint64),
 `return_num_input_tokens`, `return_num_output_tokens` (bool), `guided_decoding_guide_type`,
 `guided_decoding_guide` (strings: guided decoding with guide type `json`, `json_schema` or
 `regex`, as TensorRT-LLM's backend takes them; other guide types are refused). Outputs: `text_output`,

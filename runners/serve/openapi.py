@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvforge.runners.settings import sampling_settings
+
 _JSON = "application/json"
 
 
@@ -32,15 +34,10 @@ _ERRORS = {
     "503": _error("Loading, shutting down, or the engine has failed."),
 }
 
-_SAMPLING: dict[str, Any] = {
+# What both generation requests take besides the sampling fields (`_generation_fields`).
+_GENERATION: dict[str, Any] = {
     "max_tokens": _nullable({"type": "integer", "minimum": 1}),
     "max_completion_tokens": _nullable({"type": "integer", "minimum": 1}),
-    "temperature": _nullable({"type": "number", "minimum": 0}),
-    "top_p": _nullable({"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1}),
-    "top_k": _nullable({"type": "integer", "minimum": -1}),
-    "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
-    "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": True, "minimum": 0}),
-    "seed": _nullable({"type": "integer", "minimum": 0}),
     "n": _nullable({"type": "integer", "minimum": 1}),
     "response_format": _nullable(
         {
@@ -72,6 +69,13 @@ _SAMPLING: dict[str, Any] = {
     "ignore_eos": _nullable({"type": "boolean"}),
     "stream_options": _nullable({"type": "object", "properties": {"include_usage": _nullable({"type": "boolean"})}}),
 }
+
+
+def _generation_fields() -> dict[str, Any]:
+    """The fields of both generation requests: every sampling field `SamplingParams` declares,
+    with its range (`kvforge.runners.settings`), and the rest."""
+    return {**{s.name: s.json_schema() for s in sampling_settings()}, **_GENERATION}
+
 
 _USAGE = {
     "type": "object",
@@ -131,6 +135,7 @@ def _generation_route(summary: str, request: str, response: str) -> dict[str, An
 def openapi_schema(model: str | None = None) -> dict[str, Any]:
     """The document; with `model`, requests name it (an enum), so generated ones reach the engine."""
     name: dict[str, Any] = {"type": "string", **({"enum": [model]} if model else {})}
+    generation = _generation_fields()
     return {
         "openapi": "3.0.3",
         "info": {"title": "kvforge serve", "version": "1", "description": "OpenAI-compatible completions."},
@@ -202,7 +207,7 @@ def openapi_schema(model: str | None = None) -> dict[str, Any]:
                                 {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
                             ]
                         },
-                        **_SAMPLING,
+                        **generation,
                         "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20}),
                     },
                 },
@@ -230,7 +235,7 @@ def openapi_schema(model: str | None = None) -> dict[str, Any]:
                                 },
                             },
                         },
-                        **_SAMPLING,
+                        **generation,
                         "logprobs": _nullable({"type": "boolean"}),
                         "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20}),
                     },

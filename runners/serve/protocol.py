@@ -21,11 +21,11 @@ from kvforge.runners.decoding import MAX_TOP_LOGPROBS, TokenLogprob
 from kvforge.runners.engine import Engine
 from kvforge.runners.errors import GenerationError
 from kvforge.runners.sampling import SamplingParams
+from kvforge.runners.settings import sampling_settings
 
 if TYPE_CHECKING:
     from kvforge.runners.grammar import Grammar
 
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 _MAX_STOP_STRINGS = 16
 # Limits on a request's shape, checked before anything is compiled or queued: Python's JSON
 # decoder and repr recurse, and llguidance's schema compiler takes time that grows with the
@@ -56,12 +56,12 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
 }
 # Fields that describe the caller, not the generation: accepted and not acted on.
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+# Implemented too: every field SamplingParams declares (`kvforge.runners.settings`).
 _IMPLEMENTED = frozenset(
     {
         "model",
         "max_tokens",
         "max_completion_tokens",
-        *_SAMPLING_FIELDS,
         "stop",
         "stream",
         "stream_options",
@@ -258,7 +258,7 @@ def _response_format(value: object, engine: Engine) -> Grammar | None:
 
 def _refuse_unsupported(body: Mapping[str, Any], chat: bool) -> None:
     """A 400 naming the first field the server would otherwise have to drop."""
-    implemented = _IMPLEMENTED | {"messages" if chat else "prompt"}
+    implemented = _IMPLEMENTED | {"messages" if chat else "prompt"} | {s.name for s in sampling_settings()}
     for name, value in body.items():
         if name in implemented or name in _IGNORED or value is None:
             continue
@@ -321,17 +321,17 @@ def _stream_fields(body: Mapping[str, Any]) -> tuple[bool, bool]:
 
 
 def _sampling(body: Mapping[str, Any], engine: Engine) -> SamplingParams:
-    """Given fields replace the artifact's generation defaults; each is checked on its own so
-    that the error names it."""
+    """Given fields (each one `SamplingParams` declares) replace the artifact's generation
+    defaults; each is checked on its own so that the error names it."""
     given: dict[str, Any] = {}
-    for name in _SAMPLING_FIELDS:
-        value = body.get(name)
+    for declared in sampling_settings():
+        name, value = declared.name, body.get(declared.name)
         if value is None:
             continue
-        if name == "top_k" and value == -1 and not isinstance(value, bool):
-            value = 0  # vLLM's spelling of "off"
+        if value == declared.off_alias and not isinstance(value, bool):
+            value = declared.default  # another API's spelling of "off" (vLLM's top_k -1)
         try:
-            SamplingParams(**{name: value}).validate()  # type: ignore[arg-type]
+            declared.check(value, GenerationError)
         except GenerationError as error:
             raise ApiError(400, str(error), name) from error
         given[name] = value

@@ -36,6 +36,7 @@ from kvforge.runners.serve.scheduler import (
     poll_events,
 )
 from kvforge.runners.serve.server import prefix_cache_for
+from kvforge.runners.settings import serving_settings
 from kvforge.runners.triton.contract import ARTIFACT_DIR, AUTO_BUDGET, ENGINE_PARAMETERS, PREFIX_CACHE_PARAMETER
 from kvforge.runners.triton.requests import Reply, ReplyStream, TritonRequestError, parse_inputs
 from kvforge.runners.units import parse_bytes
@@ -77,12 +78,13 @@ class EngineSettings:
         """The engine's knobs from config.pbtxt's `parameters` (string values); absent ones keep defaults."""
         parameters = config.get("parameters") or {}
         values: dict[str, int] = {}
-        for name in ENGINE_PARAMETERS:
+        for declared in serving_settings():
+            name = declared.name
             entry = parameters.get(name)
             if entry is None:
                 continue
             text = entry.get("string_value") if isinstance(entry, dict) else None
-            least = 0 if name == "max_queued" else 1
+            least = int(declared.minimum or 0)
             try:
                 value = int(str(text))
             except ValueError:

@@ -21,12 +21,11 @@ from kvforge.runners.engine import Engine
 from kvforge.runners.errors import KvforgeError
 from kvforge.runners.serve.protocol import ApiError, ParsedRequest, parse_request
 from kvforge.runners.serve.scheduler import Delta, Event, Failed, Finished, Request
+from kvforge.runners.triton.contract import PENALTIES, sampling_inputs
 
 # A request's input tensor by name, as numpy, or None when the request does not carry it.
 Read = Callable[[str], "np.ndarray | None"]
 
-# Inputs that are the OpenAI field of the same name.
-_SAME_NAME = ("max_tokens", "temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty", "seed")
 _TRITON_NAMES = {"prompt": "text_input", "stop": "stop_words"}
 _NO_LLGUIDANCE = "guided decoding needs llguidance in the Python backend's environment ({}); pip install llguidance"
 _ERROR_CODES = {400: "INVALID_ARG", 404: "INVALID_ARG", 429: "UNAVAILABLE", 503: "UNAVAILABLE"}
@@ -59,7 +58,7 @@ def parse_inputs(read: Read, engine: Engine, model_name: str) -> Generation:
     regex = _guided_decoding(read, body)
     if body["prompt"] is None:
         raise TritonRequestError("input text_input is missing; send the prompt as text_input")
-    for name in _SAME_NAME:
+    for name in _same_name():
         value = _scalar(read, name)
         if value is not None:
             body[name] = value
@@ -80,6 +79,11 @@ def parse_inputs(read: Read, engine: Engine, model_name: str) -> Generation:
         except KvforgeError as error:
             raise TritonRequestError(f"input guided_decoding_guide: {error}") from error
     return Generation(parsed, _flag(read, "return_num_input_tokens"), _flag(read, "return_num_output_tokens"))
+
+
+def _same_name() -> tuple[str, ...]:
+    """Inputs that are the OpenAI field of the same name: max_tokens, the sampling fields, the penalties."""
+    return ("max_tokens", *(spec.name for spec in (*sampling_inputs(), *PENALTIES)))
 
 
 def _triton_message(error: ApiError) -> str:

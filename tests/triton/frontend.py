@@ -29,6 +29,9 @@ FRONTEND_INPUTS: dict[str, str] = {
     "return_num_input_tokens": "BOOL",
     "return_num_output_tokens": "BOOL",
 }
+# kvforge's sampling fields that the frontend does not send, declared too: a request to Triton's
+# `generate` endpoints or gRPC may carry them (FP32 [1, 1], as TensorRT-LLM's backend takes them).
+ENGINE_SAMPLING_INPUTS = {"min_p", "repetition_penalty"}
 FRONTEND_OUTPUTS = {"text_output", "num_input_tokens", "num_output_tokens"}
 # Triton's model-config type of each datatype
 CONFIG_TYPES = {

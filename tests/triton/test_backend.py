@@ -385,3 +385,34 @@ def test_log_records_go_to_tritons_log() -> None:
     finally:
         log.removeHandler(handler)
     assert pb.logged == [("warn", "careful 1"), ("error", "broken")]
+
+
+def test_min_p_and_repetition_penalty_reach_the_engine(
+    served: tuple[ServingModel, SimpleNamespace], tiny_artifact: Path
+) -> None:
+    """The inputs the frontend does not send but the contract declares change the text as they
+    change `kvforge generate`'s (values exact in float32, as Triton carries them)."""
+    model, _ = served
+    engine = Engine.load(tiny_artifact)
+    cases = (
+        {"temperature": 0.0, "repetition_penalty": 2.0},
+        {"temperature": 1.5, "seed": 3, "min_p": 0.75},
+    )
+    for sampling in cases:
+        tensors = frontend_request("def f(x):", stream=False, max_tokens=24)
+        for name, value in sampling.items():
+            tensors[name] = ["UINT64" if name == "seed" else "FP32", [[value]]]
+        request = FakeRequest(tensors)
+        model.execute([request])
+        [response] = request.sender.wait()
+        assert response.error is None
+        expected = "".join(engine.stream("def f(x):", max_new_tokens=24, **sampling))
+        plain = {k: v for k, v in sampling.items() if k in ("temperature", "seed")}
+        assert response.text() == expected != "".join(engine.stream("def f(x):", max_new_tokens=24, **plain))
+    bad = frontend_request("def", stream=True, max_tokens=4)
+    bad["min_p"] = ["FP32", [[1.5]]]
+    request = FakeRequest(bad)
+    model.execute([request])
+    [response] = request.sender.wait()
+    assert response.error is not None and response.error.code == "INVALID_ARG"
+    assert "min_p must be in [0, 1] (0 turns it off), got 1.5" in response.error.message

@@ -13,9 +13,15 @@ from click.testing import CliRunner
 from kvforge.cli import main
 from kvforge.runners.errors import ArtifactError, KvforgeError
 from kvforge.runners.manifest import MANIFEST, read_manifest, sha256_file
-from kvforge.runners.triton.contract import INPUTS, OUTPUTS
+from kvforge.runners.triton.contract import OUTPUTS, inputs
 from kvforge.toolchain.triton import REPOSITORY_MARKER, TritonOptions, default_model_name, export_triton
-from tests.triton.frontend import CONFIG_TYPES, FRONTEND_INPUTS, FRONTEND_OUTPUTS, frontend_request
+from tests.triton.frontend import (
+    CONFIG_TYPES,
+    ENGINE_SAMPLING_INPUTS,
+    FRONTEND_INPUTS,
+    FRONTEND_OUTPUTS,
+    frontend_request,
+)
 
 
 def parse_pbtxt(text: str) -> dict[str, object]:
@@ -73,7 +79,7 @@ def test_config_declares_exactly_what_the_openai_frontend_sends(repository: Path
     assert (config["name"], config["backend"], config["max_batch_size"]) == ("llm", "python", 0)
     assert config["decoupled"]
     inputs = {entry["name"]: entry for entry in config["input"]}  # type: ignore[attr-defined]
-    assert set(inputs) == set(FRONTEND_INPUTS)
+    assert set(inputs) == set(FRONTEND_INPUTS) | ENGINE_SAMPLING_INPUTS
     sent = frontend_request("x", stream=True, max_tokens=1, stop=["a", "b", "c"], guided=("json_schema", "{}"))
     for name, (datatype, values) in sent.items():
         shape = (len(values), len(values[0]))
@@ -92,7 +98,7 @@ def test_config_declares_exactly_what_the_openai_frontend_sends(repository: Path
 
 def test_the_contract_table_is_what_the_config_says(repository: Path) -> None:
     config = parse_pbtxt((repository / "llm" / "config.pbtxt").read_text())
-    for specs, section in ((INPUTS, "input"), (OUTPUTS, "output")):
+    for specs, section in ((inputs(), "input"), (OUTPUTS, "output")):
         written = [(e["name"], e["data_type"], tuple(e["dims"])) for e in config[section]]  # type: ignore[attr-defined]
         assert written == [(s.name, s.data_type, s.dims) for s in specs]
 

@@ -22,7 +22,7 @@ import pytest
 
 from kvforge.runners.engine import Engine
 from tests.triton.conftest import KVFORGE, MODEL, TritonInstall, TritonServer, run_client
-from tests.triton.frontend import FRONTEND_INPUTS, frontend_request
+from tests.triton.frontend import ENGINE_SAMPLING_INPUTS, FRONTEND_INPUTS, frontend_request
 
 pytestmark = pytest.mark.slow
 PROMPT = "def fibonacci(n):"
@@ -239,6 +239,6 @@ def test_config_parses_with_tritons_own_schema(triton_install: TritonInstall, tr
     config = run_client(triton_install, "config", str(triton_server.repository / MODEL / "config.pbtxt"))
     assert config["name"] == MODEL and config["backend"] == "python"
     assert config.get("max_batch_size", 0) == 0 and config["model_transaction_policy"]["decoupled"] is True
-    assert {i["name"] for i in config["input"]} == set(FRONTEND_INPUTS)
+    assert {i["name"] for i in config["input"]} == set(FRONTEND_INPUTS) | ENGINE_SAMPLING_INPUTS
     assert [i["name"] for i in config["input"] if not i.get("optional")] == ["text_input"]
     assert config["instance_group"] == [{"count": 2, "kind": "KIND_CPU"}]

@@ -22,12 +22,14 @@ default could not be 1); it then computes the LM head on every prompt position, 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from kvforge.passes.targets import Target
 from kvforge.runners.contract import DecoderIO
 from kvforge.runners.engine import generation_settings
+from kvforge.runners.settings import SamplingParams, declared
 from kvforge.toolchain.emit import GENERATION_CONFIG, MODEL_FILE, write_json
 from kvforge.toolchain.spec import GENAI_DECODER_TYPES, DecoderSpec
 
@@ -35,7 +37,8 @@ GENAI_CONFIG = "genai_config.json"
 # Cache dtypes onnxruntime's CPU provider computes (bfloat16 is a TensorRT artifact's).
 _KV_DTYPES = ("float32", "float16")
 GENERIC_TYPE = "decoder"
-_HF_TOP_K = 50  # transformers' GenerationConfig default
+# transformers' GenerationConfig defaults, for a greedy config
+_HF_SAMPLING: dict[str, Any] = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
 
 
 def drives(target: Target, io: DecoderIO) -> bool:
@@ -101,18 +104,20 @@ def genai_config(spec: DecoderSpec, io: DecoderIO, generation: Mapping[str, Any]
 
 def search_defaults(generation: Mapping[str, Any], spec: DecoderSpec, io: DecoderIO) -> dict[str, Any]:
     """The generation config's defaults as onnxruntime-genai's `search` section: the same
-    greedy-or-sampling choice and values as kvforge's runner reads from generation_config.json
-    (min_p has no counterpart there and is left out; top_k 0 is off in both). A greedy config
+    greedy-or-sampling choice and values as kvforge's runner reads from generation_config.json:
+    each sampling field with a `search` key in its declaration (`kvforge.runners.settings`;
+    min_p has no counterpart there and is left out; top_k 0 is off in both). A greedy config
     gets Hugging Face's default sampling values, for a caller that turns sampling on.
     `max_length` counts the prompt too."""
     params = generation_settings(generation, source=GENERATION_CONFIG).defaults  # checked: ArtifactError
     sampling = params.temperature > 0
+    if not sampling:
+        params = replace(params, **_HF_SAMPLING)
+    values = {s.genai: getattr(params, s.name) for s in declared(SamplingParams) if s.genai is not None}
     return {
         "do_sample": sampling,
-        "temperature": params.temperature if sampling else 1.0,
-        "top_k": min(params.top_k if sampling else _HF_TOP_K, io.vocab_size),
-        "top_p": params.top_p if sampling else 1.0,
-        "repetition_penalty": params.repetition_penalty,
+        **values,
+        "top_k": min(values["top_k"], io.vocab_size),
         "num_beams": 1,
         "num_return_sequences": 1,
         "min_length": 0,
