@@ -9,6 +9,9 @@ that the same settings give the same distribution as there.
 Filtered-out tokens get ``-inf`` logits; the final draw turns the survivors into
 probabilities. Work is done in float64: logits arrive as float16/float32 from the
 session, and cumulative sums over a 100k+ vocabulary need the headroom.
+
+The parameters, `SamplingParams`, are declared with their ranges and spellings in
+`kvforge.runners.settings` (imported here too), from which every surface that takes them derives.
 """
 
 from __future__ import annotations
