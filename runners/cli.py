@@ -116,23 +116,39 @@ def _require_artifact(path: Path) -> None:
 
 
 def _engine_options(queue_note: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """The batching engine's knobs, shared by `serve` and `export-triton`: one option per field
-    `ServingParams` declares (`kvforge.runners.settings`); `queue_note` ends max_queued's help."""
+    """The batching engine's knobs, shared by `serve` and `export-triton`: the config.pbtxt
+    parameters `ServingParams` declares (`kvforge.runners.settings`); `queue_note` ends
+    max_queued's help."""
     from kvforge.runners.settings import serving_settings
 
     def apply(fn: Callable[..., Any]) -> Callable[..., Any]:
-        for declared in reversed(serving_settings()):
-            fn = click.option(
-                declared.flag,
-                declared.name,
-                default=declared.default,
-                show_default=True,
-                type=click.IntRange(None if declared.minimum is None else int(declared.minimum)),
-                help=declared.help + (f"{queue_note}." if declared.name == "max_queued" else ""),
-            )(fn)
+        for declared in reversed([s for s in serving_settings() if s.triton_parameter]):
+            note = f"{queue_note}." if declared.name == "max_queued" else ""
+            fn = serving_option(declared.name, declared.help + note)(fn)
         return fn
 
     return apply
+
+
+def serving_option(name: str, help: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The option of the serving setting `name` as `ServingParams` declares it (flag, type, range,
+    default, value name), with the command's own `help` where it says more."""
+    from kvforge.runners.settings import serving_setting
+
+    declared = serving_setting(name)
+    kind: Any = declared.kind
+    if declared.kind is int:
+        low, high = declared.minimum, declared.maximum
+        kind = click.IntRange(None if low is None else int(low), None if high is None else int(high))
+    return click.option(
+        declared.flag,
+        declared.name,
+        type=kind,
+        default=declared.default,
+        show_default=declared.default is not None,
+        metavar=declared.metavar,
+        help=declared.help if help is None else help,
+    )
 
 
 def _runtime_option(help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -229,20 +245,13 @@ _MAX_NEW_TOKENS_HELP = (
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="Reply in the language of this Lark grammar file.",
 )
-@click.option(
-    "--speculative",
-    metavar="prompt-lookup|draft:PATH",
-    default=None,
-    help="Exact speculative decoding: drafts from n-grams of the prompt and output (prompt-lookup) or from a "
+@serving_option(
+    "speculative",
+    "Exact speculative decoding: drafts from n-grams of the prompt and output (prompt-lookup) or from a "
     "smaller artifact with the same tokenizer (draft:PATH), checked in one target step; the same text as without. "
     "Any default build takes it (not one built with --logits last).",
 )
-@click.option(
-    "--draft-tokens",
-    type=click.IntRange(1, 64),
-    default=None,
-    help="Tokens drafted per target step, with --speculative. Default: 8.",
-)
+@serving_option("draft_tokens")
 @_guarded
 def generate(
     artifact: Path,
@@ -477,26 +486,13 @@ def bench(
     type=click.FloatRange(0),
     help="Seconds SIGTERM waits for in-flight requests.",
 )
-@click.option(
-    "--prefix-cache-bytes",
-    default=None,
-    metavar="BYTES",
-    help="Memory for the KV of prompt prefixes reused across requests (e.g. 512M, 2G; 0: off). "
-    "Default: a quarter of the memory available at start.",
-)
-@click.option(
-    "--speculative",
-    metavar="prompt-lookup|draft:PATH",
-    default=None,
-    help="Exact speculative decoding for every request (as `kvforge generate --speculative`): the same text as "
+@serving_option("prefix_cache_bytes")
+@serving_option(
+    "speculative",
+    "Exact speculative decoding for every request (as `kvforge generate --speculative`): the same text as "
     "without. Not for an artifact built with --logits last, nor with sliding-window or state layers.",
 )
-@click.option(
-    "--draft-tokens",
-    type=click.IntRange(1, 64),
-    default=None,
-    help="Tokens drafted per step and row, with --speculative. Default: 8.",
-)
+@serving_option("draft_tokens", "Tokens drafted per step and row, with --speculative. Default: 8.")
 @click.option(
     "--speculative-rows",
     default=1,

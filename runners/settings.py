@@ -42,6 +42,8 @@ class Setting:
     generation_config: bool = True  # read from the artifact's generation_config.json
     genai: str | None = None  # onnxruntime-genai's `search` key; None: not written there
     kept_when_greedy: bool = False  # a logits processor that greedy decoding applies too
+    metavar: str | None = None  # the CLI's name for the value
+    triton_parameter: bool = False  # an engine parameter of config.pbtxt (an integer)
 
     @property
     def flag(self) -> str:
@@ -199,12 +201,44 @@ class ServingParams:
     """The batching engine's settings, shared by `kvforge serve` and the Triton backend (whose
     config.pbtxt carries the `triton` ones as parameters)."""
 
-    max_num_seqs: int = setting(int, 8, "Requests generating at once.", minimum=1)
-    max_queued: int = setting(int, 64, "Requests waiting", minimum=0)
-    prefill_chunk: int = setting(int, 256, "Prompt tokens prefilled per engine step.", minimum=1)
+    max_num_seqs: int = setting(int, 8, "Requests generating at once.", minimum=1, triton_parameter=True)
+    max_queued: int = setting(int, 64, "Requests waiting", minimum=0, triton_parameter=True)
+    prefill_chunk: int = setting(int, 256, "Prompt tokens prefilled per engine step.", minimum=1, triton_parameter=True)
+    # a size (kvforge.runners.units), parsed where it is read; None: a quarter of the memory available
+    prefix_cache_bytes: str | None = setting(
+        str,
+        None,
+        "Memory for the KV of prompt prefixes reused across requests (e.g. 512M, 2G; 0: off). "
+        "Default: a quarter of the memory available at start.",
+        nullable=True,
+        metavar="BYTES",
+    )
+    speculative: str | None = setting(
+        str,
+        None,
+        "Exact speculative decoding: drafts from n-grams of the prompt and output (prompt-lookup) or from a "
+        "smaller artifact with the same tokenizer (draft:PATH), checked in one target step; the same text as "
+        "without.",
+        nullable=True,
+        metavar="prompt-lookup|draft:PATH",
+    )
+    # kvforge.runners.speculative's MAX_DRAFT_TOKENS and DEFAULT_DRAFT_TOKENS (None) bound and fill it
+    draft_tokens: int | None = setting(
+        int,
+        None,
+        "Tokens drafted per target step, with --speculative. Default: 8.",
+        minimum=1,
+        maximum=64,
+        nullable=True,
+    )
 
 
 def serving_settings() -> tuple[Setting, ...]:
-    """The settings `ServingParams` declares: `kvforge serve`'s and `kvforge export-triton`'s
-    options and config.pbtxt's engine parameters."""
+    """The settings `ServingParams` declares: the options of `kvforge serve` (and of
+    `kvforge generate` and `kvforge export-triton` where they take them) and config.pbtxt's
+    engine parameters (`triton_parameter`)."""
     return declared(ServingParams)
+
+
+def serving_setting(name: str) -> Setting:
+    return next(s for s in serving_settings() if s.name == name)

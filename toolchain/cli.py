@@ -30,6 +30,7 @@ from kvforge.runners.cli import (
     _require_artifact,
     _runtime_option,
     main,
+    serving_option,
 )
 from kvforge.runners.errors import CheckpointError, KvforgeError
 from kvforge.toolchain import tune as tuning
@@ -429,11 +430,9 @@ def build_engine(artifact: Path, **engine: Any) -> None:
 )
 @click.option("--name", default=None, help="Triton model name. Default: ARTIFACT's directory name.")
 @_engine_options(", per instance")
-@click.option(
-    "--prefix-cache-bytes",
-    default=None,
-    metavar="BYTES",
-    help="Memory per instance for the KV of prompt prefixes reused across requests (e.g. 512M, 2G; 0: off). "
+@serving_option(
+    "prefix_cache_bytes",
+    "Memory per instance for the KV of prompt prefixes reused across requests (e.g. 512M, 2G; 0: off). "
     "Default: a quarter of the memory available when the instance loads.",
 )
 @_runtime_option(

@@ -63,7 +63,9 @@ class TritonOptions:
     def validate(self) -> None:
         if self.kind not in KINDS:
             raise KvforgeError(f"--kind {self.kind!r} is not one of {', '.join(KINDS)}; choose one")
-        engine = [(s.flag, getattr(self, s.name), int(s.minimum or 0)) for s in serving_settings()]
+        engine = [
+            (s.flag, getattr(self, s.name), int(s.minimum or 0)) for s in serving_settings() if s.triton_parameter
+        ]
         for flag, value, least in [("--instances", self.instances, 1), *engine]:
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise KvforgeError(f"{flag} must be an integer >= {least}, got {value!r}")

@@ -79,6 +79,8 @@ class EngineSettings:
         parameters = config.get("parameters") or {}
         values: dict[str, int] = {}
         for declared in serving_settings():
+            if not declared.triton_parameter:
+                continue
             name = declared.name
             entry = parameters.get(name)
             if entry is None:

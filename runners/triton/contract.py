@@ -67,7 +67,7 @@ OUTPUTS: tuple[TensorSpec, ...] = (
 )
 
 # The engine's knobs, as config.pbtxt `parameters` (string values), with `kvforge serve`'s defaults.
-ENGINE_PARAMETERS: dict[str, int] = {s.name: s.default for s in serving_settings()}
+ENGINE_PARAMETERS: dict[str, int] = {s.name: s.default for s in serving_settings() if s.triton_parameter}
 # The prefix cache's budget in bytes (a count such as 268435456 or 256M; 0: off), or AUTO_BUDGET:
 # a quarter of the memory available when the instance loads (kvforge serve's default). A
 # config without it has no prefix cache.

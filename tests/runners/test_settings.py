@@ -114,10 +114,21 @@ def test_a_check_names_the_setting_its_range_and_the_value(declaration: Setting,
         declaration.check(value, GenerationError)
 
 
-def test_serving_settings_are_the_triton_parameters_and_the_cli_defaults() -> None:
-    from kvforge.runners.cli import serve
+def test_serving_settings_are_the_triton_parameters_and_the_cli_options() -> None:
+    from kvforge.runners.cli import generate, serve
+    from kvforge.runners.speculative import MAX_DRAFT_TOKENS
+    from kvforge.toolchain.cli import export_triton
 
     assert contract.ENGINE_PARAMETERS == {"max_num_seqs": 8, "max_queued": 64, "prefill_chunk": 256}
-    defaults = {p.name: p.default for p in serve.params}
-    assert {name: defaults[name] for name in contract.ENGINE_PARAMETERS} == contract.ENGINE_PARAMETERS
-    assert [s.name for s in declared(settings.ServingParams)] == list(contract.ENGINE_PARAMETERS)
+    declarations = {s.name: s for s in declared(settings.ServingParams)}
+    options = {p.name: p for p in serve.params if isinstance(p, click.Option)}
+    for name, declaration in declarations.items():
+        option = options[name]
+        assert (option.opts, option.default) == ([declaration.flag], declaration.default), name
+    assert (options["draft_tokens"].type.min, options["draft_tokens"].type.max) == (1, MAX_DRAFT_TOKENS)  # type: ignore[attr-defined]
+    assert options["max_queued"].type.min == 0  # type: ignore[attr-defined]
+    taken = (
+        {p.name for p in generate.params} & set(declarations),
+        {p.name for p in export_triton.params} & set(declarations),
+    )
+    assert taken == ({"speculative", "draft_tokens"}, {*contract.ENGINE_PARAMETERS, "prefix_cache_bytes"})
