@@ -53,8 +53,10 @@ _CONTEXT = click.option(
 _SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
-def _require_checkpoint_path(checkpoint: str, revision: str | None) -> None:
-    """Refuse a checkpoint that is not there before the libraries that would read it load."""
+def _require_checkpoint_path(checkpoint: str, revision: str | None, instead: str) -> None:
+    """Refuse a checkpoint that is not there, or an artifact given as one, before the libraries
+    that would read it load. `instead`: what to do with an artifact given here."""
+    from kvforge.runners.manifest import MANIFEST
     from kvforge.toolchain import hub
 
     located = hub.locate(checkpoint, revision)  # an id missing from the cache is refused here
@@ -63,6 +65,8 @@ def _require_checkpoint_path(checkpoint: str, revision: str | None) -> None:
             f"{located}: no such directory; expected a local checkpoint directory, a .gguf file, or a Hub id "
             "ORG/NAME in the local Hugging Face cache"
         )
+    if (located / MANIFEST).is_file():
+        raise CheckpointError(f"{located}: this is a kvforge artifact, not a checkpoint: {instead}")
 
 
 def _tolerance_option(default: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -263,7 +267,11 @@ def build(
     from kvforge.toolchain.publish import check_output, check_writable
 
     # what can be refused without torch is refused before it loads
-    _require_checkpoint_path(checkpoint, revision)
+    _require_checkpoint_path(
+        checkpoint,
+        revision,
+        f"to rebuild it, pass the checkpoint it was built from; to run it, `kvforge generate {checkpoint} PROMPT`",
+    )
     check_output(Path(os.path.abspath(output)), force)
     check_writable(Path(os.path.abspath(output)))
 
@@ -499,7 +507,7 @@ def verify(
 ) -> None:
     """Re-run the parity check of ARTIFACT against the eager model of CHECKPOINT."""
     _require_artifact(artifact)
-    _require_checkpoint_path(checkpoint, revision)
+    _require_checkpoint_path(checkpoint, revision, "pass as --checkpoint the checkpoint ARTIFACT was built from")
     from kvforge.toolchain.build import verify as run_verify
 
     report = run_verify(
@@ -540,7 +548,9 @@ def inspect(
     as_json: bool,
 ) -> None:
     """Parameters, weight bytes per precision and KV-cache bytes of CHECKPOINT (a directory or a cached Hub id)."""
-    _require_checkpoint_path(checkpoint, revision)
+    _require_checkpoint_path(
+        checkpoint, revision, "inspect the checkpoint it was built from (its manifest.json records the build's flags)"
+    )
     from kvforge.toolchain import checkpoint as checkpoints
     from kvforge.toolchain.export import cache_layout, layer_windows
     from kvforge.toolchain.footprint import footprint, format_footprint

@@ -66,13 +66,22 @@ def probe(*args: str) -> tuple[dict[str, object], str]:
         (["generate", "{ckpt}", "hi"], EXIT_BAD_INPUT, "this is a checkpoint, not an artifact: build it with"),
         (["generate", "{ckpt}"], EXIT_BAD_INPUT, "give a PROMPT, -f FILE, or -"),
         (["inspect", "{tmp}/missing-dir"], EXIT_BAD_INPUT, "missing-dir: no such directory"),
+        # an artifact where a checkpoint is expected is known by its manifest
+        (["build", "{art}", "-o", "{tmp}/x"], EXIT_BAD_INPUT, "art: this is a kvforge artifact, not a checkpoint: to"),
+        (["inspect", "{art}"], EXIT_BAD_INPUT, "art: this is a kvforge artifact, not a checkpoint: inspect the"),
+        (["verify", "{art}", "--checkpoint", "{art}"], EXIT_BAD_INPUT, "a kvforge artifact, not a checkpoint: pass"),
+        # -o at a directory kvforge did not write: refused for good, with or without --force
+        (["build", "{ckpt}", "-o", "{ckpt}"], EXIT_BAD_INPUT, "is not a kvforge artifact; --force replaces only"),
+        (["build", "{ckpt}", "-o", "{ckpt}", "--force"], EXIT_BAD_INPUT, "so it will not replace this: choose"),
     ],
 )
 def test_commands_with_nothing_heavy_to_do_answer_without_loading_the_heavy_libraries(
     tmp_path: Path, tiny_checkpoint: Callable[..., Path], args: list[str], status: int, says: str
 ) -> None:
     ckpt = str(tiny_checkpoint("llama"))
-    result, output = probe(*(a.format(tmp=tmp_path, ckpt=ckpt) for a in args))
+    (tmp_path / "art").mkdir()
+    (tmp_path / "art" / "manifest.json").write_text("{}")
+    result, output = probe(*(a.format(tmp=tmp_path, ckpt=ckpt, art=tmp_path / "art") for a in args))
     assert result == {"exit": status, "loaded": []}, output
     assert says in output
     assert not (tmp_path / "x").exists() and "Traceback" not in output
