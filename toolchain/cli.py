@@ -552,7 +552,7 @@ def inspect(
         checkpoint, revision, "inspect the checkpoint it was built from (its manifest.json records the build's flags)"
     )
     from kvforge.toolchain import checkpoint as checkpoints
-    from kvforge.toolchain.export import cache_layout, layer_windows
+    from kvforge.toolchain import kv_layout
     from kvforge.toolchain.footprint import footprint, format_footprint
     from kvforge.toolchain.spec import DecoderSpec
 
@@ -560,9 +560,16 @@ def inspect(
     read = DecoderSpec.from_config(
         ckpt.config, ckpt.generation_config, context=context, tokenizer_config=checkpoints.tokenizer_config(ckpt)
     )
-    spec = cache_layout(ckpt.config, read)
+    layout = kv_layout.from_config(ckpt.config, read)
+    if layout is None:  # only the modeling code can tell: torch and transformers load
+        from kvforge.toolchain.export import cache_layout, layer_windows
+
+        spec = cache_layout(ckpt.config, read)
+        layout = spec, layer_windows(ckpt.config, spec)
+    spec, windows = layout
     # the KV cache as the default target keeps it: sliding layers bounded by their windows
-    windows = layer_windows(ckpt.config, spec) if TARGETS[DEFAULT_TARGET].bounded_windows else None
+    if not TARGETS[DEFAULT_TARGET].bounded_windows:
+        windows = None
     fp = footprint(ckpt, spec, batch=batch, seq=seq or spec.max_positions, layer_windows=windows)
     if as_json:
         _emit_json(

@@ -66,6 +66,7 @@ def probe(*args: str) -> tuple[dict[str, object], str]:
         (["generate", "{ckpt}", "hi"], EXIT_BAD_INPUT, "this is a checkpoint, not an artifact: build it with"),
         (["generate", "{ckpt}"], EXIT_BAD_INPUT, "give a PROMPT, -f FILE, or -"),
         (["inspect", "{tmp}/missing-dir"], EXIT_BAD_INPUT, "missing-dir: no such directory"),
+        (["inspect", "{ckpt}"], 0, "KV cache"),  # config and headers, the cache's layout read from the config
         # an artifact where a checkpoint is expected is known by its manifest
         (["build", "{art}", "-o", "{tmp}/x"], EXIT_BAD_INPUT, "art: this is a kvforge artifact, not a checkpoint: to"),
         (["inspect", "{art}"], EXIT_BAD_INPUT, "art: this is a kvforge artifact, not a checkpoint: inspect the"),
