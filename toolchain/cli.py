@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -264,8 +265,11 @@ def build(
     (ORG/NAME) already in the local Hugging Face cache (HF_HUB_CACHE, else HF_HOME/hub); nothing
     is downloaded.
     """
+    from kvforge.toolchain import progress
     from kvforge.toolchain.publish import check_output, check_writable
 
+    # the summary's first stage: from the process's start where the command has one of its own
+    began = time.perf_counter() - ((_own_process() and progress.process_seconds()) or 0.0)
     # what can be refused without torch is refused before it loads
     _require_checkpoint_path(
         checkpoint,
@@ -274,18 +278,68 @@ def build(
     )
     check_output(Path(os.path.abspath(output)), force)
     check_writable(Path(os.path.abspath(output)))
+    _check_weight_flags(weights, asymmetric, int8, free_min)
+    verbose = bool(click.get_current_context().find_root().params.get("verbose"))
+    # -v logs a line as each stage starts and ends: a progress display would say it all again
+    with progress.reporting(progress.for_stream(sys.stderr, quiet or verbose)):
+        with progress.stage("startup"):  # torch, transformers and onnx load: seconds, before any stage
+            from kvforge.passes.quantize import WeightQuantization
+            from kvforge.toolchain.build import DTYPES, BuildOptions
+            from kvforge.toolchain.build import build as run_build
+            from kvforge.toolchain.footprint import parse_bytes
 
-    from kvforge.passes.quantize import WeightQuantization
-    from kvforge.toolchain import progress
-    from kvforge.toolchain.build import DTYPES, BuildOptions
-    from kvforge.toolchain.build import build as run_build
-    from kvforge.toolchain.footprint import parse_bytes
+        if _own_process():
+            # What the imports made lives as long as the process: frozen out of the collector's
+            # sight, every full collection while the build traces and lowers scans far fewer objects.
+            gc.freeze()
+        quantization = None
+        if weights is not None:
+            quantization = WeightQuantization(
+                int(weights[3:]), int(block_size), not asymmetric, keep, int8=int8, free_min=free_min
+            )
+        options = BuildOptions(
+            force=force,
+            allow_pickle=allow_pickle,
+            decode_steps=decode_steps,
+            target=TARGETS[target],
+            dtype=TARGETS[target].default_dtype if dtype is None else DTYPES[dtype],
+            weights=quantization,
+            capacity=capacity,
+            context=context,
+            device_memory=None if device_memory is None else parse_bytes(device_memory),
+            memory_batch=batch,
+            memory_seq=seq,
+            revision=revision,
+            tolerance=tolerance,
+            logits=logits,
+            stamp=not whole_stack,
+            tune=tune,
+            calibration=_calibration(calibration, quantization),
+            kv_dtype=kv_dtype,
+        )
+        startup = time.perf_counter() - began
+        result = run_build(checkpoint, output, options)
+    seconds = {"startup": startup, **result.seconds}
+    wall = time.perf_counter() - began
+    if wall - sum(seconds.values()) >= 0.05:  # the work between stages: the summary accounts for every second
+        seconds["other"] = wall - sum(seconds.values())
+    if report:
+        click.echo(result.passes.summary(), err=True)
+    if explain:
+        click.echo(result.passes.explanation(), err=True)
+    stages = ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items())
+    click.echo(f"built {result.output} in {wall:.1f}s ({stages})", err=True)
+    if result.lowering is not None:
+        click.echo(result.lowering.summary(), err=True)
+    click.echo(result.parity.summary(), err=True)
+    if result.next_step:
+        click.echo(result.next_step, err=True)
+    if as_json:
+        _emit_json(_build_json(result, seconds))
 
-    if _own_process():
-        # What the imports made lives as long as the process: frozen out of the collector's
-        # sight, every full collection while the build traces and lowers scans far fewer objects.
-        gc.freeze()
-    quantization = None
+
+def _check_weight_flags(weights: str | None, asymmetric: bool, int8: tuple[str, ...], free_min: bool) -> None:
+    """Refuse flags that only an int4 build takes, before the libraries load."""
     if int8 and weights != "int4":
         raise click.BadParameter(
             f"picks weights to keep at int8 in an int4 build; this build is {weights or 'unquantized'}: "
@@ -299,51 +353,9 @@ def build(
             + ", or drop --free-min",
             param_hint="--free-min",
         )
-    if weights is not None:
-        quantization = WeightQuantization(
-            int(weights[3:]), int(block_size), not asymmetric, keep, int8=int8, free_min=free_min
-        )
-    calibration_text = _calibration(calibration, quantization)
-    options = BuildOptions(
-        force=force,
-        allow_pickle=allow_pickle,
-        decode_steps=decode_steps,
-        target=TARGETS[target],
-        dtype=TARGETS[target].default_dtype if dtype is None else DTYPES[dtype],
-        weights=quantization,
-        capacity=capacity,
-        context=context,
-        device_memory=None if device_memory is None else parse_bytes(device_memory),
-        memory_batch=batch,
-        memory_seq=seq,
-        revision=revision,
-        tolerance=tolerance,
-        logits=logits,
-        stamp=not whole_stack,
-        tune=tune,
-        calibration=calibration_text,
-        kv_dtype=kv_dtype,
-    )
-    verbose = bool(click.get_current_context().find_root().params.get("verbose"))
-    # -v logs a line as each stage starts and ends: a progress display would say it all again
-    with progress.reporting(progress.for_stream(sys.stderr, quiet or verbose)):
-        result = run_build(checkpoint, output, options)
-    if report:
-        click.echo(result.passes.summary(), err=True)
-    if explain:
-        click.echo(result.passes.explanation(), err=True)
-    stages = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items())
-    click.echo(f"built {result.output} ({stages})", err=True)
-    if result.lowering is not None:
-        click.echo(result.lowering.summary(), err=True)
-    click.echo(result.parity.summary(), err=True)
-    if result.next_step:
-        click.echo(result.next_step, err=True)
-    if as_json:
-        _emit_json(_build_json(result))
 
 
-def _build_json(result: Any) -> dict[str, Any]:
+def _build_json(result: Any, seconds: dict[str, float]) -> dict[str, Any]:
     """`build --json`: what CI keeps of a build (docs/cli.md lists the fields)."""
     from kvforge.runners.manifest import MANIFEST
 
@@ -359,7 +371,7 @@ def _build_json(result: Any) -> dict[str, Any]:
         "sources": manifest.get("sources"),
         "gate": result.parity.to_dict() | {"summary": result.parity.summary()},
         "lowering": None if result.lowering is None else result.lowering.summary(),
-        "seconds": result.seconds,
+        "seconds": seconds,
         "next_step": result.next_step,
     }
 

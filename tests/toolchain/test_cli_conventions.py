@@ -126,6 +126,10 @@ def test_build_json_carries_paths_hashes_gate_figures_and_stage_times(
     assert gate["passed"] is True and gate["decode_steps"] == 8 and gate["summary"].startswith("parity passed")
     assert all(e["error"] <= gate["tolerance"]["relative"] for e in gate["prefill"] + gate["decode"])
     assert {"load", "export", "lower", "passes", "emit", "verify", "publish"} <= set(data["seconds"])
+    assert list(data["seconds"])[:2] == ["startup", "read"]  # the imports and reading the config count too
+    built = next(line for line in result.stderr.splitlines() if line.startswith("built "))
+    wall = float(built.split(" in ")[1].split("s (")[0])
+    assert abs(sum(data["seconds"].values()) - wall) < 0.1  # the stages account for the whole wall time
     # -v: the log marks each stage's start once; no progress lines repeat it
     assert result.stderr.count("kvforge.toolchain.build: load...") == 1 and "kvforge: load" not in result.stderr
 
@@ -145,6 +149,7 @@ def test_ctrl_c_exits_130_with_one_line_and_publishes_nothing(
     while not (line := build.stderr.readline()).startswith("kvforge: export..."):  # well into the work
         assert line, "".join(lines)
         lines.append(line)
+    assert lines[0] == "kvforge: startup...\n"  # the command says what it does before the libraries load
     build.send_signal(signal.SIGINT)
     _, rest = build.communicate(timeout=120)
     assert build.returncode == EXIT_INTERRUPTED, rest
