@@ -219,8 +219,24 @@ def test_the_default_budget_is_cut_to_the_context_left_and_a_given_one_is_not(
     result = kvforge("generate", str(artifact), prompt, "--temperature", "0")
     assert result.returncode == 0, result.stderr
     assert "[143 prompt tokens, 113 new tokens" in result.stderr  # 256 - 143, not refused for 143 + 128
+    note = "kvforge: note: the default budget of 128 new tokens is cut to 113, what the 256-token context leaves"
+    assert result.stderr.count(note) == 1  # said once, not only as `finish: length`
     result = kvforge("generate", str(artifact), prompt, "--max-new-tokens", "128")
     assert result.returncode == EXIT_BAD_INPUT and "143 tokens + max_new_tokens 128 = 271 exceeds" in result.stderr
+
+
+def test_a_constrained_reply_cut_by_its_budget_says_so(built_artifact: Callable[..., Path]) -> None:
+    args = ["generate", str(built_artifact("llama")), "def f(", "--temperature", "0"]
+    cut = CliRunner().invoke(main, [*args, "--regex", "[a-z]{40}", "--max-new-tokens", "3"])
+    assert cut.exit_code == 0, cut.output
+    assert re.fullmatch(r"[a-z]+\n", cut.stdout) and len(cut.stdout) < 41  # letters, fewer than the regex asks
+    assert "kvforge: warning: the reply reached its budget of new tokens before the --regex was complete" in cut.stderr
+    assert cut.stderr.strip().endswith("finish: incomplete]")
+    whole = CliRunner().invoke(main, [*args, "--regex", "[a-z]{2}", "--max-new-tokens", "8"])
+    assert whole.exit_code == 0 and re.fullmatch(r"[a-z]{2}\n", whole.stdout), whole.output
+    assert "warning" not in whole.stderr and whole.stderr.strip().endswith("finish: stop]")
+    plain = CliRunner().invoke(main, [*args, "--max-new-tokens", "3"])  # no grammar: cut by the budget as asked
+    assert "warning" not in plain.stderr and plain.stderr.strip().endswith("finish: length]")
 
 
 class Terminal:
