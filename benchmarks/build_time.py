@@ -65,7 +65,7 @@ def measure(tool: str, checkpoint: str, workdir: Path) -> dict[str, float]:
     found = re.search(r"TIME (\S+) (\d+)", done.stderr)
     assert found is not None
     row = {"wall": float(found.group(1)), "peak_gb": int(found.group(2)) * 1024 / 1e9, "loadavg": round(load, 2)}
-    stages = re.search(r"built \S+ \((.*)\)", done.stderr)
+    stages = re.search(r"built \S+ (?:in [\d.]+s )?\((.*)\)", done.stderr)  # "in N s" since the summary has it
     if stages is not None:
         row |= {name: float(s) for name, s in re.findall(r"(\w+) ([\d.]+)s", stages.group(1))}
     return row

@@ -15,13 +15,17 @@ start=$SECONDS
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
 # The CPU build of torch first (where the machine keeps its wheel, nothing is downloaded); the
 # [build] extra's torch>=2.13 is then satisfied and pip fetches no CUDA build.
-# --no-compile: Python compiles each module when it is first imported; compiling every file of
-# torch and transformers at install time costs time for modules the build never imports.
+# --no-compile: compiling every file of torch and transformers at install time costs time for
+# modules the build never imports. Bytecode is written instead as each module first loads, by the
+# commands below (PYTHONDONTWRITEBYTECODE is emptied for them: many container images set it, and
+# then every later command would compile torch's and transformers' modules again, seconds each time).
+export PYTHONDONTWRITEBYTECODE=
 step "installing torch 2.13.0 (CPU build) into .venv"
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile "torch==2.13.0"
 step "installing kvforge[build]: transformers, onnx, onnx-ir, onnxscript, onnxruntime, tokenizers..."
 # transformers at the release the suite last passed on (see .ci/install)
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile -e ".[build]" "transformers==5.25.0"
+.venv/bin/python -m compileall -q kvforge toolchain passes runners  # kvforge's own modules, installed editable
 elapsed "$start"
 
 start=$SECONDS

@@ -283,20 +283,31 @@ def generate(
     sampling["regex"] = regex
     sampling["speculative"] = speculative
     sampling["draft_tokens"] = draft_tokens
+    constraint = next((f"--{n}" for n in ("json-schema", "regex", "grammar") if sampling[n.replace("-", "_")]), None)
     if len(prompts) > 1:
+        if max_new_tokens is None:
+            _note_cut_budget(engine, [engine.encode(p, chat) for p in prompts])
         texts = engine.generate(list(prompts), max_new_tokens=max_new_tokens, stop=stop, chat=chat, **sampling)
         for text in texts if isinstance(texts, list) else [texts]:
             click.echo(json.dumps(text, ensure_ascii=False))
         return
-    stream = engine.stream(prompts[0], max_new_tokens=max_new_tokens, stop=stop, chat=chat, **sampling)
+    speculation = {"speculative": sampling.pop("speculative"), "draft_tokens": sampling.pop("draft_tokens")}
+    request = engine.request(prompts[0], max_new_tokens=max_new_tokens, stop=stop, chat=chat, **sampling)
+    if max_new_tokens is None:
+        _note_cut_budget(engine, [request.ids])
+    stream = engine.stream(request, **speculation)
     for chunk in stream:
         click.echo(chunk, nl=False)
         sys.stdout.flush()
     click.echo()
     s = stream.stats
+    finish = s.finish_reason
+    if constraint is not None and request.cut_short:
+        finish = "incomplete"
+        _warn_cut_short(constraint)
     click.echo(
         f"[{s.prompt_tokens} prompt tokens, {s.new_tokens} new tokens, first token {s.first_token_s * 1000:.0f} ms, "
-        f"{s.decode_tokens_per_s:.1f} tokens/s, finish: {s.finish_reason}"
+        f"{s.decode_tokens_per_s:.1f} tokens/s, finish: {finish}"
         + (
             ""
             if s.speculation is None
@@ -304,6 +315,27 @@ def generate(
             f"acceptance {s.speculation.acceptance_rate:.0%}"
         )
         + "]",
+        err=True,
+    )
+
+
+def _note_cut_budget(engine: Any, prompts: list[list[int]]) -> None:
+    """Say, once, that the default budget was cut to what the context leaves after the prompt."""
+    budget = engine.budget(None, prompts)
+    if budget < engine.max_new_tokens:
+        longest = max(len(p) for p in prompts)
+        click.echo(
+            f"kvforge: note: the default budget of {engine.max_new_tokens} new tokens is cut to {budget}, what the "
+            f"{engine.max_positions}-token context leaves after the prompt's {longest} tokens",
+            err=True,
+        )
+
+
+def _warn_cut_short(constraint: str) -> None:
+    """Say that the reply was cut by its budget before its grammar was complete (finish: incomplete)."""
+    click.echo(
+        f"kvforge: warning: the reply reached its budget of new tokens before the {constraint} was complete, so it "
+        "does not match it; raise --max-new-tokens",
         err=True,
     )
 

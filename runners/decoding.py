@@ -166,6 +166,12 @@ class Decoder:
     def finished(self) -> bool:
         return any(p.finished for p in self.processors)
 
+    @property
+    def incomplete(self) -> bool:
+        """A grammar constrains the text, and the tokens taken are not yet a whole sentence of it
+        (`GrammarMask.complete`): a row cut here, by its budget, does not match it."""
+        return any(not getattr(p, "complete", True) for p in self.processors)
+
     def choose(self, logits: npt.NDArray[np.floating]) -> tuple[int, TokenLogprob | None]:
         """The next token for one row of logits ([vocab]), and its logprob entry when asked for."""
         if self.plain_greedy:  # the raw argmax: no float64 copy of the row

@@ -119,6 +119,11 @@ class GrammarMask:
     def finished(self) -> bool:
         return bool(self.matcher.is_stopped())
 
+    @property
+    def complete(self) -> bool:
+        """Whether the text so far is a whole sentence of the grammar (it may end here)."""
+        return bool(self.matcher.is_accepting())
+
 
 def _string(kind: str, value: object) -> str:
     if not isinstance(value, str):

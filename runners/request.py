@@ -48,6 +48,12 @@ class GenerationRequest:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cut_short(self) -> bool:
+        """Ended by its budget ("length") before its grammar had a whole sentence: the text does
+        not match the --json-schema, --regex or --grammar it was constrained to."""
+        return self.finish_reason == "length" and self.chooser.incomplete
+
     def add(self, token: int, logprob: TokenLogprob | None = None) -> str:
         """Take the sequence's next token (already chosen and accepted by its decoder): the text
         it completes ("" while the detokenizer holds it back); `finish_reason` is set when the

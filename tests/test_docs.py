@@ -8,8 +8,8 @@ from pathlib import Path
 import click
 import pytest
 
-from kvforge.cli import main
 from kvforge.runners.manifest import SCHEMA_VERSION
+from kvforge.toolchain.cli import main  # the whole group, the build commands registered
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI_DOC = ROOT / "docs" / "cli.md"
@@ -101,6 +101,8 @@ QUOTED_MESSAGES = [
     "similar): pass --context N, the most positions (prompt plus new tokens) the artifact will serve",
     "`kvforge build CHECKPOINT -o OUT` (or, for a target without the logits_to_keep input, --logits all)",
     "is not one kvforge imports (",
+    "this is a kvforge artifact, not a checkpoint: ",
+    "so it will not replace this: choose another -o",
 ]
 
 

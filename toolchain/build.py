@@ -160,16 +160,17 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     check_writable(output)
     return_freed_memory()
     seconds: dict[str, float] = {}
-    ckpt = checkpoints.load(checkpoint_dir, allow_pickle=options.allow_pickle, revision=options.revision)
-    spec = read_spec(ckpt, options.context)
-    io = DecoderIO.for_spec(spec, kv_dtype=options.dtype)
-    target = options.target
-    _check_layer_states(io, target, spec)
-    if target.bounded_windows:
-        io = replace(io, layer_windows=layer_windows(ckpt.config, spec))
-    if options.device_memory is not None:
-        _check_fits(ckpt, spec, options)
-    options = _target_options(options, spec)
+    with _timed(seconds, "read"):  # the config, the weights' headers, the cache's layout off the modeling code
+        ckpt = checkpoints.load(checkpoint_dir, allow_pickle=options.allow_pickle, revision=options.revision)
+        spec = read_spec(ckpt, options.context)
+        io = DecoderIO.for_spec(spec, kv_dtype=options.dtype)
+        target = options.target
+        _check_layer_states(io, target, spec)
+        if target.bounded_windows:
+            io = replace(io, layer_windows=layer_windows(ckpt.config, spec))
+        if options.device_memory is not None:
+            _check_fits(ckpt, spec, options)
+        options = _target_options(options, spec)
     with _timed(seconds, "load"):
         model = eager_model(ckpt, spec, getattr(torch, options.dtype))
     with _timed(seconds, "reference"):  # the eager side of the gate, now: its weights are freed before verify

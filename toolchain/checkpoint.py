@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import io
 import json
 import logging
@@ -29,15 +30,17 @@ import tempfile
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from kvforge.runners.errors import CheckpointError
 from kvforge.toolchain import gguf, hashing, hub, prequantized, progress, safetensors_check
 from kvforge.toolchain.safetensors_check import short_repr
 from kvforge.toolchain.spec import POSITION_EMBEDDINGS, TOKEN_EMBEDDINGS, TOKENIZER_CONFIG_FILE, DecoderSpec
+
+if TYPE_CHECKING:  # torch loads where tensors are read: a config and safetensors headers need none
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -60,23 +63,31 @@ MAX_JSON_BYTES = 512 << 20
 MIN_TORCH_FOR_PICKLE = "2.10.0"
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's zip format, the only one torch can memory-map
 
-# safetensors' dtype names for torch dtypes, so pickled weights report like safetensors ones.
-_TORCH_DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
 
-_TORCH_DTYPES = {name: dtype for dtype, name in _TORCH_DTYPE_NAMES.items()}
+@functools.cache
+def _torch_dtype_names() -> dict[torch.dtype, str]:
+    """safetensors' dtype names for torch dtypes, so pickled weights report like safetensors ones."""
+    import torch
+
+    return {
+        torch.float64: "F64",
+        torch.float32: "F32",
+        torch.float16: "F16",
+        torch.bfloat16: "BF16",
+        torch.int64: "I64",
+        torch.int32: "I32",
+        torch.int16: "I16",
+        torch.int8: "I8",
+        torch.uint8: "U8",
+        torch.bool: "BOOL",
+        torch.float8_e4m3fn: "F8_E4M3",
+        torch.float8_e5m2: "F8_E5M2",
+    }
+
+
+@functools.cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    return {name: dtype for dtype, name in _torch_dtype_names().items()}
 
 
 @dataclass(frozen=True)
@@ -609,7 +620,7 @@ def _read_safetensors(file: Path, dtype: torch.dtype | None) -> dict[str, torch.
         with file.open("rb") as f:
             start = safetensors_check.LENGTH_BYTES + int.from_bytes(f.read(safetensors_check.LENGTH_BYTES), "little")
             for name, entry in entries.items():
-                stored = _TORCH_DTYPES[entry.dtype]
+                stored = _torch_dtypes()[entry.dtype]
                 raw = _tensor_bytes(f, start + entry.begin, entry.end - entry.begin, stored.itemsize)
                 if raw is None:
                     raise CheckpointError(f"{file}: the file ended inside tensor {short_repr(name)}; re-download it")
@@ -625,6 +636,8 @@ def _tensor_bytes(f: io.BufferedReader, offset: int, length: int, itemsize: int)
     (`_mapped`) where they can be, else read into memory of their own (an offset the dtype
     cannot be aligned at, a file that cannot be mapped, a kernel that cannot populate a
     mapping)."""
+    import torch
+
     if length and offset % itemsize == 0:
         mapped = _mapped(f, offset, length)
         if mapped is not None:
@@ -656,6 +669,8 @@ def _mapped(f: io.BufferedReader, offset: int, length: int) -> torch.Tensor | No
         if e.errno in (errno.EINVAL, errno.ENOSYS):  # a kernel without MADV_POPULATE_READ
             return None
         raise
+    import torch
+
     return torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8, count=length, offset=offset - page))
 
 
@@ -672,6 +687,7 @@ def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def _require_safe_torch(file: Path) -> None:
+    import torch
     from torch.torch_version import TorchVersion
 
     if TorchVersion(torch.__version__) < MIN_TORCH_FOR_PICKLE:
@@ -682,6 +698,8 @@ def _require_safe_torch(file: Path) -> None:
 
 
 def _load_pickle(file: Path) -> dict[str, torch.Tensor]:
+    import torch
+
     _require_safe_torch(file)
     try:
         with file.open("rb") as f:
@@ -714,7 +732,7 @@ def _merge(into: dict[str, Any], more: dict[str, Any], file: Path, origin: dict[
 
 def _dtype_name(dtype: torch.dtype, file: Path, tensor: str) -> str:
     try:
-        return _TORCH_DTYPE_NAMES[dtype]
+        return _torch_dtype_names()[dtype]
     except KeyError:
         raise CheckpointError(f"{file}: tensor {short_repr(tensor)} has unsupported dtype {dtype}") from None
 

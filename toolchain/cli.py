@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -54,8 +55,10 @@ _CONTEXT = click.option(
 _SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
-def _require_checkpoint_path(checkpoint: str, revision: str | None) -> None:
-    """Refuse a checkpoint that is not there before the libraries that would read it load."""
+def _require_checkpoint_path(checkpoint: str, revision: str | None, instead: str) -> None:
+    """Refuse a checkpoint that is not there, or an artifact given as one, before the libraries
+    that would read it load. `instead`: what to do with an artifact given here."""
+    from kvforge.runners.manifest import MANIFEST
     from kvforge.toolchain import hub
 
     located = hub.locate(checkpoint, revision)  # an id missing from the cache is refused here
@@ -64,6 +67,8 @@ def _require_checkpoint_path(checkpoint: str, revision: str | None) -> None:
             f"{located}: no such directory; expected a local checkpoint directory, a .gguf file, or a Hub id "
             "ORG/NAME in the local Hugging Face cache"
         )
+    if (located / MANIFEST).is_file():
+        raise CheckpointError(f"{located}: this is a kvforge artifact, not a checkpoint: {instead}")
 
 
 def _tolerance_option(default: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -271,23 +276,80 @@ def build(
     (ORG/NAME) already in the local Hugging Face cache (HF_HUB_CACHE, else HF_HOME/hub); nothing
     is downloaded.
     """
+    from kvforge.toolchain import progress
     from kvforge.toolchain.publish import check_output, check_writable
 
+    # the summary's first stage: from the process's start where the command has one of its own
+    began = time.perf_counter() - ((_own_process() and progress.process_seconds()) or 0.0)
     # what can be refused without torch is refused before it loads
-    _require_checkpoint_path(checkpoint, revision)
+    _require_checkpoint_path(
+        checkpoint,
+        revision,
+        f"to rebuild it, pass the checkpoint it was built from; to run it, `kvforge generate {checkpoint} PROMPT`",
+    )
     check_output(Path(os.path.abspath(output)), force)
     check_writable(Path(os.path.abspath(output)))
+    _check_weight_flags(weights, asymmetric, int8, free_min)
+    verbose = bool(click.get_current_context().find_root().params.get("verbose"))
+    # -v logs a line as each stage starts and ends: a progress display would say it all again
+    with progress.reporting(progress.for_stream(sys.stderr, quiet or verbose)):
+        with progress.stage("startup"):  # torch, transformers and onnx load: seconds, before any stage
+            from kvforge.passes.quantize import WeightQuantization
+            from kvforge.toolchain.build import DTYPES, BuildOptions
+            from kvforge.toolchain.build import build as run_build
 
-    from kvforge.passes.quantize import WeightQuantization
-    from kvforge.toolchain import progress
-    from kvforge.toolchain.build import DTYPES, BuildOptions
-    from kvforge.toolchain.build import build as run_build
+        if _own_process():
+            # What the imports made lives as long as the process: frozen out of the collector's
+            # sight, every full collection while the build traces and lowers scans far fewer objects.
+            gc.freeze()
+        quantization = None
+        if weights is not None:
+            quantization = WeightQuantization(
+                int(weights[3:]), int(block_size), not asymmetric, keep, int8=int8, free_min=free_min
+            )
+        options = BuildOptions(
+            force=force,
+            allow_pickle=allow_pickle,
+            decode_steps=decode_steps,
+            target=TARGETS[target],
+            dtype=TARGETS[target].default_dtype if dtype is None else DTYPES[dtype],
+            weights=quantization,
+            capacity=capacity,
+            context=context,
+            device_memory=None if device_memory is None else _device_memory(device_memory),
+            memory_batch=batch,
+            memory_seq=seq,
+            revision=revision,
+            tolerance=tolerance,
+            logits=logits,
+            stamp=not whole_stack,
+            tune=tune,
+            calibration=_calibration(calibration, quantization),
+            kv_dtype=kv_dtype,
+        )
+        startup = time.perf_counter() - began
+        result = run_build(checkpoint, output, options)
+    seconds = {"startup": startup, **result.seconds}
+    wall = time.perf_counter() - began
+    if wall - sum(seconds.values()) >= 0.05:  # the work between stages: the summary accounts for every second
+        seconds["other"] = wall - sum(seconds.values())
+    if report:
+        click.echo(result.passes.summary(), err=True)
+    if explain:
+        click.echo(result.passes.explanation(), err=True)
+    stages = ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items())
+    click.echo(f"built {result.output} in {wall:.1f}s ({stages})", err=True)
+    if result.lowering is not None:
+        click.echo(result.lowering.summary(), err=True)
+    click.echo(result.parity.summary(), err=True)
+    if result.next_step:
+        click.echo(result.next_step, err=True)
+    if as_json:
+        _emit_json(_build_json(result, seconds))
 
-    if _own_process():
-        # What the imports made lives as long as the process: frozen out of the collector's
-        # sight, every full collection while the build traces and lowers scans far fewer objects.
-        gc.freeze()
-    quantization = None
+
+def _check_weight_flags(weights: str | None, asymmetric: bool, int8: tuple[str, ...], free_min: bool) -> None:
+    """Refuse flags that only an int4 build takes, before the libraries load."""
     if int8 and weights != "int4":
         raise click.BadParameter(
             f"picks weights to keep at int8 in an int4 build; this build is {weights or 'unquantized'}: "
@@ -301,51 +363,9 @@ def build(
             + ", or drop --free-min",
             param_hint="--free-min",
         )
-    if weights is not None:
-        quantization = WeightQuantization(
-            int(weights[3:]), int(block_size), not asymmetric, keep, int8=int8, free_min=free_min
-        )
-    calibration_text = _calibration(calibration, quantization)
-    options = BuildOptions(
-        force=force,
-        allow_pickle=allow_pickle,
-        decode_steps=decode_steps,
-        target=TARGETS[target],
-        dtype=TARGETS[target].default_dtype if dtype is None else DTYPES[dtype],
-        weights=quantization,
-        capacity=capacity,
-        context=context,
-        device_memory=None if device_memory is None else _device_memory(device_memory),
-        memory_batch=batch,
-        memory_seq=seq,
-        revision=revision,
-        tolerance=tolerance,
-        logits=logits,
-        stamp=not whole_stack,
-        tune=tune,
-        calibration=calibration_text,
-        kv_dtype=kv_dtype,
-    )
-    verbose = bool(click.get_current_context().find_root().params.get("verbose"))
-    # -v logs a line as each stage starts and ends: a progress display would say it all again
-    with progress.reporting(progress.for_stream(sys.stderr, quiet or verbose)):
-        result = run_build(checkpoint, output, options)
-    if report:
-        click.echo(result.passes.summary(), err=True)
-    if explain:
-        click.echo(result.passes.explanation(), err=True)
-    stages = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items())
-    click.echo(f"built {result.output} ({stages})", err=True)
-    if result.lowering is not None:
-        click.echo(result.lowering.summary(), err=True)
-    click.echo(result.parity.summary(), err=True)
-    if result.next_step:
-        click.echo(result.next_step, err=True)
-    if as_json:
-        _emit_json(_build_json(result))
 
 
-def _build_json(result: Any) -> dict[str, Any]:
+def _build_json(result: Any, seconds: dict[str, float]) -> dict[str, Any]:
     """`build --json`: what CI keeps of a build (docs/cli.md lists the fields)."""
     from kvforge.runners.manifest import MANIFEST
 
@@ -361,7 +381,7 @@ def _build_json(result: Any) -> dict[str, Any]:
         "sources": manifest.get("sources"),
         "gate": result.parity.to_dict() | {"summary": result.parity.summary()},
         "lowering": None if result.lowering is None else result.lowering.summary(),
-        "seconds": result.seconds,
+        "seconds": seconds,
         "next_step": result.next_step,
     }
 
@@ -507,7 +527,7 @@ def verify(
 ) -> None:
     """Re-run the parity check of ARTIFACT against the eager model of CHECKPOINT."""
     _require_artifact(artifact)
-    _require_checkpoint_path(checkpoint, revision)
+    _require_checkpoint_path(checkpoint, revision, "pass as --checkpoint the checkpoint ARTIFACT was built from")
     from kvforge.toolchain.build import verify as run_verify
 
     report = run_verify(
@@ -548,9 +568,11 @@ def inspect(
     as_json: bool,
 ) -> None:
     """Parameters, weight bytes per precision and KV-cache bytes of CHECKPOINT (a directory or a cached Hub id)."""
-    _require_checkpoint_path(checkpoint, revision)
+    _require_checkpoint_path(
+        checkpoint, revision, "inspect the checkpoint it was built from (its manifest.json records the build's flags)"
+    )
     from kvforge.toolchain import checkpoint as checkpoints
-    from kvforge.toolchain.export import cache_layout, layer_windows
+    from kvforge.toolchain import kv_layout
     from kvforge.toolchain.footprint import footprint, format_footprint
     from kvforge.toolchain.spec import DecoderSpec
 
@@ -558,9 +580,16 @@ def inspect(
     read = DecoderSpec.from_config(
         ckpt.config, ckpt.generation_config, context=context, tokenizer_config=checkpoints.tokenizer_config(ckpt)
     )
-    spec = cache_layout(ckpt.config, read)
+    layout = kv_layout.from_config(ckpt.config, read)
+    if layout is None:  # only the modeling code can tell: torch and transformers load
+        from kvforge.toolchain.export import cache_layout, layer_windows
+
+        spec = cache_layout(ckpt.config, read)
+        layout = spec, layer_windows(ckpt.config, spec)
+    spec, windows = layout
     # the KV cache as the default target keeps it: sliding layers bounded by their windows
-    windows = layer_windows(ckpt.config, spec) if TARGETS[DEFAULT_TARGET].bounded_windows else None
+    if not TARGETS[DEFAULT_TARGET].bounded_windows:
+        windows = None
     fp = footprint(ckpt, spec, batch=batch, seq=seq or spec.max_positions, layer_windows=windows)
     if as_json:
         _emit_json(

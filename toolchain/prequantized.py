@@ -29,16 +29,20 @@ not a power of two of at least 16) is imported dequantized, in float, and `recor
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from kvforge.passes.quantize import QuantizedWeight, holds_block
 from kvforge.runners.errors import CheckpointError
+
+if TYPE_CHECKING:  # torch and the quantize pass load where weights are unpacked: reading a config needs neither
+    import torch
+
+    from kvforge.passes.quantize import QuantizedWeight
 
 QUANTIZATION_CONFIG = "quantization_config"
 METHODS = ("awq", "gptq")
@@ -121,6 +125,8 @@ def dequantize_into(
 ) -> dict[str, Imported]:
     """Replace each quantized weight's packed tensors in `tensors` by `P.weight`, the float
     weight they stand for (in `dtype`, float32 when None), computed in float32; returns the records."""
+    import torch
+
     found = records(tensors, quantization, file)
     for name, imported in found.items():
         prefix = name[: -len(".weight")]
@@ -131,6 +137,8 @@ def dequantize_into(
 
 
 def _unpack(prefix: str, tensors: Mapping[str, Any], quantization: Quantization, file: Path) -> Imported:
+    from kvforge.passes.quantize import QuantizedWeight, holds_block
+
     bits = quantization.bits
     arrays = {part: _numpy(tensors.get(f"{prefix}.{part}")) for part in _PACKED}
     for part in ("qweight", "qzeros", "scales"):
@@ -198,6 +206,8 @@ def _regrouped(
 ) -> QuantizedWeight:
     """A record whose `dequantize` gives weight[n, k] = (code - zero[g_idx[k]]) * scale[g_idx[k]]:
     one block per input row."""
+    from kvforge.passes.quantize import QuantizedWeight
+
     zero_points = zeros[:, g_idx]
     return QuantizedWeight(codes, scales[:, g_idx], zero_points.astype(np.int16), bits, 1)
 
@@ -205,7 +215,8 @@ def _regrouped(
 def _numpy(tensor: Any) -> np.ndarray | None:
     if tensor is None:
         return None
-    if isinstance(tensor, torch.Tensor):
+    torch = sys.modules.get("torch")  # a torch tensor comes only from a process that loaded torch
+    if torch is not None and isinstance(tensor, torch.Tensor):
         return tensor.numpy() if tensor.dtype != torch.bfloat16 else tensor.float().numpy()
     return np.asarray(tensor)
 

@@ -10,6 +10,7 @@ Python API shows nothing.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -62,6 +63,19 @@ def for_stream(stream: TextIO, quiet: bool = False) -> Reporter | None:
         return None
     isatty = getattr(stream, "isatty", None)
     return Terminal(stream) if callable(isatty) and isatty() else Lines(stream)
+
+
+def process_seconds() -> float | None:
+    """Seconds since this process started, as Linux records it (to a clock tick); None elsewhere.
+    What a command spent before its first line of its own: the interpreter, and the imports."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in ticks since boot
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - started / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @contextmanager

@@ -60,11 +60,15 @@ def check_output(output: Path, force: bool, marker: str = MANIFEST) -> None:
         raise ArtifactError(f"{output}: is a symbolic link; refusing to write through it, choose another -o")
     if not output.exists():
         return
+    if not output.is_dir() or (any(output.iterdir()) and not (output / marker).is_file()):
+        # said first, so that no one is told to pass --force only to be refused again
+        what = "is not a kvforge artifact" if marker == MANIFEST else f"holds no {marker}: kvforge did not write it"
+        raise ArtifactError(
+            f"{output}: exists and {what}; --force replaces only what kvforge wrote (or an empty directory), "
+            "so it will not replace this: choose another -o"
+        )
     if not force:
         raise ArtifactError(f"{output}: already exists; pass --force to replace it")
-    if not output.is_dir() or (any(output.iterdir()) and not (output / marker).is_file()):
-        what = "is not a kvforge artifact" if marker == MANIFEST else f"holds no {marker}: kvforge did not write it"
-        raise ArtifactError(f"{output}: exists and {what}; refusing to replace it, choose another -o")
 
 
 def check_writable(output: Path) -> None:
@@ -109,7 +113,7 @@ def publish(staging: Path, output: Path, marker: str = MANIFEST, *, force: bool 
         try:
             check_output(output, force=force, marker=marker)  # the output may have changed while we built
         except ArtifactError as e:
-            if force or not output.exists():
+            if force or not (output / marker).is_file():
                 raise
             raise ArtifactError(
                 f"{output}: was published by another build while this one ran; nothing was replaced, "

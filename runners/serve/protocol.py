@@ -495,6 +495,8 @@ class Reply:
         else:
             entry["text"] = choice.text
         entry.update(logprobs=choice.logprobs, finish_reason=choice.reason)
+        if choice.incomplete:
+            entry[EXTENSION] = {"finish_reason": "incomplete"}
         return entry
 
     def chunk(
@@ -506,6 +508,7 @@ class Reply:
         reason: str | None = None,
         logprobs: dict[str, Any] | None = None,
         include_usage: bool,
+        incomplete: bool = False,
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}
         if self.chat:
@@ -516,6 +519,8 @@ class Reply:
         else:
             choice["text"] = text
         choice.update(logprobs=logprobs, finish_reason=reason)
+        if incomplete:
+            choice[EXTENSION] = {"finish_reason": "incomplete"}
         body = self._head(chunk=True)
         body["choices"] = [choice]
         if include_usage:
@@ -528,12 +533,19 @@ class Reply:
         return body
 
 
+# A choice's field outside OpenAI's schema: {"finish_reason": "incomplete"} where finish_reason is
+# "length" and the text stops short of its response_format (a JSON schema, regex or grammar), so it
+# does not match it; OpenAI's finish_reason has no value that says so. Absent otherwise.
+EXTENSION = "kvforge"
+
+
 @dataclass(frozen=True)
 class Choice:
     index: int
     text: str
     reason: str
     logprobs: dict[str, Any] | None
+    incomplete: bool = False  # cut by its budget before its response_format was complete
 
 
 class LogprobsWriter:

@@ -70,6 +70,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     index: int = 0
+    incomplete: bool = False  # "length" before the grammar had a whole sentence (`GenerationRequest.cut_short`)
 
 
 @dataclass(frozen=True)
@@ -553,7 +554,9 @@ class BatchScheduler:
         entries = request.new_logprobs()
         if tail or entries:
             request.events.put(Delta(tail, entries, request.index))
-        request.events.put(Finished(reason, len(request.ids), request.generated, request.index))
+        request.events.put(
+            Finished(reason, len(request.ids), request.generated, request.index, incomplete=request.cut_short)
+        )
         self.metrics.request_success.inc(value=reason)
         self.metrics.e2e_latency.observe(time.perf_counter() - request.arrival)
         self._release_locked(request)

@@ -310,7 +310,8 @@ class _Handler(BaseHTTPRequestHandler):
             elif isinstance(event, Finished):
                 writer = writers[event.index]
                 logprobs = None if writer is None else writer.render(entries[event.index])
-                choices.append(Choice(event.index, "".join(parts[event.index]), event.reason, logprobs))
+                text = "".join(parts[event.index])
+                choices.append(Choice(event.index, text, event.reason, logprobs, incomplete=event.incomplete))
                 prompt_tokens = event.prompt_tokens
                 completion_tokens += event.completion_tokens
                 if len(choices) == len(requests):
@@ -343,7 +344,15 @@ class _Handler(BaseHTTPRequestHandler):
                         reply.chunk(event.text, index=event.index, logprobs=logprobs, include_usage=include_usage)
                     )
                 elif isinstance(event, Finished):
-                    self._sse(reply.chunk("", index=event.index, reason=event.reason, include_usage=include_usage))
+                    self._sse(
+                        reply.chunk(
+                            "",
+                            index=event.index,
+                            reason=event.reason,
+                            include_usage=include_usage,
+                            incomplete=event.incomplete,
+                        )
+                    )
                     finished += 1
                     prompt_tokens = event.prompt_tokens
                     completion_tokens += event.completion_tokens

@@ -42,6 +42,21 @@ def test_eight_chat_replies_at_temperature_1_validate_against_the_schema(client:
         check_schema(json.loads(choice.message.content))
 
 
+def test_a_reply_cut_by_its_budget_before_the_schema_is_complete_says_so(client: openai.OpenAI) -> None:
+    response_format = {"type": "json_schema", "json_schema": {"name": "light", "schema": SCHEMA}}
+    ask = dict(model=MODEL, messages=MESSAGES, temperature=0.0, response_format=response_format)
+    cut = client.chat.completions.create(max_tokens=3, **ask).choices[0]  # type: ignore[call-overload]
+    assert cut.finish_reason == "length" and (cut.model_extra or {})["kvforge"] == {"finish_reason": "incomplete"}
+    whole = client.chat.completions.create(max_tokens=64, **ask).choices[0]  # type: ignore[call-overload]
+    assert whole.finish_reason == "stop" and "kvforge" not in (whole.model_extra or {})
+    chunks = list(client.chat.completions.create(max_tokens=3, stream=True, **ask))  # type: ignore[call-overload]
+    last = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason][-1]
+    assert last.finish_reason == "length" and (last.model_extra or {})["kvforge"] == {"finish_reason": "incomplete"}
+    plain = {k: v for k, v in ask.items() if k != "response_format"}
+    free = client.chat.completions.create(max_tokens=3, **plain).choices[0]  # type: ignore[call-overload]
+    assert free.finish_reason == "length" and "kvforge" not in (free.model_extra or {})  # no grammar to fall short of
+
+
 def test_json_object_reply_parses_as_an_object_on_chat_and_completions(client: openai.OpenAI) -> None:
     chat = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, temperature=0.7, seed=1, max_tokens=200, response_format={"type": "json_object"}

@@ -16,7 +16,8 @@ import torch
 from kvforge.runners.engine import Engine
 from kvforge.runners.errors import CheckpointError, KvforgeError
 from kvforge.toolchain import checkpoint as checkpoints
-from kvforge.toolchain.export import cache_layout
+from kvforge.toolchain import kv_layout
+from kvforge.toolchain.export import cache_layout, layer_windows
 from kvforge.toolchain.footprint import footprint
 from kvforge.toolchain.spec import LAYOUTS, DecoderSpec, verified_families
 from tests.tiny import BUILD_CONTEXT, FAMILIES, GENERIC, LLAMA_LIKE, hf_greedy, make_checkpoint
@@ -52,6 +53,42 @@ def test_cache_layout_is_what_the_model_caches(model_type: str, tiny_checkpoint:
             assert state is not None and (1, *state.states[0]) == tuple(layer.conv_states[0].shape)
             if kind in ("linear_attention", "hybrid"):
                 assert (1, *state.states[1]) == tuple(layer.recurrent_states[0].shape)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_the_layout_read_from_the_config_is_the_modeling_codes(
+    model_type: str, tiny_checkpoint: Callable[..., Path]
+) -> None:
+    """What `inspect` reads without torch equals what the meta-device probe reads, wherever it reads one."""
+    ckpt = checkpoints.load(tiny_checkpoint(model_type))
+    read = DecoderSpec.from_config(ckpt.config, ckpt.generation_config, context=BUILD_CONTEXT.get(model_type))
+    derived = kv_layout.from_config(ckpt.config, read)
+    listed = model_type in kv_layout.PLAIN_FAMILIES | kv_layout.SLIDING_FAMILIES
+    assert (derived is not None) == listed
+    if derived is not None:
+        traced = cache_layout(ckpt.config, read)
+        assert derived == (traced, layer_windows(ckpt.config, traced))
+
+
+@pytest.mark.parametrize("model_type", sorted(kv_layout.PLAIN_FAMILIES))
+def test_the_plain_families_bound_no_layer_by_default(model_type: str) -> None:
+    """A config.json without layer_types or sliding_window reads as no window: so does its config class."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    assert getattr(config, "sliding_window", None) is None and getattr(config, "attention_chunk_size", None) is None
+    assert set(getattr(config, "layer_types", None) or ["full_attention"]) == {"full_attention"}
+
+
+def test_a_window_only_the_config_class_would_give_is_left_to_the_modeling_code() -> None:
+    fields = dict(LLAMA_LIKE, model_type="mistral", vocab_size=256)  # MistralConfig's default window: 4096
+    assert kv_layout.from_config(fields, DecoderSpec.from_config(fields)) is None
+    gemma = dict(LLAMA_LIKE, model_type="gemma3_text", head_dim=16, vocab_size=256)  # a window per its class's pattern
+    assert kv_layout.from_config(gemma, DecoderSpec.from_config(gemma)) is None
+    fields = dict(
+        LLAMA_LIKE, model_type="qwen2", sliding_window=32, vocab_size=256
+    )  # without layer_types: the class decides
+    assert kv_layout.from_config(fields, DecoderSpec.from_config(fields)) is None
 
 
 def test_cache_layouts_that_differ_from_the_config(tiny_checkpoint: Callable[..., Path]) -> None:

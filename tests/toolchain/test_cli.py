@@ -55,7 +55,9 @@ def test_a_model_without_a_context_length_says_to_pass_context(
 ) -> None:
     result = CliRunner().invoke(main, ["build", str(tiny_checkpoint("bloom")), "-o", str(tmp_path / "out")])
     assert result.exit_code == 2 and not (tmp_path / "out").exists()
-    assert len(result.output.strip().splitlines()) == 1 and "pass --context N" in result.output
+    lines = result.output.strip().splitlines()  # the stages' progress lines, then the error's one line
+    assert lines[-1].startswith("kvforge: error: ") and "pass --context N" in lines[-1]
+    assert sum("error" in line for line in lines) == 1 and "Traceback" not in result.output
     llama = str(tiny_checkpoint("llama"))  # max_position_embeddings 256
     result = CliRunner().invoke(main, ["build", llama, "-o", str(tmp_path / "out"), "--context", "257"])
     assert result.exit_code == 2 and not (tmp_path / "out").exists()

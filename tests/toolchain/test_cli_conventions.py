@@ -66,13 +66,23 @@ def probe(*args: str) -> tuple[dict[str, object], str]:
         (["generate", "{ckpt}", "hi"], EXIT_BAD_INPUT, "this is a checkpoint, not an artifact: build it with"),
         (["generate", "{ckpt}"], EXIT_BAD_INPUT, "give a PROMPT, -f FILE, or -"),
         (["inspect", "{tmp}/missing-dir"], EXIT_BAD_INPUT, "missing-dir: no such directory"),
+        (["inspect", "{ckpt}"], 0, "KV cache"),  # config and headers, the cache's layout read from the config
+        # an artifact where a checkpoint is expected is known by its manifest
+        (["build", "{art}", "-o", "{tmp}/x"], EXIT_BAD_INPUT, "art: this is a kvforge artifact, not a checkpoint: to"),
+        (["inspect", "{art}"], EXIT_BAD_INPUT, "art: this is a kvforge artifact, not a checkpoint: inspect the"),
+        (["verify", "{art}", "--checkpoint", "{art}"], EXIT_BAD_INPUT, "a kvforge artifact, not a checkpoint: pass"),
+        # -o at a directory kvforge did not write: refused for good, with or without --force
+        (["build", "{ckpt}", "-o", "{ckpt}"], EXIT_BAD_INPUT, "is not a kvforge artifact; --force replaces only"),
+        (["build", "{ckpt}", "-o", "{ckpt}", "--force"], EXIT_BAD_INPUT, "so it will not replace this: choose"),
     ],
 )
 def test_commands_with_nothing_heavy_to_do_answer_without_loading_the_heavy_libraries(
     tmp_path: Path, tiny_checkpoint: Callable[..., Path], args: list[str], status: int, says: str
 ) -> None:
     ckpt = str(tiny_checkpoint("llama"))
-    result, output = probe(*(a.format(tmp=tmp_path, ckpt=ckpt) for a in args))
+    (tmp_path / "art").mkdir()
+    (tmp_path / "art" / "manifest.json").write_text("{}")
+    result, output = probe(*(a.format(tmp=tmp_path, ckpt=ckpt, art=tmp_path / "art") for a in args))
     assert result == {"exit": status, "loaded": []}, output
     assert says in output
     assert not (tmp_path / "x").exists() and "Traceback" not in output
@@ -116,6 +126,10 @@ def test_build_json_carries_paths_hashes_gate_figures_and_stage_times(
     assert gate["passed"] is True and gate["decode_steps"] == 8 and gate["summary"].startswith("parity passed")
     assert all(e["error"] <= gate["tolerance"]["relative"] for e in gate["prefill"] + gate["decode"])
     assert {"load", "export", "lower", "passes", "emit", "verify", "publish"} <= set(data["seconds"])
+    assert list(data["seconds"])[:2] == ["startup", "read"]  # the imports and reading the config count too
+    built = next(line for line in result.stderr.splitlines() if line.startswith("built "))
+    wall = float(built.split(" in ")[1].split("s (")[0])
+    assert abs(sum(data["seconds"].values()) - wall) < 0.1  # the stages account for the whole wall time
     # -v: the log marks each stage's start once; no progress lines repeat it
     assert result.stderr.count("kvforge.toolchain.build: load...") == 1 and "kvforge: load" not in result.stderr
 
@@ -135,6 +149,7 @@ def test_ctrl_c_exits_130_with_one_line_and_publishes_nothing(
     while not (line := build.stderr.readline()).startswith("kvforge: export..."):  # well into the work
         assert line, "".join(lines)
         lines.append(line)
+    assert lines[0] == "kvforge: startup...\n"  # the command says what it does before the libraries load
     build.send_signal(signal.SIGINT)
     _, rest = build.communicate(timeout=120)
     assert build.returncode == EXIT_INTERRUPTED, rest
@@ -204,8 +219,24 @@ def test_the_default_budget_is_cut_to_the_context_left_and_a_given_one_is_not(
     result = kvforge("generate", str(artifact), prompt, "--temperature", "0")
     assert result.returncode == 0, result.stderr
     assert "[143 prompt tokens, 113 new tokens" in result.stderr  # 256 - 143, not refused for 143 + 128
+    note = "kvforge: note: the default budget of 128 new tokens is cut to 113, what the 256-token context leaves"
+    assert result.stderr.count(note) == 1  # said once, not only as `finish: length`
     result = kvforge("generate", str(artifact), prompt, "--max-new-tokens", "128")
     assert result.returncode == EXIT_BAD_INPUT and "143 tokens + max_new_tokens 128 = 271 exceeds" in result.stderr
+
+
+def test_a_constrained_reply_cut_by_its_budget_says_so(built_artifact: Callable[..., Path]) -> None:
+    args = ["generate", str(built_artifact("llama")), "def f(", "--temperature", "0"]
+    cut = CliRunner().invoke(main, [*args, "--regex", "[a-z]{40}", "--max-new-tokens", "3"])
+    assert cut.exit_code == 0, cut.output
+    assert re.fullmatch(r"[a-z]+\n", cut.stdout) and len(cut.stdout) < 41  # letters, fewer than the regex asks
+    assert "kvforge: warning: the reply reached its budget of new tokens before the --regex was complete" in cut.stderr
+    assert cut.stderr.strip().endswith("finish: incomplete]")
+    whole = CliRunner().invoke(main, [*args, "--regex", "[a-z]{2}", "--max-new-tokens", "8"])
+    assert whole.exit_code == 0 and re.fullmatch(r"[a-z]{2}\n", whole.stdout), whole.output
+    assert "warning" not in whole.stderr and whole.stderr.strip().endswith("finish: stop]")
+    plain = CliRunner().invoke(main, [*args, "--max-new-tokens", "3"])  # no grammar: cut by the budget as asked
+    assert "warning" not in plain.stderr and plain.stderr.strip().endswith("finish: length]")
 
 
 class Terminal:
