@@ -59,11 +59,6 @@ def empty_cache(io: DecoderIO, batch: int, capacity: int, device: Device = HOST)
     return Cache.empty(io, batch, capacity, device)
 
 
-def empty_states(io: DecoderIO, batch: int) -> dict[str, np.ndarray]:
-    """The fixed-size states (convolution, recurrent) of `batch` fresh sequences: zeros, on the host."""
-    return {name: np.zeros(io.state_shape(name, batch), dtype=io.kv_dtype) for name in io.state_names}
-
-
 def forward(
     session: Session,
     input_ids: np.ndarray,

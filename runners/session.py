@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from kvforge.runners.cache import HOST, Device, OrtDevice, bounded_names, full_names, in_place, on_host
+from kvforge.runners.cache import HOST, Device, DeviceView, OrtDevice, bounded_names, full_names, in_place, on_host
 from kvforge.runners.contract import KEEP_INPUT, DecoderIO
 from kvforge.runners.cpus import usable_cpus
 from kvforge.runners.errors import ArtifactError
@@ -265,6 +265,9 @@ class OrtSession:
             if on_host(tensor):
                 held.append(np.ascontiguousarray(tensor))
                 binding.bind_cpu_input(past, held[-1])
+            elif isinstance(tensor, DeviceView):  # rows of a buffer, bound where they are
+                where = (device.device_type, device.device_id, tensor.dtype, tensor.shape(), tensor.data_ptr())
+                binding.bind_input(past, *where)
             else:
                 binding.bind_ortvalue_input(past, tensor)
             if (past, present) in written_in_place:
@@ -272,6 +275,9 @@ class OrtSession:
                     array = held[-1]
                     binding.bind_output(present, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
                     outputs[present] = array
+                elif isinstance(tensor, DeviceView):
+                    binding.bind_output(present, *where)
+                    outputs[present] = tensor
                 else:
                     binding.bind_ortvalue_output(present, tensor)
                     outputs[present] = tensor

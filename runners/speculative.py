@@ -46,7 +46,7 @@ from typing import Any, Protocol
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from kvforge.runners.cache import device_of
+from kvforge.runners.cache import Cache, device_of
 from kvforge.runners.contract import DecoderIO
 from kvforge.runners.decoding import Decoder, TokenLogprob, end_of_row
 from kvforge.runners.errors import GenerationError
@@ -152,34 +152,29 @@ class PromptLookup:
         return []
 
 
-class RowCache:
-    """One sequence's KV cache (a batch of one) with its valid length, which can shrink."""
+def run_row(
+    session: Session, cache: Cache, length: int, ids: Sequence[int], every_position: bool = False
+) -> tuple[np.ndarray, Cache]:
+    """Feed `ids` to one sequence's cache (a batch of one) after its `length` valid positions;
+    the logits [1, positions, vocab] (the last position's, or with `every_position` each fed
+    position's: `generate.forward`) and the cache after. A layer bounded by a sliding window
+    keeps ROLLBACK positions beyond it, so that taking back a rejected draft leaves it its
+    whole window."""
+    feed = np.asarray([ids], dtype=np.int64)
+    mask = np.ones((1, length + len(ids)), dtype=np.int64)
+    return forward(session, feed, mask, cache, ROLLBACK, every_position)
 
-    def __init__(self, session: Session, capacity: int) -> None:
-        self.session = session
-        self.length = 0
-        self.kv = empty_cache(session.io, 1, capacity, device_of(session))
 
-    def run(self, ids: Sequence[int], every_position: bool = False) -> np.ndarray:
-        """Feed `ids` after the valid positions; the logits [1, positions, vocab]: the last
-        position's, or with `every_position` each fed position's (`generate.forward`)."""
-        feed = np.asarray([ids], dtype=np.int64)
-        mask = np.ones((1, self.length + len(ids)), dtype=np.int64)
-        # a layer bounded by a sliding window keeps ROLLBACK positions beyond it, so that taking
-        # back a rejected draft leaves it its whole window
-        logits, self.kv = forward(self.session, feed, mask, self.kv, ROLLBACK, every_position)
-        self.length += len(ids)
-        return logits
-
-    def truncate(self, length: int) -> None:
-        """Forget every position from `length` on (a shared buffer keeps the bytes; the next
-        mask does not reach them, and the next step overwrites them)."""
-        drop = self.length - length
-        if drop <= 0:
-            return
-        if drop > ROLLBACK:
-            raise ValueError(f"cannot take back {drop} positions: a bounded layer keeps {ROLLBACK} beyond its window")
-        self.kv, self.length = self.kv.drop_last(drop, length), length
+def take_back(cache: Cache, length: int, kept: int) -> Cache:
+    """One sequence's cache of `length` positions without every position from `kept` on (a
+    shared buffer keeps the bytes; the next mask does not reach them, and the next step
+    overwrites them)."""
+    drop = length - kept
+    if drop <= 0:
+        return cache
+    if drop > ROLLBACK:
+        raise ValueError(f"cannot take back {drop} positions: a bounded layer keeps {ROLLBACK} beyond its window")
+    return cache.drop_last(drop, kept)
 
 
 class DraftModel:
@@ -194,13 +189,20 @@ class DraftModel:
                 f"prompt plus max_new_tokens need {capacity} positions, but the draft model {self.source} holds "
                 f"{self.max_positions}; shorten the request or use a draft model with a longer context"
             )
-        return DraftRow(RowCache(self.session, capacity))
+        return DraftRow(self.session, empty_cache(self.session.io, 1, capacity, device_of(self.session)))
 
 
 @dataclass
 class DraftRow:
-    cache: RowCache
+    session: Session
+    cache: Cache
+    length: int = 0  # positions the cache holds
     ids: list[int] = field(default_factory=list)  # the tokens whose KV the cache holds
+
+    def run(self, ids: Sequence[int]) -> np.ndarray:
+        logits, self.cache = run_row(self.session, self.cache, self.length, ids)
+        self.length += len(ids)
+        return logits
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
         if k <= 0:
@@ -209,11 +211,11 @@ class DraftRow:
         limit = min(len(self.ids), len(history) - 1)  # at least one token is fed
         while common < limit and self.ids[common] == history[common]:
             common += 1
-        self.cache.truncate(common)
-        logits = self.cache.run(history[common:])
+        self.cache, self.length = take_back(self.cache, self.length, common), min(self.length, common)
+        logits = self.run(history[common:])
         drafts = [int(np.argmax(logits[0, -1]))]
         while len(drafts) < k:
-            drafts.append(int(np.argmax(self.cache.run(drafts[-1:])[0, -1])))
+            drafts.append(int(np.argmax(self.run(drafts[-1:])[0, -1])))
         self.ids = [*history, *drafts[:-1]]
         return drafts
 
@@ -276,9 +278,11 @@ def _row_tokens(
     vocab: int,
 ) -> Iterator[tuple[int, np.ndarray, TokenLogprob | None]]:
     """One sequence's tokens with the logits each came from; the caller stops when it must."""
-    cache = RowCache(session, len(prompt) + budget)
+    cache = empty_cache(session.io, 1, len(prompt) + budget, device_of(session))
     one = np.ones(1, dtype=bool)
-    row_logits = last_logits(cache.run(prompt), one, vocab, 0)[0]
+    logits, cache = run_row(session, cache, 0, prompt)
+    length = len(prompt)
+    row_logits = last_logits(logits, one, vocab, 0)[0]
     token, entry = decoder.take(row_logits)
     yield token, row_logits, entry
     history = [*prompt, token]
@@ -295,7 +299,8 @@ def _row_tokens(
         # grows past prompt + budget
         drafts = drafter.propose(history, min(draft_tokens, budget - generated - 1))
         step += 1
-        logits = cache.run([token, *drafts], every_position=True)
+        logits, cache = run_row(session, cache, length, [token, *drafts], every_position=True)
+        length += 1 + len(drafts)
         stats.verify_steps += 1
         stats.drafted_tokens += len(drafts)
         chosen: list[tuple[np.ndarray, TokenLogprob | None]] = []
@@ -314,7 +319,8 @@ def _row_tokens(
             yield token, *chosen[-1]
             if ended():
                 break
-        cache.truncate(len(history) - 1)  # the newest token is pending: fed at the next step
+        # the newest token is pending: fed at the next step
+        cache, length = take_back(cache, length, len(history) - 1), min(length, len(history) - 1)
 
 
 def accept_drafts(drafts: Sequence[int], choose: Callable[[int], int]) -> Iterator[tuple[int, bool]]:

@@ -19,10 +19,11 @@ from __future__ import annotations
 import collections
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from kvforge.runners.cache import bounded_names
+from kvforge.runners.cache import Cache, bounded_names, columns, nbytes, write_columns
 from kvforge.runners.contract import DecoderIO
 from kvforge.runners.errors import KvforgeError
 from kvforge.runners.serve.metrics import Metrics
@@ -71,7 +72,7 @@ class PrefixCache:
         self.names = tuple(names)
         self.metrics = metrics
         self.bytes = 0
-        self._blocks: collections.OrderedDict[bytes, dict[str, np.ndarray]] = collections.OrderedDict()
+        self._blocks: collections.OrderedDict[bytes, dict[str, Any]] = collections.OrderedDict()
 
     def _keys(self, ids: Sequence[int], blocks: int) -> list[bytes]:
         keys, key = [], self.identity
@@ -81,10 +82,10 @@ class PrefixCache:
             keys.append(key)
         return keys
 
-    def restore(self, ids: Sequence[int], cache: dict[str, np.ndarray]) -> int:
+    def restore(self, ids: Sequence[int], cache: Cache) -> int:
         """Copy the longest cached block prefix of `ids` (leaving at least one token) into
-        columns [0, n) of `cache`'s [1, heads, positions, dim] buffers; returns n."""
-        found: list[dict[str, np.ndarray]] = []
+        columns [0, n) of `cache`'s [1, heads, positions, dim] buffers, where it lives; returns n."""
+        found: list[dict[str, Any]] = []
         for key in self._keys(ids, (len(ids) - 1) // BLOCK):
             block = self._blocks.get(key)
             if block is None:
@@ -92,7 +93,7 @@ class PrefixCache:
             found.append(block)
         for index, block in enumerate(found):
             for name in self.names:
-                cache[name][0, :, index * BLOCK : (index + 1) * BLOCK] = block[name]
+                write_columns(cache, name, block[name], index * BLOCK)
         keys = self._keys(ids, len(found))
         for key in reversed(keys):  # the prefix's first blocks the most recently used
             self._blocks.move_to_end(key)
@@ -103,21 +104,22 @@ class PrefixCache:
         self.metrics.prefix_cache_queries.inc(len(ids))
         return hit
 
-    def store(self, ids: Sequence[int], cache: dict[str, np.ndarray]) -> None:
-        """Keep every full block of a prefilled prompt (its KV in columns [0, len(ids)) of `cache`)."""
+    def store(self, ids: Sequence[int], cache: Cache) -> None:
+        """Keep every full block of a prefilled prompt (its KV in columns [0, len(ids)) of `cache`),
+        copied where the cache lives."""
         keys = self._keys(ids, len(ids) // BLOCK)
         for index in reversed(range(len(keys))):
             key = keys[index]
             if key in self._blocks:
                 self._blocks.move_to_end(key)
                 continue
-            block = {name: cache[name][0, :, index * BLOCK : (index + 1) * BLOCK].copy() for name in self.names}
-            size = sum(array.nbytes for array in block.values())
+            block = {name: columns(cache.device, cache[name], index * BLOCK, BLOCK) for name in self.names}
+            size = sum(map(nbytes, block.values()))
             if size > self.budget:
                 break
             while self.bytes + size > self.budget:
                 _, evicted = self._blocks.popitem(last=False)
-                self.bytes -= sum(array.nbytes for array in evicted.values())
+                self.bytes -= sum(map(nbytes, evicted.values()))
                 self.metrics.prefix_cache_evictions.inc()
             self._blocks[key] = block
             self.bytes += size

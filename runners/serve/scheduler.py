@@ -3,9 +3,9 @@
 Each step runs one decode for every row of the batch, then admits a waiting request and
 runs at most one prefill chunk, so a long prompt delays the others by one chunk at most.
 
-The running rows' caches live in one `KVBatch` (`kvforge.runners.serve.batch`): a left-padded,
-right-aligned layout at a shared width, compacted as padding builds up; a decode step feeds every
-row's pending token at once.
+The running rows' caches live in one `BatchCache` (`kvforge.runners.cache`), where the session runs:
+a left-padded, right-aligned layout at a shared width, compacted as padding builds up; a decode
+step feeds every row's pending token at once.
 
 A request is prefilled alone (batch 1: onnxruntime's GroupQueryAttention takes several new tokens
 over a non-empty cache only at batch 1) by the runner's own `prefill`, one chunk per step, into a
@@ -38,13 +38,12 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.runners.cache import bounded_names, columns_fed
+from kvforge.runners.cache import BatchCache, Cache, bounded_names, device_of
 from kvforge.runners.decoding import TokenLogprob
 from kvforge.runners.engine import Engine, Speculation
 from kvforge.runners.errors import KvforgeError
-from kvforge.runners.generate import choose_tokens, empty_states, forward, invalid_rows, prefill
+from kvforge.runners.generate import choose_tokens, forward, invalid_rows, prefill
 from kvforge.runners.request import GenerationRequest
-from kvforge.runners.serve.batch import KVBatch
 from kvforge.runners.serve.metrics import Metrics
 from kvforge.runners.serve.prefix_cache import PrefixCache, unsupported
 from kvforge.runners.serve.protocol import ParsedRequest
@@ -117,8 +116,8 @@ class _Row:
 @dataclass(eq=False)
 class _Prefill:
     request: Request
-    chunks: Iterator[tuple[int, np.ndarray, dict[str, np.ndarray]]]  # `prefill` over the prompt
-    cache: dict[str, np.ndarray]  # the prompt's cache after the chunks run so far
+    chunks: Iterator[tuple[int, np.ndarray, Cache]]  # `prefill` over the prompt
+    cache: Cache  # the prompt's cache after the chunks run so far
 
 
 def poll_events(events: queue.SimpleQueue[Event], gone: Callable[[], bool], interval: float) -> Iterator[Event]:
@@ -213,9 +212,8 @@ class BatchScheduler:
         self._in_system = 0  # accepted and not yet released
         self._stopping = False
         self._rows: list[_Row] = []
-        self._batch = KVBatch(self.io, max_rows=max_num_seqs, max_positions=max_positions)
+        self._batch = BatchCache(self.io, max_rows=max_num_seqs, max_positions=max_positions, device=device_of(session))
         self._prefill: _Prefill | None = None
-        self._prefill_kv: dict[str, np.ndarray] = {}  # the full-history layers' buffers a prefill writes
         self._thread = threading.Thread(target=self._run, name="kvforge-engine", daemon=True)
 
     # -- called from request threads ---------------------------------------------------
@@ -499,22 +497,13 @@ class BatchScheduler:
         if token >= 0 and not self._deliver(request, token, entries[0]):
             self._join(request, state.cache, token)
 
-    def _sequence_cache(self, request: Request) -> tuple[dict[str, np.ndarray], int]:
+    def _sequence_cache(self, request: Request) -> tuple[Cache, int]:
         """A fresh batch-1 cache for `request`'s prefill, with the longest cached prefix of its
-        prompt restored: the cache and the positions it already holds. The full-history layers'
-        buffers are reused from one request to the next (in `shared` mode the graph writes into
-        them); fixed-size states start from zero, so no state of another request leaks in."""
-        if not self._prefill_kv:
-            length = self.io.capacity or self.max_positions
-            self._prefill_kv = {
-                name: np.zeros(self.io.kv_shape(name, 1, length), dtype=self.io.kv_dtype)
-                for name in self._batch.full_names
-            }
-        start = 0 if self.prefix_cache is None else self.prefix_cache.restore(request.ids, self._prefill_kv)
-        full = {name: columns_fed(self.io, buffer, start) for name, buffer in self._prefill_kv.items()}
-        return full | self._batch.empty_bounded(1) | empty_states(self.io, 1), start
+        prompt restored: the cache and the positions it already holds (`BatchCache.sequence`)."""
+        prefix = self.prefix_cache
+        return self._batch.sequence(None if prefix is None else lambda buffers: prefix.restore(request.ids, buffers))
 
-    def _join(self, request: Request, cache: dict[str, np.ndarray], token: int) -> None:
+    def _join(self, request: Request, cache: Cache, token: int) -> None:
         """A prefilled request joins the batch: its cache as the batch's next row."""
         length = len(request.ids)
         self._batch.join(cache, length)

@@ -1,4 +1,4 @@
-"""`KVBatch`, the continuous batch's cache layout, on its own (NumPy only).
+"""`BatchCache`, the continuous batch's cache layout, on its own (NumPy on the host).
 
 A scripted session writes each token id into the cache as that position's keys and values, so
 a row's cache must read back as exactly its own tokens, in order, through any sequence of
@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvforge.runners.cache import BatchCache
 from kvforge.runners.contract import DecoderIO, LayerState
 from kvforge.runners.generate import empty_cache, forward, prefill
-from kvforge.runners.serve.batch import KVBatch
 
 CONTEXT = 48
 
@@ -52,7 +52,7 @@ def _io(kind: str) -> DecoderIO:
     return DecoderIO(2, 1, 2, 8, layers=layers)
 
 
-def _check(batch: KVBatch, io: DecoderIO, rows: list[list[int]]) -> None:
+def _check(batch: BatchCache, io: DecoderIO, rows: list[list[int]]) -> None:
     width = batch.width
     assert batch.rows == len(rows) and batch.lengths == [len(r) for r in rows]
     feeds = batch.feeds(None, width)
@@ -77,7 +77,7 @@ def _check(batch: KVBatch, io: DecoderIO, rows: list[list[int]]) -> None:
 def test_every_row_reads_back_its_own_tokens_through_joins_steps_removals_and_compactions(kind: str) -> None:
     io = _io(kind)
     session = TokenSession(io)
-    batch = KVBatch(io, max_rows=4, max_positions=CONTEXT)
+    batch = BatchCache(io, max_rows=4, max_positions=CONTEXT)
     holes = kind in ("shared", "concat")  # speculation refuses window-bounded layers and states
     rng = np.random.default_rng(7)
     rows: list[list[int]] = []
