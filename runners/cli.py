@@ -523,6 +523,7 @@ def bench(
     "verify step is a call of its own, which costs more than it gains on the models measured in "
     "docs/performance.md).",
 )
+@click.option("--quiet", is_flag=True, help="No access-log line per request.")
 @_runtime_option(_RUNTIME_HELP)
 @_guarded
 def serve(
@@ -538,6 +539,7 @@ def serve(
     speculative: str | None,
     draft_tokens: int | None,
     speculative_rows: int,
+    quiet: bool,
     runtime: str,
 ) -> None:
     """Serve ARTIFACT over an OpenAI-compatible HTTP API with continuous batching."""
@@ -563,6 +565,7 @@ def serve(
         speculative,
         draft_tokens,
         speculative_rows,
+        quiet=quiet,
     )
     options.validate()
     run_serve(artifact, options, announce=lambda line: click.echo(f"kvforge serve: {line}", err=True))
