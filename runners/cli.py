@@ -524,6 +524,7 @@ def bench(
     "docs/performance.md).",
 )
 @click.option("--quiet", is_flag=True, help="No access-log line per request.")
+@click.option("--no-web-page", is_flag=True, help="No chat page at GET / (a 404 there).")
 @_runtime_option(_RUNTIME_HELP)
 @_guarded
 def serve(
@@ -540,6 +541,7 @@ def serve(
     draft_tokens: int | None,
     speculative_rows: int,
     quiet: bool,
+    no_web_page: bool,
     runtime: str,
 ) -> None:
     """Serve ARTIFACT over an OpenAI-compatible HTTP API with continuous batching."""
@@ -566,6 +568,7 @@ def serve(
         draft_tokens,
         speculative_rows,
         quiet=quiet,
+        web_page=not no_web_page,
     )
     options.validate()
     run_serve(artifact, options, announce=lambda line: click.echo(f"kvforge serve: {line}", err=True))

@@ -12,6 +12,8 @@ for the disconnect itself while it waits.
 from __future__ import annotations
 
 import asyncio
+import functools
+import importlib.resources
 import logging
 import queue
 import threading
@@ -26,8 +28,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 from starlette.types import Message, Receive, Scope, Send
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from kvforge.runners.decoding import TokenLogprob
 from kvforge.runners.engine import Engine
@@ -233,6 +236,24 @@ async def openapi(request: Request) -> Response:
     return json_response(200, openapi_schema(_state(request).name or None))
 
 
+# The page may talk to this server and nothing else: inline script and style, no other origin.
+_PAGE_POLICY = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+    "img-src data:; base-uri 'none'; form-action 'none'"
+)
+
+
+@functools.cache
+def _page() -> bytes:
+    return importlib.resources.files(__package__).joinpath("chat.html").read_bytes()
+
+
+async def chat_page(request: Request) -> Response:
+    """The chat page: one self-contained file that streams replies through /v1/chat/completions."""
+    headers = {"Content-Security-Policy": _PAGE_POLICY, "Cache-Control": "no-cache"}
+    return Response(_page(), 200, headers, media_type="text/html; charset=utf-8")
+
+
 async def read_body(request: Request) -> bytes:
     """The request's body, refused (413) past MAX_BODY_BYTES, whether its length is declared or not."""
     length = request.headers.get("content-length")
@@ -277,10 +298,13 @@ class Admitted:
     scheduler: BatchScheduler
     reply: Reply
     writers: list[LogprobsWriter | None]
+    ended: set[int] = field(default_factory=set)  # the choices whose last event has been read
 
     def cancel(self) -> None:
+        """Cancel the choices that have not ended (all of them after a failure)."""
         for request in self.requests:
-            self.scheduler.cancel(request)
+            if request.index not in self.ended:
+                self.scheduler.cancel(request)
 
 
 def _prepare(state: State, raw: bytes, chat: bool, arrival: float) -> tuple[ParsedRequest, list[EngineRequest]]:
@@ -319,22 +343,20 @@ async def admit(state: State, raw: bytes, chat: bool, arrival: float) -> Admitte
 async def generation_events(admitted: Admitted, record: Record) -> AsyncIterator[Event]:
     """The events of a request's choices until each has ended (a failed choice ends them all);
     a reader that stops early (its client left) cancels the choices still running."""
-    open_choices = len(admitted.requests)
     try:
-        while open_choices:
+        while len(admitted.ended) < len(admitted.requests):
             event = await admitted.events.next()
             if isinstance(event, Delta):
                 record.first_token()
             elif isinstance(event, Finished):
-                open_choices -= 1
+                admitted.ended.add(event.index)
                 record.prompt_tokens = event.prompt_tokens
                 record.completion_tokens = (record.completion_tokens or 0) + event.completion_tokens
             yield event
             if isinstance(event, Failed):
                 return
     finally:
-        if open_choices:
-            admitted.cancel()
+        admitted.cancel()
 
 
 async def generate(request: Request) -> Response:
@@ -432,6 +454,54 @@ async def event_stream(admitted: Admitted, record: Record) -> AsyncIterator[byte
     yield b"data: [DONE]\n\n"
 
 
+# -- the WebSocket ----------------------------------------------------------------------
+
+
+async def generate_websocket(websocket: WebSocket) -> None:
+    """A generation over a WebSocket at the same paths: the client sends the request's JSON body
+    as one message, and gets the SSE stream's events, one JSON message each (no [DONE]: the
+    server closes with 1000 after the last). A refused request gets its error body, then a close
+    with code 4000 + the HTTP status. A client that leaves cancels its request."""
+    chat = websocket.url.path == "/v1/chat/completions"
+    state: State = websocket.app.state.server
+    record = websocket.scope.get("state", {}).get("record") or Record()
+    await websocket.accept()
+    try:
+        message = await websocket.receive()
+    except WebSocketDisconnect:
+        return
+    if message["type"] == "websocket.disconnect":
+        return
+    arrival = time.perf_counter()
+    raw = message.get("bytes") or (message.get("text") or "").encode("utf-8", "surrogatepass")
+    try:
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request message exceeds {MAX_BODY_BYTES} bytes; send a smaller one")
+        admitted = await admit(state, raw, chat, arrival)
+    except ApiError as error:
+        if error.status == 503:
+            state.metrics.request_rejected.inc()
+        await websocket.send_text(dumps(error.body()).decode())
+        await websocket.close(4000 + error.status)
+        return
+    record.prompt_tokens = len(admitted.parsed.ids)
+    async with anyio.create_task_group() as group:
+
+        async def watch() -> None:
+            while (await websocket.receive())["type"] != "websocket.disconnect":
+                pass  # nothing more is expected from the client while it streams
+            group.cancel_scope.cancel()
+
+        group.start_soon(watch)
+        try:
+            async for chunk in stream_messages(admitted, record):
+                await websocket.send_text(dumps(chunk).decode())
+            await websocket.close(1000)
+        finally:
+            admitted.cancel()  # what has ended is left as it is; a choice still running is cancelled
+            group.cancel_scope.cancel()
+
+
 # -- errors -----------------------------------------------------------------------------
 
 
@@ -469,7 +539,11 @@ def create_app(state: State, *, web_page: bool = True) -> Starlette:
         Route("/v1/chat/completions", generate, methods=["POST"]),
         Route("/tokenize", tokenize_route, methods=["POST"]),
         Route("/detokenize", detokenize_route, methods=["POST"]),
+        WebSocketRoute("/v1/completions", generate_websocket),
+        WebSocketRoute("/v1/chat/completions", generate_websocket),
     ]
+    if web_page:
+        routes.append(Route("/", chat_page, methods=["GET"]))
     app = Starlette(
         routes=routes,
         exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: server_error},

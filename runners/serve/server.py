@@ -178,9 +178,10 @@ def serve(
         state.name = options.served_model_name or Path(artifact).resolve().name
         metrics.model_name = state.name
         state.engine, state.scheduler = engine, scheduler
+        page = f", chat page at {http.url}/" if options.web_page else ""
         announce(
             f"ready: model {state.name!r}, context {engine.max_positions} tokens, "
-            f"at most {options.max_num_seqs} sequences at once"
+            f"at most {options.max_num_seqs} sequences at once{page}"
         )
         while not stop.wait(0.2):
             pass
