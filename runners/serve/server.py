@@ -9,7 +9,6 @@ Triton backend reads `prefix_cache_for` without it.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import signal
@@ -113,7 +112,7 @@ class HttpServer:
         return f"http://{_url_host(str(host))}:{port}"
 
     def _run(self) -> None:
-        asyncio.run(self.server.serve(sockets=[self.socket]))
+        self.server.run(sockets=[self.socket])  # on uvloop where it is installed
 
     def start(self, timeout: float = 30.0) -> None:
         self._thread.start()
