@@ -203,9 +203,9 @@ class AccessLog:
             logger.exception("request failed: %s %s", scope.get("method", "WS"), scope.get("path", ""))
         finally:
             self.state.leave()
-            path = scope.get("path", "")
-            method = scope.get("method", "WS")
-            access_logger.info("%s", record.line(method, path, peer, status))
+            if access_logger.isEnabledFor(logging.INFO):
+                line = record.line(scope.get("method", "WS"), scope.get("path", ""), peer, status)
+                access_logger.info("%s", line)
 
 
 # -- plain routes -----------------------------------------------------------------------
