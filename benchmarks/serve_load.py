@@ -2,6 +2,7 @@
 
     python benchmarks/serve_load.py ARTIFACT [--concurrency 1 4 8] [--requests 8] [--prompt 64] [--new 64]
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --model NAME ...
+    python benchmarks/serve_load.py ARTIFACT --kvforge .venv/bin/kvforge OTHER/.venv/bin/kvforge --rounds 3
 
 Starts `kvforge serve ARTIFACT` on a free loopback port (or uses --url), then for each
 concurrency C runs C clients, each sending --requests streamed completions one after the
@@ -9,6 +10,11 @@ other: a prompt of --prompt token ids, --new tokens with ignore_eos, greedy. Eve
 comes from client timestamps: time to first token (request sent to first text event),
 inter-token latency (between consecutive text events), and tokens/s over the whole run.
 Only loopback is used; every request is bounded by --timeout.
+
+With several --kvforge executables (two checkouts side by side), one server of each is
+started and the loads alternate between them, --rounds times per concurrency; the table
+gives each server's medians over the rounds and, for the second and later servers, the
+first one's figures relative to theirs (tokens/s ratio, TTFT ratio).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -103,10 +110,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def start_server(artifact: str, args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str, Path]:
+def start_server(
+    artifact: str, args: argparse.Namespace, kvforge: str | None = None
+) -> tuple[subprocess.Popen[bytes], str, Path]:
     log = Path(tempfile.mkstemp(prefix="serve-load-", suffix=".log")[1])
-    kvforge = Path(sys.executable).with_name("kvforge")
-    command = [str(kvforge), "serve", artifact, "--port", "0", "--max-num-seqs", str(max(args.concurrency))]
+    kvforge = kvforge or str(Path(sys.executable).with_name("kvforge"))
+    command = [kvforge, "serve", artifact, "--port", "0", "--max-num-seqs", str(max(args.concurrency))]
     command += ["--prefill-chunk", str(args.prefill_chunk)]
     with open(log, "wb") as err:
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, env=dict(os.environ))
@@ -134,9 +143,16 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=256, help="prompt ids are drawn from [3, vocab)")
     parser.add_argument("--prefill-chunk", type=int, default=256, help="the server's --prefill-chunk")
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--kvforge", nargs="+", help="kvforge executables to compare, one server each")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per concurrency (--kvforge)")
     args = parser.parse_args()
     if not args.url and not args.artifact:
         parser.error("give ARTIFACT or --url")
+    if args.kvforge:
+        if not args.artifact:
+            parser.error("--kvforge starts servers: give ARTIFACT")
+        compare(args)
+        return
     process = None
     url = args.url
     if not url:
@@ -154,6 +170,34 @@ def main() -> None:
             sys.stdout.flush()
     finally:
         if process is not None:
+            process.send_signal(signal.SIGTERM)
+            process.wait(60)
+
+
+def compare(args: argparse.Namespace) -> None:
+    """One server per executable; each concurrency's loads alternate between them, round by round."""
+    servers = [start_server(args.artifact, args, kvforge) for kvforge in args.kvforge]
+    model = args.model or Path(args.artifact).resolve().name
+    try:
+        print(f"{'server':<40} {'conc':>4} {'ttft p50':>9} {'itl p50':>8} {'tok/s':>7} {'tok/s x':>8} {'ttft x':>7}")
+        for concurrency in args.concurrency:
+            figures: list[list[tuple[float, float, float]]] = [[] for _ in servers]
+            for round_ in range(args.rounds):
+                order = range(len(servers)) if round_ % 2 == 0 else reversed(range(len(servers)))
+                for index in order:
+                    run, wall = load(servers[index][1], model, concurrency, args)
+                    ttft, itl = percentile(run.ttft, 0.5), percentile(run.gaps, 0.5)
+                    figures[index].append((ttft, itl, run.tokens / wall))
+            medians = [[statistics.median(f[i] for f in runs) for i in range(3)] for runs in figures]
+            for index, (ttft, itl, rate) in enumerate(medians):
+                ratios = ""
+                if index:
+                    ratios = f"{medians[0][2] / rate:>7.2f}x {ttft / medians[0][0]:>6.2f}x"
+                name = args.kvforge[index][-40:]
+                print(f"{name:<40} {concurrency:>4} {ttft * 1e3:>7.1f}ms {itl * 1e3:>6.1f}ms {rate:>7.1f} {ratios}")
+            sys.stdout.flush()
+    finally:
+        for process, _, _ in servers:
             process.send_signal(signal.SIGTERM)
             process.wait(60)
 

@@ -534,6 +534,8 @@ def bench(
     "verify step is a call of its own, which costs more than it gains on the models measured in "
     "docs/performance.md).",
 )
+@click.option("--quiet", is_flag=True, help="No access-log line per request.")
+@click.option("--no-web-page", is_flag=True, help="No chat page at GET / (a 404 there).")
 @_runtime_option(_RUNTIME_HELP)
 @_guarded
 def serve(
@@ -549,6 +551,8 @@ def serve(
     speculative: str | None,
     draft_tokens: int | None,
     speculative_rows: int,
+    quiet: bool,
+    no_web_page: bool,
     runtime: str,
 ) -> None:
     """Serve ARTIFACT over an OpenAI-compatible HTTP API with continuous batching."""
@@ -574,6 +578,8 @@ def serve(
         speculative,
         draft_tokens,
         speculative_rows,
+        quiet=quiet,
+        web_page=not no_web_page,
     )
     options.validate()
     run_serve(artifact, options, announce=lambda line: click.echo(f"kvforge serve: {line}", err=True))

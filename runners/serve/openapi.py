@@ -116,6 +116,83 @@ def _response(object_name: str, choice: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+_MESSAGES: dict[str, Any] = {
+    "type": "array",
+    "minItems": 1,
+    "items": {
+        "type": "object",
+        "required": ["role"],
+        "properties": {
+            "role": {"type": "string", "minLength": 1},
+            "content": _nullable({"oneOf": [{"type": "string"}, {"type": "array", "items": _ref("TextPart")}]}),
+        },
+    },
+}
+
+
+def _post(summary: str, request: str, response: str) -> dict[str, Any]:
+    """A plain JSON route: its request and response schemas, and the errors it answers with."""
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {_JSON: {"schema": _ref(request)}}},
+            "responses": {
+                "200": {"description": "The result.", "content": {_JSON: {"schema": _ref(response)}}},
+                **{status: _ERRORS[status] for status in ("400", "404", "503")},
+            },
+        }
+    }
+
+
+def _tokenize_schemas(name: dict[str, Any]) -> dict[str, Any]:
+    """POST /tokenize (a prompt, or a conversation rendered with the chat template) and POST
+    /detokenize, in vLLM's shapes; a field neither variant lists is refused."""
+    flag = _nullable({"type": "boolean"})
+    return {
+        "TokenizeRequest": {"oneOf": [_ref("TokenizeCompletionRequest"), _ref("TokenizeChatRequest")]},
+        "TokenizeCompletionRequest": {
+            "type": "object",
+            "required": ["prompt"],
+            "additionalProperties": False,
+            "properties": {
+                "model": name,
+                "prompt": {"type": "string"},
+                "add_special_tokens": flag,
+                "return_token_strs": flag,
+            },
+        },
+        "TokenizeChatRequest": {
+            "type": "object",
+            "required": ["messages"],
+            "additionalProperties": False,
+            "properties": {
+                "model": name,
+                "messages": _MESSAGES,
+                "add_generation_prompt": flag,
+                "add_special_tokens": flag,
+                "return_token_strs": flag,
+            },
+        },
+        "TokenizeResponse": {
+            "type": "object",
+            "required": ["count", "max_model_len", "tokens", "token_strs"],
+            "properties": {
+                "count": {"type": "integer"},
+                "max_model_len": {"type": "integer"},
+                "tokens": {"type": "array", "items": {"type": "integer"}},
+                "token_strs": _nullable({"type": "array", "items": {"type": "string"}}),
+            },
+        },
+        "DetokenizeRequest": {
+            "type": "object",
+            "required": ["tokens"],
+            "additionalProperties": False,
+            "properties": {"model": name, "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}},
+        },
+        "DetokenizeResponse": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+    }
+
+
 def _generation_route(summary: str, request: str, response: str) -> dict[str, Any]:
     return {
         "post": {
@@ -146,6 +223,12 @@ def openapi_schema(model: str | None = None) -> dict[str, Any]:
                 "ChatCompletionRequest",
                 "ChatCompletion",
             ),
+            "/tokenize": _post(
+                "Token ids of a prompt, or of a conversation rendered with the model's chat template.",
+                "TokenizeRequest",
+                "TokenizeResponse",
+            ),
+            "/detokenize": _post("The text of token ids.", "DetokenizeRequest", "DetokenizeResponse"),
             "/v1/models": {
                 "get": {
                     "summary": "The served model, with its context length (max_model_len).",
@@ -216,25 +299,7 @@ def openapi_schema(model: str | None = None) -> dict[str, Any]:
                     "required": ["model", "messages"],
                     "properties": {
                         "model": name,
-                        "messages": {
-                            "type": "array",
-                            "minItems": 1,
-                            "items": {
-                                "type": "object",
-                                "required": ["role"],
-                                "properties": {
-                                    "role": {"type": "string", "minLength": 1},
-                                    "content": _nullable(
-                                        {
-                                            "oneOf": [
-                                                {"type": "string"},
-                                                {"type": "array", "items": _ref("TextPart")},
-                                            ]
-                                        }
-                                    ),
-                                },
-                            },
-                        },
+                        "messages": _MESSAGES,
                         **generation,
                         "logprobs": _nullable({"type": "boolean"}),
                         "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20}),
@@ -251,6 +316,7 @@ def openapi_schema(model: str | None = None) -> dict[str, Any]:
                         }
                     },
                 ),
+                **_tokenize_schemas(name),
                 "ModelList": {
                     "type": "object",
                     "required": ["object", "data"],

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 START_TIMEOUT_S = 60.0
+LONG = 240  # tokens of a long request: "def" generates no eos within them (`long_request_has_no_eos`)
 STOP_TIMEOUT_S = 30.0
 KVFORGE = Path(sys.executable).with_name("kvforge")
 
@@ -90,3 +91,21 @@ def shared_server(tiny_artifact: Path, tmp_path_factory: pytest.TempPathFactory)
     server = start_server(tiny_artifact, log, "--max-num-seqs", "4", "--prefill-chunk", "16")
     yield server
     server.terminate()
+
+
+@pytest.fixture(scope="module")
+def long_request_has_no_eos(tiny_artifact: Path) -> None:
+    from kvforge.runners.engine import Engine
+
+    engine = Engine.load(tiny_artifact)
+    tokens = engine.generate_tokens([engine.encode("def")], max_new_tokens=LONG, temperature=0)[0]
+    assert len(tokens) == LONG, "the long request must run its whole budget"
+
+
+@pytest.fixture
+def slow_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Servers started after this take 5 ms more per model step (tests/serve/slow_steps): a
+    long request then runs for more than a second, however fast the machine."""
+    hook = Path(__file__).parent / "slow_steps"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("KVFORGE_TEST_STEP_S", "0.005")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import re
 import signal
 import socket
@@ -21,11 +20,10 @@ import openai
 import pytest
 
 from kvforge.runners.engine import Engine
-from tests.serve.conftest import Server
+from tests.serve.conftest import LONG, Server
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 30.0
-LONG = 240  # tokens of a long request: "def" generates no eos within them (checked below)
 
 
 def metrics(server: Server) -> dict[str, float]:
@@ -71,22 +69,6 @@ def read_until(sock: socket.socket, marker: bytes) -> bytes:
         assert chunk, f"connection closed before {marker!r}: {received!r}"
         received += chunk
     return received
-
-
-@pytest.fixture(scope="module")
-def long_request_has_no_eos(tiny_artifact: Path) -> None:
-    engine = Engine.load(tiny_artifact)
-    tokens = engine.generate_tokens([engine.encode("def")], max_new_tokens=LONG, temperature=0)[0]
-    assert len(tokens) == LONG, "the long request must run its whole budget"
-
-
-@pytest.fixture
-def slow_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Servers started after this take 5 ms more per model step (tests/serve/slow_steps): a
-    long request then runs for more than a second, however fast the machine."""
-    hook = Path(__file__).parent / "slow_steps"
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("KVFORGE_TEST_STEP_S", "0.005")
 
 
 def test_disconnect_while_running_frees_the_slot(

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 
+from kvforge.runners.serve.app import State
 from kvforge.runners.serve.metrics import Metrics
-from kvforge.runners.serve.server import App, _Server
+from kvforge.runners.serve.server import HttpServer
 from tests.serve.conftest import Server
 
 TIMEOUT_S = 60.0
@@ -227,14 +227,12 @@ def test_keep_alive_serves_several_requests_on_one_connection(shared_server: Ser
 @pytest.fixture
 def loading_server() -> Iterator[str]:
     """The HTTP side with no engine yet: what clients see while the model loads."""
-    server = _Server(("127.0.0.1", 0), App(Metrics()))
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
+    server = HttpServer("127.0.0.1", 0, State(Metrics()))
+    server.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        yield server.url
     finally:
-        server.shutdown()
-        server.server_close()
+        server.stop()
 
 
 def test_while_loading_health_and_generation_are_503(loading_server: str) -> None:
@@ -269,7 +267,7 @@ def test_an_engine_failure_mid_stream_is_an_error_event_and_health_turns_503(tin
     from kvforge.runners.serve.scheduler import BatchScheduler
 
     engine = Engine.load(tiny_artifact)
-    app = App(Metrics())
+    app = State(Metrics())
     scheduler = BatchScheduler(
         _FailingDecode(engine.session),
         max_positions=engine.max_positions,
@@ -281,9 +279,9 @@ def test_an_engine_failure_mid_stream_is_an_error_event_and_health_turns_503(tin
     )
     scheduler.start()
     app.engine, app.scheduler, app.name = engine, scheduler, "out"
-    server = _Server(("127.0.0.1", 0), app)
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
+    server = HttpServer("127.0.0.1", 0, app)
+    server.start()
+    url = server.url
     try:
         request = {"model": "out", "prompt": "def", "max_tokens": 50, "temperature": 0, "stream": True}
         status, headers, payload = call(url, "POST", "/v1/completions", request)
@@ -297,8 +295,7 @@ def test_an_engine_failure_mid_stream_is_an_error_event_and_health_turns_503(tin
         status, _, _ = call(url, "POST", "/v1/completions", request | {"stream": False})
         assert status == 503
     finally:
-        server.shutdown()
-        server.server_close()
+        server.stop()
         scheduler.stop()
 
 
@@ -336,3 +333,126 @@ def test_fuzzed_request_bodies_are_never_a_server_error(shared_server: Server) -
 
     check()
     assert call(shared_server.url, "GET", "/health")[0] == 200
+
+
+# --- /tokenize and /detokenize ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_tokenize_and_detokenize_match_the_engine(shared_server: Server, tiny_artifact: Any) -> None:
+    from kvforge.runners.engine import Engine
+
+    engine = Engine.load(tiny_artifact)
+    text = "def fibonacci(n):"
+    status, _, payload = call(shared_server.url, "POST", "/tokenize", {"model": "out", "prompt": text})
+    assert status == 200
+    body = json.loads(payload)
+    assert body["tokens"] == engine.tokenizer.encode(text) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == engine.max_positions and body["token_strs"] is None
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    status, _, payload = call(shared_server.url, "POST", "/tokenize", {"messages": messages})
+    assert status == 200 and json.loads(payload)["tokens"] == engine.encode_chat(messages)
+    status, _, payload = call(shared_server.url, "POST", "/tokenize", {"prompt": text, "return_token_strs": True})
+    strs = json.loads(payload)["token_strs"]
+    assert status == 200 and "".join(strs).replace("Ġ", " ").replace("▁", " ").strip().endswith("(n):")
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    status, _, payload = call(shared_server.url, "POST", "/detokenize", {"model": "out", "tokens": ids})
+    assert status == 200 and json.loads(payload) == {"prompt": engine.tokenizer.decode(ids)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, 400, "prompt"),
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"prompt": 5}, 400, "prompt"),
+        ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, 400, "add_generation_prompt"),
+        ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
+        ("/tokenize", {"messages": [{"content": "a"}]}, 400, "messages[0].role"),
+        ("/tokenize", {"model": "nope", "prompt": "a"}, 404, "model"),
+        ("/detokenize", {"tokens": [99999]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+        ("/detokenize", {"tokens": [1], "skip": True}, 400, "skip"),
+    ],
+)
+def test_tokenize_errors_name_the_field(
+    shared_server: Server, path: str, body: dict[str, Any], status: int, param: str
+) -> None:
+    got, headers, payload = call(shared_server.url, "POST", path, body)
+    assert got == status and headers["content-type"] == "application/json"
+    assert_error_shape(payload, param)
+
+
+def test_tokenize_while_loading_is_503(loading_server: str) -> None:
+    status, _, payload = call(loading_server, "POST", "/tokenize", {"prompt": "a"})
+    assert status == 503 and "loading" in assert_error_shape(payload)["message"]
+
+
+def test_a_body_past_the_limit_is_413_whether_its_length_is_declared_or_not(loading_server: str) -> None:
+    from kvforge.runners.serve.app import MAX_BODY_BYTES
+
+    conn = connect(loading_server)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Content-Length", str(MAX_BODY_BYTES + 1))
+        conn.endheaders()
+        response = conn.getresponse()
+        assert response.status == 413 and "Content-Length" in assert_error_shape(response.read())["message"]
+    finally:
+        conn.close()
+    conn = connect(loading_server)
+    try:  # chunked, no Content-Length: counted as it arrives
+        chunks = iter([b"x" * (1 << 20)] * 9)
+        conn.request("POST", "/v1/completions", body=chunks, encode_chunked=True)
+        response = conn.getresponse()
+        assert response.status == 413 and "exceeds" in assert_error_shape(response.read())["message"]
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server answered and closed before the whole body was sent
+    finally:
+        conn.close()
+
+
+# --- operations: the access log, client resets -------------------------------------------------
+
+
+@pytest.mark.slow
+def test_each_request_logs_one_line_and_a_reset_mid_stream_logs_no_traceback(launch: Any, tiny_artifact: Any) -> None:
+    import socket
+    import struct
+    import time
+
+    server = launch(tiny_artifact)
+    body = {"model": "out", "prompt": "def", "max_tokens": 5, "temperature": 0, "stream": True}
+    assert call(server.url, "POST", "/v1/completions", body)[0] == 200
+    parts = urlsplit(server.url)
+    assert parts.hostname is not None and parts.port is not None
+    for _ in range(3):  # read a little of a long stream, then reset the connection (RST, not FIN)
+        sock = socket.create_connection((parts.hostname, parts.port), timeout=TIMEOUT_S)
+        data = json.dumps(body | {"max_tokens": 200}).encode()
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n"
+        sock.sendall(head.encode() + data)
+        received = b""
+        while b"data: " not in received:
+            chunk = sock.recv(4096)
+            assert chunk, received
+            received += chunk
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+    assert call(server.url, "GET", "/health")[0] == 200
+    deadline = time.monotonic() + TIMEOUT_S
+    while server.stderr().count("POST /v1/completions") < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log = server.stderr()
+    assert "Traceback" not in log and "Error" not in log, log
+    lines = [line for line in log.splitlines() if "POST /v1/completions 200" in line]
+    assert len(lines) == 4, log
+    assert "prompt_tokens=" in lines[0] and "completion_tokens=5" in lines[0] and "ttft=0." in lines[0]
+    assert "duration=" in lines[0]
+
+
+@pytest.mark.slow
+def test_quiet_logs_no_request(launch: Any, tiny_artifact: Any) -> None:
+    server = launch(tiny_artifact, "--quiet")
+    assert call(server.url, "GET", "/health")[0] == 200
+    assert "GET /health" not in server.stderr()

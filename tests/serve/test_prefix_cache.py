@@ -208,7 +208,7 @@ def _metric(server: Server, name: str) -> float:
 def test_server_hits_and_matches_a_server_without_the_cache(tiny_artifact: Path, launch: Any) -> None:
     cached = launch(tiny_artifact, "--prefix-cache-bytes", "16M", "--prefill-chunk", "16")
     plain = launch(tiny_artifact, "--prefix-cache-bytes", "0", "--prefill-chunk", "16")
-    assert "prefix cache: 16 MiB" in cached.stderr()
+    assert "prefix cache: capped at 16 MiB" in cached.stderr()
     prefix = CORPUS[0] + CORPUS[1] + CORPUS[2]
     prompts = [prefix + " and then", prefix + " but later"]
     texts = {}
