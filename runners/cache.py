@@ -11,8 +11,11 @@ The cache is the one place that knows the layouts: keys and values shared betwee
 (`concat`), layers bounded by a sliding window (their past is the present's last `window - 1`
 positions), and fixed-size states (replaced by every step's present).
 
-What a device cannot do in place (slicing a window-bounded layer's present, cutting positions off a
-grown cache) goes through host memory: correct, and paid only by those layouts.
+The server's continuous batch (`BatchCache`) lives here too: its rows join, leave and are compacted
+by copies where the cache lives. onnxruntime's Python API copies whole tensors only, so on a device
+a region (a window-bounded layer's last positions, a row, a prefix-cache block) is copied by a
+one-node graph run on the device's provider, bound at the two addresses (`OrtDevice.copy`): never
+through host memory. This module is the only one that allocates KV memory.
 """
 
 from __future__ import annotations
