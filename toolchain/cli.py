@@ -133,6 +133,13 @@ def _calibration(choice: str | None, quantization: Any) -> Any:
     "see --calibration). Default: none.",
 )
 @click.option(
+    "--exact-activations",
+    is_flag=True,
+    help="A GGUF file's own quantized codes computed with float activations, the artifact computing what the "
+    "dequantized file does (judged by the float gate), several times slower to decode. Default for a quantized "
+    "GGUF file: its codes at int8 activations (as --weights int4 builds it), judged by the distribution gate.",
+)
+@click.option(
     "--block-size", type=click.Choice(["32", "64", "128"]), default="32", show_default=True, help="Weights per scale."
 )
 @click.option(
@@ -231,6 +238,7 @@ def build(
     target: str,
     dtype: str | None,
     weights: str | None,
+    exact_activations: bool,
     block_size: str,
     kv_dtype: str | None,
     asymmetric: bool,
@@ -295,6 +303,12 @@ def build(
         quantization = WeightQuantization(
             int(weights[3:]), int(block_size), not asymmetric, keep, int8=int8, free_min=free_min
         )
+    if exact_activations and weights is not None:
+        raise click.BadParameter(
+            f"computes a GGUF file's own codes in float; --weights {weights} quantizes the weights and the "
+            "activations: drop one of the two",
+            param_hint="--exact-activations",
+        )
     calibration_text = _calibration(calibration, quantization)
     options = BuildOptions(
         force=force,
@@ -315,6 +329,7 @@ def build(
         tune=tune,
         calibration=calibration_text,
         kv_dtype=kv_dtype,
+        exact_activations=exact_activations,
     )
     verbose = bool(click.get_current_context().find_root().params.get("verbose"))
     # -v logs a line as each stage starts and ends: a progress display would say it all again
@@ -349,6 +364,10 @@ def _build_json(result: Any) -> dict[str, Any]:
         "flags": manifest.get("flags"),
         "files": manifest.get("files"),
         "sources": manifest.get("sources"),
+        # a pre-quantized checkpoint's (a GGUF file's) codes: how they were read and computed
+        "imported": None
+        if manifest.get("imported_weights") is None
+        else {k: v for k, v in manifest["imported_weights"].items() if k != "weights"},
         "gate": result.parity.to_dict() | {"summary": result.parity.summary()},
         "lowering": None if result.lowering is None else result.lowering.summary(),
         "seconds": result.seconds,

@@ -14,7 +14,9 @@ of them quantized). Everything kvforge reads from one is read here:
   and keeps the scratch directory alive until it is dropped;
 - `tensors` gives the file's own tensors, still in their GGUF types, by Hugging Face name;
 - `quantized_weights` the quantized ones as records the build imports with their own codes
-  (`kvforge.toolchain.gguf_import`), their rows in the order transformers' loader gives the weights.
+  (`kvforge.toolchain.gguf_import`), their rows in the order transformers' loader gives the weights;
+  `holds_quantized` says whether there are any (a file that has them builds, by default, with
+  its codes at int8 activations: `kvforge.toolchain.build`).
 """
 
 from __future__ import annotations
@@ -236,6 +238,15 @@ def tensors(file: Path, hf_names: Iterable[str]) -> dict[str, GGUFTensor]:
             shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
             found[hf_name] = GGUFTensor(tensor.name, tensor.tensor_type, shape, tensor.data)
     return found
+
+
+def holds_quantized(file: Path) -> bool:
+    """Whether the file stores any matrix quantized (any 2-D tensor not F32, F16 or BF16): read
+    from its tensor index, without touching the data."""
+    from gguf import GGMLQuantizationType
+
+    floats = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+    return any(len(t.shape) == 2 and t.tensor_type not in floats for t in _reader(file).tensors)
 
 
 def quantized_weights(file: Path, hf_names: Iterable[str], config: Mapping[str, Any]) -> dict[str, Imported]:
