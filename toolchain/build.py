@@ -16,7 +16,7 @@ import resource
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -169,7 +169,9 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     check_writable(output)
     return_freed_memory()
     seconds: dict[str, float] = {}
-    ckpt = checkpoints.load(checkpoint_dir, allow_pickle=options.allow_pickle, revision=options.revision)
+    # reading the checkpoint (a GGUF file: parsing and dequantizing it, shown as its own stage)
+    with _timed(seconds, "checkpoint", shown=False):
+        ckpt = checkpoints.load(checkpoint_dir, allow_pickle=options.allow_pickle, revision=options.revision)
     options = _gguf_default(options, ckpt)
     _check_tune(options)
     spec = read_spec(ckpt, options.context)
@@ -254,11 +256,14 @@ def _compile(
     target = options.target
     onnx_model, lowering = _lower(models.pop(), spec, io, stamping, seconds, reason)
     log.info(lowering.summary())
-    # The graph's initializers now hold the weights; the eager model's references would keep
-    # every weight a pass replaces (packing, quantization) alive next to its replacement.
-    gc.collect()
+    with _timed(seconds, "lower"):
+        # The graph's initializers now hold the weights; the eager model's references would keep
+        # every weight a pass replaces (packing, quantization) alive next to its replacement.
+        gc.collect()
     moe_layers = moe_graph.moe_layers(onnx_model, spec)
-    imported = ckpt.quantized_weights()
+    header = ckpt.quantization_header()
+    with nullcontext() if header is None else _timed(seconds, "import"):
+        imported = ckpt.quantized_weights()  # a pre-quantized checkpoint's codes (a GGUF file's, decoded)
     exact = {name: found.record for name, found in imported.items() if found.exact}
     tuner = (
         None
@@ -290,7 +295,6 @@ def _compile(
         except KVCacheRefused as e:
             raise ArtifactError(f"{checkpoint_dir}: --kv-dtype {options.kv_dtype}: {e}") from e
         io = replace(io, kv_dtype=str(options.kv_dtype))
-    header = ckpt.quantization_header()
     imported_entry = (
         None
         if header is None
@@ -636,10 +640,12 @@ def _graph_contract(model: ir.Model, io: DecoderIO, target: Target, capacity: in
 
 
 @contextmanager
-def _timed(seconds: dict[str, float], stage: str) -> Iterator[None]:
+def _timed(seconds: dict[str, float], stage: str, shown: bool = True) -> Iterator[None]:
+    """Time `stage` into `seconds`; `shown`: as a stage of the progress display too (False: it
+    shows its own, or is too short to show)."""
     log.info("%s...", stage)
     start = time.perf_counter()
-    with progress.stage(stage):
+    with progress.stage(stage) if shown else nullcontext():
         yield
     seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - start  # a stage run again adds up
     # the process's peak so far: the stage after which it grows is where the memory goes
