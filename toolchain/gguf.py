@@ -113,7 +113,7 @@ def _transformers_reading(file: Path) -> Iterator[None]:
     from transformers import modeling_gguf_pytorch_utils as reader
     from transformers.utils import logging as transformers_logging
 
-    package_reader = gguf.GGUFReader
+    package_reader, package_names = gguf.GGUFReader, gguf.get_tensor_name_map
 
     def shared(path: Any, mode: str = "r") -> Any:
         same = mode == "r" and Path(path).absolute() == file
@@ -124,15 +124,28 @@ def _transformers_reading(file: Path) -> Iterator[None]:
     bar = getattr(reader, "tqdm", None)
     if bar is not None:
         reader.tqdm = functools.partial(bar, disable=True)
-    gguf.GGUFReader = shared  # type: ignore[misc,assignment]  # transformers imports it from the package as it reads
+    # transformers imports both from the package as it reads; it asks for the architecture's name
+    # table once per module of the model (a table of thousands of formatted names each time)
+    gguf.GGUFReader = shared  # type: ignore[misc,assignment]
+    gguf.get_tensor_name_map = _name_table
     try:
         yield
     finally:
         gguf.GGUFReader = package_reader  # type: ignore[misc]
+        gguf.get_tensor_name_map = package_names
         if bar is not None:
             reader.tqdm = bar
         if shown:
             transformers_logging.enable_progress_bar()
+
+
+@functools.lru_cache(maxsize=8)
+def _name_table(arch: Any, blocks: int) -> Any:
+    """The gguf package's tensor-name table of an architecture with `blocks` blocks (read only),
+    made once."""
+    from gguf.tensor_mapping import get_tensor_name_map
+
+    return get_tensor_name_map(arch, blocks)
 
 
 def _check_magic(file: Path) -> None:
@@ -240,7 +253,7 @@ def tensors(file: Path, hf_names: Iterable[str]) -> dict[str, GGUFTensor]:
         raise CheckpointError(f"{file}: architecture {arch_name!r} is unknown to the gguf package; upgrade gguf")
     blocks = int(_field(reader, file, f"{arch_name}.block_count"))
     stored = {t.name: t for t in reader.tensors}
-    table = gguf.get_tensor_name_map(arch, blocks)
+    table = _name_table(arch, blocks)
     found: dict[str, GGUFTensor] = {}
     for hf_name in hf_names:
         gguf_name = _gguf_name(table, hf_name)
