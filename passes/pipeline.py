@@ -351,6 +351,12 @@ def phases(
     return result
 
 
+def imports_codes(target: Target) -> bool:
+    """Whether `target` reads a pre-quantized checkpoint's weights with their own codes
+    (`import_quantized`), rather than keeping them float."""
+    return target.quantization_form(4) in ("matmul_nbits", "dequantize_linear") and not target.symmetric_only
+
+
 def import_quantized(
     target: Target, imported: dict[str, QuantizedWeight], weights: WeightQuantization | None
 ) -> list[PassBase]:
@@ -359,9 +365,9 @@ def import_quantized(
     level 0), so the graph computes what the dequantized checkpoint does to float rounding and
     the build is judged by the float gate; with one, the recipe's accuracy level. A target whose
     weights are per-channel (TensorRT's int8) or symmetric only keeps them float."""
-    form = target.quantization_form(4)
-    if form not in ("matmul_nbits", "dequantize_linear") or target.symmetric_only:
+    if not imports_codes(target):
         return []
+    form = target.quantization_form(4)
     passes: list[PassBase] = [ImportQuantizedWeights(imported, form, 0 if weights is None else weights.accuracy_level)]
     if weights is None and target.embedding_form is not None:  # the table too, where it ships quantized
         passes.append(QuantizeEmbedding(8, form=target.embedding_form, imported=imported, only_imported=True))

@@ -16,7 +16,7 @@ import resource
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -39,7 +39,7 @@ from kvforge.runners.session import Session
 from kvforge.runners.tokenizer import TokenizerBundle
 from kvforge.toolchain import calibration as calibrating
 from kvforge.toolchain import checkpoint as checkpoints
-from kvforge.toolchain import emit, hashing, kv_scales, manifest, moe_graph, prequantized, progress, stamp
+from kvforge.toolchain import emit, gguf, hashing, kv_scales, manifest, moe_graph, prequantized, progress, stamp
 from kvforge.toolchain import tune as tuning
 from kvforge.toolchain.emit import genai
 from kvforge.toolchain.emit import tensorrt as trt_engine
@@ -106,6 +106,10 @@ class BuildOptions:
     # The KV cache's storage: None, the compute dtype; "int8", codes with static per-channel scales
     # calibrated on the eager model (`kvforge.toolchain.kv_scales`), judged by the distribution gate
     kv_dtype: str | None = None
+    # A GGUF file's quantized matrices with float activations (MatMulNBits' accuracy level 0), the
+    # artifact computing what the dequantized file does, judged by the float gate. False: with no
+    # `weights`, such a file builds as `weights=IMPORTED_DEFAULT` does (`_gguf_default`)
+    exact_activations: bool = False
 
     def flags(self) -> dict[str, Any]:
         """What determines the artifact's bytes (not `force`, which only says where they may go)."""
@@ -128,6 +132,7 @@ class BuildOptions:
             | ({} if self.tune == tuning.DEFAULT_MODE else {"tune": self.tune})  # absent when off, as before
             | ({"calibration": self.calibration.to_dict()} if self.calibration and self.calibrating else {})
             | ({} if self.kv_dtype is None else {"kv_dtype": self.kv_dtype})  # absent by default, as before
+            | ({"exact_activations": True} if self.exact_activations else {})  # absent by default
         )
 
 
@@ -153,15 +158,23 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
     if options.dtype not in DTYPES.values():
         raise ArtifactError(f"unknown dtype {options.dtype!r}; choose one of {', '.join(DTYPES.values())}")
     check_tolerance(options.tolerance, options.weights is not None or options.kv_dtype is not None)
+    if options.exact_activations and options.weights is not None:
+        raise ArtifactError(
+            f"exact activations keep a GGUF file's own codes, computed in float; --weights {options.weights.name} "
+            "quantizes the build's weights and activations: drop one of the two"
+        )
     _check_logits(options)
-    _check_tune(options)
     _check_kv_dtype(options)
     check_output(output, options.force)
     check_writable(output)
     return_freed_memory()
     seconds: dict[str, float] = {}
-    with _timed(seconds, "read"):  # the config, the weights' headers, the cache's layout off the modeling code
+    # the config, the weights' headers (a GGUF file: parsed and dequantized, a line of its own), the
+    # cache's layout off the modeling code
+    with _timed(seconds, "read"):
         ckpt = checkpoints.load(checkpoint_dir, allow_pickle=options.allow_pickle, revision=options.revision)
+        options = _gguf_default(options, ckpt)
+        _check_tune(options)
         spec = read_spec(ckpt, options.context)
         io = DecoderIO.for_spec(spec, kv_dtype=options.dtype)
         target = options.target
@@ -244,11 +257,14 @@ def _compile(
     target = options.target
     onnx_model, lowering = _lower(models.pop(), spec, io, stamping, seconds, reason)
     log.info(lowering.summary())
-    # The graph's initializers now hold the weights; the eager model's references would keep
-    # every weight a pass replaces (packing, quantization) alive next to its replacement.
-    gc.collect()
+    with _timed(seconds, "lower"):
+        # The graph's initializers now hold the weights; the eager model's references would keep
+        # every weight a pass replaces (packing, quantization) alive next to its replacement.
+        gc.collect()
     moe_layers = moe_graph.moe_layers(onnx_model, spec)
-    imported = ckpt.quantized_weights()
+    header = ckpt.quantization_header()
+    with nullcontext() if header is None else _timed(seconds, "import"):
+        imported = ckpt.quantized_weights()  # a pre-quantized checkpoint's codes (a GGUF file's, decoded)
     exact = {name: found.record for name, found in imported.items() if found.exact}
     tuner = (
         None
@@ -280,11 +296,13 @@ def _compile(
         except KVCacheRefused as e:
             raise ArtifactError(f"{checkpoint_dir}: --kv-dtype {options.kv_dtype}: {e}") from e
         io = replace(io, kv_dtype=str(options.kv_dtype))
-    header = ckpt.quantization_header()
     imported_entry = (
         None
         if header is None
         else prequantized.manifest_entry(header, imported, pass_report.imported, options.weights is not None)
+        # what the imported codes are multiplied with: float activations, or int8 ones (MatMulNBits'
+        # accuracy level 4, the fast path)
+        | {"activations": "float" if options.weights is None or not options.weights.accuracy_level else "int8"}
     )
     del imported
     graph_io = _graph_contract(onnx_model, io, target, options.capacity)
@@ -356,6 +374,39 @@ def _compile(
 
 
 _REFUSED = "the stamped graph failed the parity gate"
+
+# What a GGUF file holding quantized matrices builds as when no `weights` are asked for: its
+# codes as they are, at MatMulNBits' accuracy level 4 (int8 activations, the fast path), and
+# any matrix the file keeps in float at symmetric int4; judged by the distribution gate.
+IMPORTED_DEFAULT = WeightQuantization(4)
+
+
+def _gguf_default(options: BuildOptions, ckpt: checkpoints.Checkpoint) -> BuildOptions:
+    """The options a build of `ckpt` runs with: a GGUF file's quantized codes at int8 activations
+    (`IMPORTED_DEFAULT`) unless `weights` or `exact_activations` say otherwise, where the target
+    reads the codes (`pipeline.imports_codes`); other checkpoints, as asked."""
+    if ckpt.gguf is None:
+        if options.exact_activations:
+            raise ArtifactError(
+                f"{ckpt.path}: exact activations choose how a GGUF file's own codes are computed, and this is "
+                "not a GGUF file (its build computes in float unless --weights is given): drop --exact-activations"
+            )
+        return options
+    if (
+        options.weights is not None
+        or options.exact_activations
+        or not pipeline.imports_codes(options.target)
+        or not gguf.holds_quantized(ckpt.gguf)
+    ):
+        return options
+    if options.tolerance is not None:
+        raise ArtifactError(
+            f"{ckpt.gguf}: --tolerance {options.tolerance:g} sets the float gate; a quantized GGUF file builds "
+            "with int8 activations, judged by its next-token distributions: add --exact-activations for the "
+            "float gate, or drop --tolerance"
+        )
+    log.info("%s: its quantized codes at int8 activations (--exact-activations computes them in float)", ckpt.gguf)
+    return replace(options, weights=IMPORTED_DEFAULT)
 
 
 def _calibrate(
@@ -590,10 +641,12 @@ def _graph_contract(model: ir.Model, io: DecoderIO, target: Target, capacity: in
 
 
 @contextmanager
-def _timed(seconds: dict[str, float], stage: str) -> Iterator[None]:
+def _timed(seconds: dict[str, float], stage: str, shown: bool = True) -> Iterator[None]:
+    """Time `stage` into `seconds`; `shown`: as a stage of the progress display too (False: it
+    shows its own, or is too short to show)."""
     log.info("%s...", stage)
     start = time.perf_counter()
-    with progress.stage(stage):
+    with progress.stage(stage) if shown else nullcontext():
         yield
     seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - start  # a stage run again adds up
     # the process's peak so far: the stage after which it grows is where the memory goes

@@ -149,6 +149,13 @@ def _calibration(choice: str | None, quantization: Any) -> Any:
     "see --calibration). Default: none.",
 )
 @click.option(
+    "--exact-activations",
+    is_flag=True,
+    help="A GGUF file's own quantized codes computed with float activations, the artifact computing what the "
+    "dequantized file does (judged by the float gate), several times slower to decode. Default for a quantized "
+    "GGUF file: its codes at int8 activations (as --weights int4 builds it), judged by the distribution gate.",
+)
+@click.option(
     "--block-size", type=click.Choice(["32", "64", "128"]), default="32", show_default=True, help="Weights per scale."
 )
 @click.option(
@@ -247,6 +254,7 @@ def build(
     target: str,
     dtype: str | None,
     weights: str | None,
+    exact_activations: bool,
     block_size: str,
     kv_dtype: str | None,
     asymmetric: bool,
@@ -289,7 +297,7 @@ def build(
     )
     check_output(Path(os.path.abspath(output)), force)
     check_writable(Path(os.path.abspath(output)))
-    _check_weight_flags(weights, asymmetric, int8, free_min)
+    _check_weight_flags(weights, asymmetric, int8, free_min, exact_activations)
     verbose = bool(click.get_current_context().find_root().params.get("verbose"))
     # -v logs a line as each stage starts and ends: a progress display would say it all again
     with progress.reporting(progress.for_stream(sys.stderr, quiet or verbose)):
@@ -326,6 +334,7 @@ def build(
             tune=tune,
             calibration=_calibration(calibration, quantization),
             kv_dtype=kv_dtype,
+            exact_activations=exact_activations,
         )
         startup = time.perf_counter() - began
         result = run_build(checkpoint, output, options)
@@ -348,8 +357,16 @@ def build(
         _emit_json(_build_json(result, seconds))
 
 
-def _check_weight_flags(weights: str | None, asymmetric: bool, int8: tuple[str, ...], free_min: bool) -> None:
-    """Refuse flags that only an int4 build takes, before the libraries load."""
+def _check_weight_flags(
+    weights: str | None, asymmetric: bool, int8: tuple[str, ...], free_min: bool, exact_activations: bool
+) -> None:
+    """Refuse flags that only an int4 build takes, or that contradict --weights, before the libraries load."""
+    if exact_activations and weights is not None:
+        raise click.BadParameter(
+            f"computes a GGUF file's own codes in float; --weights {weights} quantizes the weights and the "
+            "activations: drop one of the two",
+            param_hint="--exact-activations",
+        )
     if int8 and weights != "int4":
         raise click.BadParameter(
             f"picks weights to keep at int8 in an int4 build; this build is {weights or 'unquantized'}: "
@@ -379,6 +396,10 @@ def _build_json(result: Any, seconds: dict[str, float]) -> dict[str, Any]:
         "flags": manifest.get("flags"),
         "files": manifest.get("files"),
         "sources": manifest.get("sources"),
+        # a pre-quantized checkpoint's (a GGUF file's) codes: how they were read and computed
+        "imported": None
+        if manifest.get("imported_weights") is None
+        else {k: v for k, v in manifest["imported_weights"].items() if k != "weights"},
         "gate": result.parity.to_dict() | {"summary": result.parity.summary()},
         "lowering": None if result.lowering is None else result.lowering.summary(),
         "seconds": seconds,

@@ -14,7 +14,9 @@ of them quantized). Everything kvforge reads from one is read here:
   `Checkpoint` names the GGUF file as its only input (the manifest's sources);
 - `tensors` gives the file's own tensors, still in their GGUF types, by Hugging Face name;
 - `quantized_weights` the quantized ones as records the build imports with their own codes
-  (`kvforge.toolchain.gguf_import`), their rows in the order transformers' loader gives the weights.
+  (`kvforge.toolchain.gguf_import`), their rows in the order transformers' loader gives the weights;
+  `holds_quantized` says whether there are any (a file that has them builds, by default, with
+  its codes at int8 activations: `kvforge.toolchain.build`).
 """
 
 from __future__ import annotations
@@ -71,31 +73,56 @@ def dequantize(file: Path, out: Path) -> None:
     Raises CheckpointError naming the file when it is not a GGUF file, or when transformers
     cannot read it (an architecture its GGUF loader does not know, a truncated file)."""
     _check_magic(file)
-    with progress.stage("gguf"), _no_transformers_bars():
+    file = file.absolute()  # not resolved: a link (a Hub snapshot's, into blobs/) keeps its name
+    with progress.stage("gguf"), _transformers_reading(file):
         _write_checkpoint(file, out)
     logger.info("%s: dequantized to float32 into %s", file, out)
 
 
 @contextmanager
-def _no_transformers_bars() -> Iterator[None]:
-    """transformers' own progress bars off while it reads the file: the stage reports it. Its
-    GGUF reader draws its bar with tqdm directly, past that switch, so that module's tqdm is
-    handed `disable=True` meanwhile (where the module has one)."""
+def _transformers_reading(file: Path) -> Iterator[None]:
+    """transformers' GGUF loader, reading `file` through the reader the build holds (`_reader`:
+    it parses the file once for its config, once for its tokenizer and once for its weights
+    otherwise), with its own progress bars off: the stage reports it. Its GGUF reader draws its
+    bar with tqdm directly, past that switch, so that module's tqdm is handed `disable=True`
+    meanwhile (where the module has one)."""
+    import gguf
     from transformers import modeling_gguf_pytorch_utils as reader
     from transformers.utils import logging as transformers_logging
+
+    package_reader, package_names = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def shared(path: Any, mode: str = "r") -> Any:
+        same = mode == "r" and Path(path).absolute() == file
+        return _reader(file) if same else package_reader(path, mode)  # type: ignore[arg-type]
 
     shown = transformers_logging.is_progress_bar_enabled()
     transformers_logging.disable_progress_bar()
     bar = getattr(reader, "tqdm", None)
     if bar is not None:
         reader.tqdm = functools.partial(bar, disable=True)
+    # transformers imports both from the package as it reads; it asks for the architecture's name
+    # table once per module of the model (a table of thousands of formatted names each time)
+    gguf.GGUFReader = shared  # type: ignore[misc,assignment]
+    gguf.get_tensor_name_map = _name_table
     try:
         yield
     finally:
+        gguf.GGUFReader = package_reader  # type: ignore[misc]
+        gguf.get_tensor_name_map = package_names
         if bar is not None:
             reader.tqdm = bar
         if shown:
             transformers_logging.enable_progress_bar()
+
+
+@functools.lru_cache(maxsize=8)
+def _name_table(arch: Any, blocks: int) -> Any:
+    """The gguf package's tensor-name table of an architecture with `blocks` blocks (read only),
+    made once."""
+    from gguf.tensor_mapping import get_tensor_name_map
+
+    return get_tensor_name_map(arch, blocks)
 
 
 def _check_magic(file: Path) -> None:
@@ -203,7 +230,7 @@ def tensors(file: Path, hf_names: Iterable[str]) -> dict[str, GGUFTensor]:
         raise CheckpointError(f"{file}: architecture {arch_name!r} is unknown to the gguf package; upgrade gguf")
     blocks = int(_field(reader, file, f"{arch_name}.block_count"))
     stored = {t.name: t for t in reader.tensors}
-    table = gguf.get_tensor_name_map(arch, blocks)
+    table = _name_table(arch, blocks)
     found: dict[str, GGUFTensor] = {}
     for hf_name in hf_names:
         gguf_name = _gguf_name(table, hf_name)
@@ -212,6 +239,15 @@ def tensors(file: Path, hf_names: Iterable[str]) -> dict[str, GGUFTensor]:
             shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
             found[hf_name] = GGUFTensor(tensor.name, tensor.tensor_type, shape, tensor.data)
     return found
+
+
+def holds_quantized(file: Path) -> bool:
+    """Whether the file stores any matrix quantized (any 2-D tensor not F32, F16 or BF16): read
+    from its tensor index, without touching the data."""
+    from gguf import GGMLQuantizationType
+
+    floats = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+    return any(len(t.shape) == 2 and t.tensor_type not in floats for t in _reader(file).tensors)
 
 
 def quantized_weights(file: Path, hf_names: Iterable[str], config: Mapping[str, Any]) -> dict[str, Imported]:
@@ -280,15 +316,42 @@ def _row_order(arch_name: str, gguf_name: str, rows: int, config: Mapping[str, A
 
 
 def _reader(file: Path) -> Any:
-    import gguf
-
+    """The gguf package's reader of `file`, parsed once for as long as the file is unchanged
+    (its path, size and mtime): the build and transformers' loader share it."""
     _check_magic(file)
+    stat = file.stat()
+    return _parsed(str(file), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed(file: str, size: int, mtime_ns: int) -> Any:
     try:
-        return gguf.GGUFReader(file, "r")
+        return _fast_reader()(file, "r")
     except Exception as e:  # the reader raises ValueError, IndexError... for a malformed file
         raise CheckpointError(
             f"{file}: the gguf package cannot read it ({type(e).__name__}: {_first_line(e)}); re-download it"
         ) from e
+
+
+@functools.cache
+def _fast_reader() -> type:
+    """`gguf.GGUFReader`, its fields read from a plain array over the file's memory map: the
+    package slices its `np.memmap` once per value, and a memmap slice runs Python code of
+    numpy's (a vocabulary of 49k tokens is a million slices; this parses SmolLM2's file in a
+    third of the time). The values and the tensors' data are the same views of the same map."""
+    from gguf.gguf_reader import GGUFReader  # the class itself, while transformers reads through `shared`
+
+    class Reader(GGUFReader):  # type: ignore[misc]
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray[Any, Any]:
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            count = int(count)
+            array = plain[offset : offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+            order = self.byte_order if override_order is None else override_order
+            return array.view(array.dtype.newbyteorder(order))
+
+    return Reader
 
 
 def _field(reader: Any, file: Path, key: str) -> Any:

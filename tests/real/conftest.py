@@ -38,21 +38,22 @@ def real_checkpoint(request: pytest.FixtureRequest) -> Callable[[str], Path]:
 def real_artifact(
     real_checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[..., Path]:
-    """The artifact of a real checkpoint's GGUF file at `weights` (None: fp32), built once per session."""
+    """The artifact of a real checkpoint's GGUF file, built once per session: the default build
+    (the file's codes at int8 activations), or with `exact=True` its codes at float activations
+    (`--exact-activations`, the float gate)."""
     from kvforge import BuildOptions, build
-    from kvforge.passes.quantize import WeightQuantization
 
-    built: dict[tuple[str, str | None], Path] = {}
+    built: dict[tuple[str, bool], Path] = {}
 
-    def get(name: str, weights: str | None = None) -> Path:
-        key = (name, weights)
+    def get(name: str, exact: bool = False) -> Path:
+        key = (name, exact)
         if key not in built:
-            quantization = None if weights is None else WeightQuantization(int(weights[3:]), 32, True, ())
-            out = tmp_path_factory.mktemp(f"real-{name}-{weights or 'fp32'}") / "out"
+            label = "exact" if exact else "default"
+            out = tmp_path_factory.mktemp(f"real-{name}-{label}") / "out"
             checkpoint = real_checkpoint(name)  # assembled and read, the first time, before the clock starts
             start = time.perf_counter()
-            built[key] = build(checkpoint, out, BuildOptions(weights=quantization)).output
-            BUILD_SECONDS[f"{name} {weights or 'fp32'}"] = time.perf_counter() - start
+            built[key] = build(checkpoint, out, BuildOptions(exact_activations=exact)).output
+            BUILD_SECONDS[f"{name} {label}"] = time.perf_counter() - start
         return built[key]
 
     return get

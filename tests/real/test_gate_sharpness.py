@@ -1,8 +1,8 @@
 """The gate stays sharp on a real trained checkpoint (SmolLM2-135M-Instruct): it fails the
 build on the small bugs that matter, naming the first output they reach.
 
-The cases reuse the one default artifact (the file's quantized matrices imported exactly,
-computed in float32, judged by the float gate): each bug is put into the eager model (a weight, the
+The cases reuse the one `--exact-activations` artifact (the file's quantized matrices imported
+exactly, computed in float32, judged by the float gate): each bug is put into the eager model (a weight, the
 rotary base, the norms' epsilon) or into what the compiled model is fed (its positions, where
 its cache is written), and the gate is run again. The gate compares the two sides
 symmetrically, so a bug on either side is the same difference to it."""
@@ -49,7 +49,7 @@ def gate_sides(real_checkpoint: Callable[[str], Path], real_artifact: Callable[.
     from kvforge.toolchain.spec import DecoderSpec
     from kvforge.toolchain.verify import record_reference
 
-    artifact = real_artifact(NAME)
+    artifact = real_artifact(NAME, exact=True)
     ckpt = checkpoints.load(real_checkpoint(NAME))
     spec = DecoderSpec.from_config(ckpt.config, ckpt.generation_config)
     io = DecoderIO.from_dict(read_manifest(artifact)["io"])

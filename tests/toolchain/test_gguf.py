@@ -243,26 +243,50 @@ MIXED = {
 }
 
 
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, gguf.GGMLQuantizationType]]:
+    """A tiny tied llama (K a multiple of 256, for the k-quants) written in MIXED's types: the
+    checkpoint, the file, and each written tensor's type."""
+    from tests.tiny import make_checkpoint
+
+    root = tmp_path_factory.mktemp("mixed")
+    source = make_checkpoint(root / "ckpt", "llama", hidden_size=256, intermediate_size=256, tie_word_embeddings=True)
+    file = root / "gguf" / "mixed.gguf"
+    file.parent.mkdir()
+    written = write_gguf(source, file, {role: kind for role, (kind, _, _) in MIXED.items()})
+    return source, file, written
+
+
+def _matmul_accuracy_levels(artifact: Path) -> set[int]:
+    import onnx
+
+    graph = onnx.load(artifact / "model.onnx", load_external_data=False).graph
+    levels = set()
+    for node in graph.node:
+        if node.op_type == "MatMulNBits":
+            attributes = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+            levels.add(attributes.get("accuracy_level", 0))
+    return levels
+
+
 @pytest.mark.slow
-def test_a_gguf_files_quantized_tensors_are_imported_exactly_and_pass_the_float_gate(tmp_path: Path) -> None:
-    """Free-minimum k-quants and legacy types, mixed as llama.cpp mixes them, built without --weights:
-    every matrix keeps the file's codes (the manifest says how), and the artifact computes what
-    transformers computes from the file (the float32 gate) and generates the same tokens."""
+def test_a_gguf_files_quantized_tensors_are_imported_exactly_and_pass_the_float_gate(
+    mixed_gguf: tuple[Path, Path, dict[str, gguf.GGMLQuantizationType]], tmp_path: Path
+) -> None:
+    """Free-minimum k-quants and legacy types, mixed as llama.cpp mixes them, built with
+    --exact-activations: every matrix keeps the file's codes (the manifest says how), and the
+    artifact computes what transformers computes from the file (the float32 gate) and generates
+    the same tokens."""
     from click.testing import CliRunner
     from transformers import AutoModelForCausalLM
 
     from kvforge import Engine
     from kvforge.cli import main
-    from tests.tiny import hf_greedy, make_checkpoint
+    from tests.tiny import hf_greedy
 
-    source = make_checkpoint(  # k-quants: K a multiple of 256
-        tmp_path / "ckpt", "llama", hidden_size=256, intermediate_size=256, tie_word_embeddings=True
-    )
-    file = tmp_path / "gguf" / "mixed.gguf"
-    file.parent.mkdir()
-    written = write_gguf(source, file, {role: kind for role, (kind, _, _) in MIXED.items()})
+    source, file, written = mixed_gguf
     out = tmp_path / "out"
-    result = CliRunner().invoke(main, ["build", str(file), "-o", str(out), "-q"])
+    result = CliRunner().invoke(main, ["build", str(file), "-o", str(out), "-q", "--exact-activations"])
     assert result.exit_code == 0, result.output
 
     manifest = json.loads((out / "manifest.json").read_text())
@@ -292,7 +316,10 @@ def test_a_gguf_files_quantized_tensors_are_imported_exactly_and_pass_the_float_
             bits,
             mins,
         )
-    assert manifest["flags"]["weights"] is None  # judged by the float gate, not the distribution bounds
+    # judged by the float gate, not the distribution bounds
+    assert manifest["flags"]["weights"] is None and manifest["flags"]["exact_activations"] is True
+    assert entry["activations"] == "float" and _matmul_accuracy_levels(out) == {0}
+    assert manifest["parity"]["tolerance"] == {"relative": 2e-4}
 
     engine = Engine.load(out)
     prompt = [5, 17, 42, 8, 99, 3]
@@ -300,3 +327,61 @@ def test_a_gguf_files_quantized_tensors_are_imported_exactly_and_pass_the_float_
     assert engine.generate_tokens([prompt], max_new_tokens=12, temperature=0.0)[0] == hf_greedy(
         reference.eval(), prompt, 12
     )
+
+
+@pytest.mark.slow
+def test_the_default_build_of_a_quantized_gguf_file_computes_its_codes_at_int8_activations(
+    mixed_gguf: tuple[Path, Path, dict[str, gguf.GGMLQuantizationType]], tmp_path: Path
+) -> None:
+    """No flags: the file's own codes, each MatMulNBits at accuracy level 4 (int8 activations,
+    the fast path) as `--weights int4` builds it, judged by the distribution gate; the manifest
+    and --json say so."""
+    from click.testing import CliRunner
+
+    from kvforge.cli import main
+
+    _, file, _ = mixed_gguf
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["build", str(file), "-o", str(out), "-q", "--json"])
+    assert result.exit_code == 0, result.output
+    reported = json.loads(result.stdout)
+    manifest = json.loads((out / "manifest.json").read_text())
+    entry = manifest["imported_weights"]
+    assert reported["imported"] == {k: v for k, v in entry.items() if k != "weights"}
+    assert (entry["method"], entry["activations"]) == ("gguf", "int8")
+    assert all(form["exact"] for form in entry["weights"].values())
+    assert _matmul_accuracy_levels(out) == {4}
+    assert manifest["flags"]["weights"]["bits"] == 4 and "exact_activations" not in manifest["flags"]
+    assert reported["flags"] == manifest["flags"]
+    assert manifest["parity"]["passed"] and manifest["parity"]["precision"] == "int4"
+
+
+def test_exact_activations_with_weights_is_refused_before_anything_loads(tiny_gguf: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from kvforge.cli import main
+
+    args = ["build", str(tiny_gguf), "-o", str(tmp_path / "out"), "--exact-activations", "--weights", "int4"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0
+    assert "--exact-activations" in result.output and "drop one of the two" in result.output
+
+
+def test_exact_activations_on_a_checkpoint_that_is_not_gguf_is_refused_naming_it(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    from kvforge.runners.errors import ArtifactError
+    from kvforge.toolchain.build import BuildOptions, build
+
+    source = tiny_checkpoint("llama")
+    with pytest.raises(ArtifactError, match="not a GGUF file.*drop --exact-activations") as caught:
+        build(source, tmp_path / "out", BuildOptions(exact_activations=True))
+    assert str(source) in str(caught.value)
+
+
+def test_tolerance_on_the_default_build_of_a_quantized_gguf_file_is_refused(tiny_gguf: Path, tmp_path: Path) -> None:
+    from kvforge.runners.errors import ArtifactError
+    from kvforge.toolchain.build import BuildOptions, build
+
+    with pytest.raises(ArtifactError, match="add --exact-activations for the float gate, or drop --tolerance"):
+        build(tiny_gguf, tmp_path / "out", BuildOptions(tolerance=1e-3))
