@@ -178,23 +178,23 @@ class OrtDevice:
     def _copy_session(self) -> Any:
         if self._copier is None:
             import onnxruntime as ort
-            from onnx import TensorProto, helper
 
-            graph = helper.make_graph(
-                [helper.make_node("Identity", ["x"], ["y"])],
-                "copy",
-                [helper.make_tensor_value_info("x", TensorProto.UINT8, ["n"])],
-                [helper.make_tensor_value_info("y", TensorProto.UINT8, ["n"])],
-            )
-            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-            model.ir_version = 8
             provider = (
                 "CPUExecutionProvider" if self.device_type == "cpu" else f"{self.device_type.upper()}ExecutionProvider"
             )
             options = ort.SessionOptions()
             options.log_severity_level = 3
-            self._copier = ort.InferenceSession(model.SerializeToString(), options, providers=[provider])
+            self._copier = ort.InferenceSession(COPY_GRAPH, options, providers=[provider])
         return self._copier
+
+
+# The copy graph `OrtDevice.copy` runs: y = Identity(x), x and y uint8 [n], opset 17, IR version 8.
+# Serialized here, so that the runtime needs no onnx package; a test builds it with onnx's helpers
+# and compares the bytes.
+COPY_GRAPH = (
+    b'\x08\x08:<\n\x10\n\x01x\x12\x01y"\x08Identity\x12\x04copyZ\x10\n\x01x\x12\x0b\n\t\x08\x02\x12\x05\n\x03'
+    b"\x12\x01nb\x10\n\x01y\x12\x0b\n\t\x08\x02\x12\x05\n\x03\x12\x01nB\x04\n\x00\x10\x11"
+)
 
 
 def shape_of(tensor: Any) -> tuple[int, ...]:

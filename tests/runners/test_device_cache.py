@@ -180,3 +180,23 @@ def test_device_block_copies_equal_numpy_slicing() -> None:
         np.testing.assert_array_equal(device.to_host(on_dst), want)
     tensor = device.from_host(np.arange(24, dtype=np.float32).reshape(4, 3, 2))
     np.testing.assert_array_equal(device.to_host(device.rows(tensor, 1, 2)), np.arange(6, 18).reshape(2, 3, 2))
+
+
+def test_the_copy_graph_is_identity_over_bytes_as_onnx_builds_it() -> None:
+    """The runtime carries the copy graph serialized (it has no onnx package): the bytes are the
+    model onnx's helpers make, and the checker accepts it."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from kvforge.runners.cache import COPY_GRAPH
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "copy",
+        [helper.make_tensor_value_info("x", TensorProto.UINT8, ["n"])],
+        [helper.make_tensor_value_info("y", TensorProto.UINT8, ["n"])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(onnx.load_from_string(COPY_GRAPH))
+    assert onnx.load_from_string(COPY_GRAPH) == model
