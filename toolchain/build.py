@@ -164,6 +164,9 @@ def build(checkpoint_dir: Path | str, output: Path, options: BuildOptions = Buil
             "quantizes the build's weights and activations: drop one of the two"
         )
     _check_logits(options)
+    # --tune without --weights is refused now, but for a GGUF file, whose codes are quantized
+    # weights by default (`_gguf_default`): that case is checked once the file is read
+    _check_tune(options, weights_may_default=_may_be_gguf(checkpoint_dir))
     _check_kv_dtype(options)
     check_output(output, options.force)
     check_writable(output)
@@ -470,12 +473,21 @@ def calibrated_kv_scales(reference: Session, tokenizer_dir: Path) -> dict[str, n
     return kv_scales.calibrate(reference, kv_scales.windows(encode(text), reference.io.vocab_size))
 
 
-def _check_tune(options: BuildOptions) -> None:
-    """--tune fast|full chooses quantized MatMulNBits forms: refused where there are none."""
+def _may_be_gguf(checkpoint_dir: Path | str) -> bool:
+    """Whether `checkpoint_dir` is a GGUF file here or may name one (a Hub id's snapshot, read later)."""
+    path = Path(checkpoint_dir)
+    if path.exists():
+        return gguf.find(path) is not None
+    return not path.is_absolute()
+
+
+def _check_tune(options: BuildOptions, weights_may_default: bool = False) -> None:
+    """--tune fast|full chooses quantized MatMulNBits forms: refused where there are none
+    (`weights_may_default`: not yet for want of --weights, which a GGUF file's build defaults)."""
     tuning.check_mode(options.tune)
     if options.tune == tuning.DEFAULT_MODE:
         return
-    if options.weights is None:
+    if options.weights is None and not weights_may_default:
         raise ArtifactError(
             f"--tune {options.tune} chooses the kernel form of quantized weights; add --weights int8|int4, "
             "or drop --tune"

@@ -9,6 +9,7 @@ transformers, onnx, onnxruntime) load inside a command, once its arguments are c
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import sys
 import time
@@ -298,6 +299,7 @@ def build(
     check_output(Path(os.path.abspath(output)), force)
     check_writable(Path(os.path.abspath(output)))
     _check_weight_flags(weights, asymmetric, int8, free_min, exact_activations)
+    _require_build_packages()  # a runtime install: one line saying what to install, before any progress
     verbose = bool(click.get_current_context().find_root().params.get("verbose"))
     # -v logs a line as each stage starts and ends: a progress display would say it all again
     with progress.reporting(progress.for_stream(sys.stderr, quiet or verbose)):
@@ -355,6 +357,14 @@ def build(
         click.echo(result.next_step, err=True)
     if as_json:
         _emit_json(_build_json(result, seconds))
+
+
+def _require_build_packages() -> None:
+    """Refuse where the compiler's packages are not installed (`pip install kvforge` is the
+    runtime): `_guarded` turns the error into one line naming the package and what to install."""
+    for name in ("torch", "transformers", "onnx", "onnx_ir", "onnxscript"):
+        if importlib.util.find_spec(name) is None:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 
 
 def _check_weight_flags(
