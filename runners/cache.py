@@ -321,8 +321,7 @@ class Cache(dict[str, Any]):
         for past, present in zip(io.cache_names, io.cache_present_names):
             tensor = self.device.adopt(outputs[present])
             window = io.window_of(past)
-            positions = _positions(tensor)
-            if window is not None and positions >= window + extra:
+            if window is not None and (positions := _positions(tensor)) >= window + extra:
                 kept = window - 1 + extra
                 tensor = columns(self.device, tensor, positions - kept, kept)
             tensors[past] = tensor
