@@ -93,6 +93,16 @@ _SSE_EVENT = {
 }
 
 
+# A choice's field of kvforge's own (`protocol.EXTENSION`), present only where it says something
+_EXTENSION: dict[str, Any] = {
+    "type": "object",
+    "description": "kvforge's own: finish_reason 'incomplete' where the reply stopped at its token budget "
+    "(finish_reason 'length') before its response_format was complete, so it does not match it.",
+    "required": ["finish_reason"],
+    "properties": {"finish_reason": {"type": "string", "enum": ["incomplete"]}},
+}
+
+
 def _response(object_name: str, choice: dict[str, Any]) -> dict[str, Any]:
     """A non-streamed response: `choice` holds what each choice carries besides its index and finish reason."""
     return {
@@ -108,7 +118,12 @@ def _response(object_name: str, choice: dict[str, Any]) -> dict[str, Any]:
                 "items": {
                     "type": "object",
                     "required": ["index", *choice, "finish_reason"],
-                    "properties": {"index": {"type": "integer"}, **choice, "finish_reason": _FINISH},
+                    "properties": {
+                        "index": {"type": "integer"},
+                        **choice,
+                        "finish_reason": _FINISH,
+                        "kvforge": _EXTENSION,
+                    },
                 },
             },
             "usage": _USAGE,

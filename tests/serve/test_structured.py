@@ -121,3 +121,20 @@ def test_cli_json_schema_regex_and_grammar(example_artifact: Path, tmp_path: Pat
     schema.write_text('{"type": "strin"}')
     result = run_generate(example_artifact, "--json-schema", str(schema))
     assert result.returncode == 2 and "json_schema" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("document", ["Completion", "ChatCompletion"])
+def test_the_openapi_document_describes_the_incomplete_extension(document: str) -> None:
+    """A choice's `kvforge` field is in the response schemas: what the server sends validates, and
+    a value the server never sends does not."""
+    import jsonschema_rs
+
+    from kvforge.runners.serve.openapi import openapi_schema
+    from kvforge.runners.serve.protocol import EXTENSION
+
+    choice = openapi_schema()["components"]["schemas"][document]["properties"]["choices"]["items"]
+    extension = choice["properties"][EXTENSION]
+    assert jsonschema_rs.is_valid(extension, {"finish_reason": "incomplete"})
+    assert not jsonschema_rs.is_valid(extension, {"finish_reason": "length"})
+    assert not jsonschema_rs.is_valid(extension, {})
+    assert EXTENSION not in choice["required"]
