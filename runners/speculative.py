@@ -165,16 +165,16 @@ def run_row(
     return forward(session, feed, mask, cache, ROLLBACK, every_position)
 
 
-def take_back(cache: Cache, length: int, kept: int) -> Cache:
-    """One sequence's cache of `length` positions without every position from `kept` on (a
-    shared buffer keeps the bytes; the next mask does not reach them, and the next step
-    overwrites them)."""
+def take_back(cache: Cache, length: int, kept: int) -> tuple[Cache, int]:
+    """One sequence's cache of `length` positions without every position from `kept` on, and
+    the positions it then holds (a shared buffer keeps the bytes; the next mask does not reach
+    them, and the next step overwrites them)."""
     drop = length - kept
     if drop <= 0:
-        return cache
+        return cache, length
     if drop > ROLLBACK:
         raise ValueError(f"cannot take back {drop} positions: a bounded layer keeps {ROLLBACK} beyond its window")
-    return cache.drop_last(drop, kept)
+    return cache.drop_last(drop, kept), kept
 
 
 class DraftModel:
@@ -211,7 +211,7 @@ class DraftRow:
         limit = min(len(self.ids), len(history) - 1)  # at least one token is fed
         while common < limit and self.ids[common] == history[common]:
             common += 1
-        self.cache, self.length = take_back(self.cache, self.length, common), min(self.length, common)
+        self.cache, self.length = take_back(self.cache, self.length, common)
         logits = self.run(history[common:])
         drafts = [int(np.argmax(logits[0, -1]))]
         while len(drafts) < k:
@@ -320,7 +320,7 @@ def _row_tokens(
             if ended():
                 break
         # the newest token is pending: fed at the next step
-        cache, length = take_back(cache, length, len(history) - 1), min(length, len(history) - 1)
+        cache, length = take_back(cache, length, len(history) - 1)
 
 
 def accept_drafts(drafts: Sequence[int], choose: Callable[[int], int]) -> Iterator[tuple[int, bool]]:
