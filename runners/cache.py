@@ -40,6 +40,10 @@ class Device(Protocol):
 
     def zeros(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any: ...
 
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
+        """A tensor whose every element the caller writes next."""
+        ...
+
     def to_host(self, tensor: Any) -> np.ndarray: ...
 
     def from_host(self, array: np.ndarray) -> Any: ...
@@ -65,6 +69,9 @@ class HostDevice:
 
     def zeros(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
         return np.zeros(shape, dtype=dtype)
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        return np.empty(shape, dtype=dtype)
 
     def to_host(self, tensor: Any) -> np.ndarray:
         return tensor if on_host(tensor) else OrtDevice.host_copy(tensor)
@@ -359,15 +366,9 @@ def columns(device: Device, tensor: Any, start: int, count: int) -> Any:
     if on_host(tensor):
         return device.adopt(np.ascontiguousarray(tensor[:, :, start : start + count]))
     rows, heads, _, dim = shape_of(tensor)
-    out = _empty(device, (rows, heads, count, dim), _dtype(tensor))
+    out = device.empty((rows, heads, count, dim), np.dtype(_dtype(tensor)))
     device.copy(tensor, (0, 0, start, 0), out, (0, 0, 0, 0), (rows, heads, count, dim))
     return out
-
-
-def _empty(device: Device, shape: tuple[int, ...], dtype: Any) -> Any:
-    """A tensor on `device` that the caller fills whole next."""
-    make = getattr(device, "empty", None)
-    return device.zeros(shape, np.dtype(dtype)) if make is None else make(shape, np.dtype(dtype))
 
 
 def _dtype(tensor: Any) -> Any:
@@ -642,7 +643,7 @@ class BatchCache:
                     buffer[index, :, start:longest] = buffer[index][:, columns]
                     continue
                 _, heads, _, dim = shape_of(buffer)
-                gathered = _empty(self.device, (1, heads, length, dim), _dtype(buffer))
+                gathered = self.device.empty((1, heads, length, dim), np.dtype(_dtype(buffer)))
                 at = 0
                 for run in np.split(columns, np.flatnonzero(np.diff(columns) != 1) + 1):
                     if run.size:
