@@ -404,9 +404,10 @@ async def collect(request: Request, admitted: Admitted, record: Record) -> Respo
     return response
 
 
-async def disconnected(receive: Receive) -> None:
-    """Returns once the client has gone (the body read, nothing else is expected from it)."""
-    while (await receive())["type"] != "http.disconnect":
+async def disconnected(receive: Receive, gone: str = "http.disconnect") -> None:
+    """Returns once the client has gone (a message of type `gone`; the body read, or the
+    WebSocket's request received, nothing else is expected from it)."""
+    while (await receive())["type"] != gone:
         pass
 
 
@@ -507,8 +508,7 @@ async def generate_websocket(websocket: WebSocket) -> None:
     async with anyio.create_task_group() as group:
 
         async def watch() -> None:
-            while (await websocket.receive())["type"] != "websocket.disconnect":
-                pass  # nothing more is expected from the client while it streams
+            await disconnected(websocket.receive, "websocket.disconnect")
             group.cancel_scope.cancel()
 
         group.start_soon(watch)
