@@ -60,6 +60,9 @@ LM_HEAD = "lm_head"  # in `keep`: the projection that produces the logits, whate
 _MS_DOMAIN = "com.microsoft"
 _Tensor = ir.TensorProtocol
 FLOAT_TERM = "kvforge.float_term"  # Value.meta key of the initializers a later quantizer must leave in float
+# Value.meta key of an imported weight's codes (MatMulNBits' B): the checkpoint's record they hold,
+# which a lookup of the same record reads too (a tied table: `kvforge.passes.quantize_embedding`)
+IMPORTED_RECORD = "kvforge.imported_record"
 
 
 @dataclass(frozen=True, order=True)
@@ -746,8 +749,10 @@ class ImportQuantizedWeights(InPlacePass):
     its record, [N, K] in blocks along K, as `QuantizedWeight` holds any weight. A weight the
     packing passes made of several (`StackedRows` of q/k/v, gate/up) is the parts' records
     stacked along N, when each part is imported with the same bits, block and zero-point kind.
-    Codes and zero points reach MatMulNBits (or DequantizeLinear) unchanged; scales are cast to
-    the graph's float dtype. `imported_forms` says what each weight got, `counts` how many.
+    Codes and zero points reach MatMulNBits (or DequantizeLinear) unchanged; scales (and min
+    terms) are stored as float16 where the graph computes in float32 and they are float16
+    values (`stored_scales`: a GGUF file's own), read through a Cast, else cast to the graph's
+    float dtype. `imported_forms` says what each weight got, `counts` how many.
     Weights not in `imported` are left for `QuantizeWeights` (or stay float).
 
     A record with `mins` (a float term per block, which no integer zero point holds) adds it
@@ -787,19 +792,23 @@ class ImportQuantizedWeights(InPlacePass):
                     continue
                 tensor = weight.const_value
                 assert tensor is not None
-                q = replace(q, scales=q.scales.astype(tensor.dtype.numpy()))
+                codes_of = q  # the checkpoint's own record (`IMPORTED_RECORD`), before its scales are cast
+                q = replace(q, scales=stored_scales(q.scales, tensor.dtype.numpy()))
                 base = f"{name}.q{q.bits}" + (".t" if f"{name}.q{q.bits}" in graph.initializers else "")
                 if self.form == "matmul_nbits":
                     parts: list[np.ndarray | _Tensor | None] = list(matmul_nbits_inputs(q))
                 else:
                     parts = list(dequantize_linear_inputs(q))
                 registered = register_quantized(graph, base, parts)
+                registered[0].meta[IMPORTED_RECORD] = codes_of
+                registered[1] = read_as(graph, registered[1], tensor.dtype)
                 if q.input_order is not None:  # the activations' features in the codes' order
                     order = q.input_order.astype(np.int64)
                     registered.append(register_initializer(graph, f"{base}.input_order", order))
                 mins = None
                 if q.mins is not None:
-                    mins = register_mins(graph, base, q.mins, tensor.dtype.numpy())
+                    stored = stored_scales(q.mins, tensor.dtype.numpy())
+                    mins = read_as(graph, register_mins(graph, base, stored, stored.dtype), tensor.dtype)
                 done[key] = (tuple(registered), q, mins)
                 self.imported_forms[name] = {
                     "form": self.form,
@@ -868,6 +877,31 @@ class ImportQuantizedWeights(InPlacePass):
         if mins is not None:
             result = self._min_terms.add(graph, node, x, result, mins, q.codes.shape[1], q.block_size)
         replace_node(graph, node, result)
+
+
+def stored_scales(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Imported scales (or min terms) as the artifact stores them: float16 where the graph
+    computes in float32 and every value is a float16 one (a GGUF file's own fp16 scales: half
+    the bytes, the same floats), else in the graph's `dtype`."""
+    if np.dtype(dtype) == np.float32:
+        half = values.astype(np.float16)
+        if np.array_equal(half.astype(np.float32), values):
+            return half
+    return values.astype(dtype)
+
+
+def read_as(graph: ir.Graph, value: ir.Value, dtype: ir.DataType) -> ir.Value:
+    """The initializer `value` as `dtype`: itself, or a Cast of it at the top of the graph (before
+    any reader it gets). A Cast of an initializer is constant-folded when onnxruntime loads the
+    model (any optimization level but ORT_DISABLE_ALL), so the kernels that pack their scales
+    at load (MatMulNBits) see a constant, and the file keeps the narrow bytes."""
+    if value.dtype == dtype:
+        return value
+    cast = ir.node("Cast", [value], {"to": dtype})
+    cast.outputs[0].type = ir.TensorType(dtype)
+    cast.outputs[0].shape = value.shape
+    graph.insert_before(next(iter(graph)), cast)
+    return cast.outputs[0]
 
 
 def register_mins(graph: ir.Graph, base: str, mins: np.ndarray, dtype: np.dtype) -> ir.Value:

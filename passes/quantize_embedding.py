@@ -17,13 +17,21 @@ blocks of `block_size` along H, the same rounding and scales in the table's dtyp
                                                   ─► [Slice to H: when H is not a multiple of the block]
   ```
 
-  The table is its own, also when the LM head is tied to it (the head then holds the same
-  codes in its `MatMulNBits`). Reading the head's initializers instead (its B through a
-  Reshape to `[V, blocks·block·bits/8]`, or as they are with `quantize_axis` 2 and scales
-  `[V, blocks, 1]`) would keep one quantized copy in the file, but onnxruntime then holds
-  the shared B alongside the head's prepacked copy at run time, which measured larger than a
-  table of its own, whose rows are read from the file's memory map only as they are looked
-  up (docs/performance.md, "Kernel choices behind the passes").
+  A table quantized here is its own, also when the LM head is tied to it (the head then
+  holds the same codes in its `MatMulNBits`): onnxruntime holds a B that another op reads
+  beside the head's prepacked copy at run time, which measured larger than a table of its
+  own, whose rows are read from the file's memory map only as they are looked up
+  (docs/performance.md, "Kernel choices behind the passes"). A table the checkpoint ships
+  quantized (`imported`: a GGUF file's) that the tied head's `MatMulNBits` holds as the same
+  record is read from the head's initializers instead, so the artifact keeps the file's
+  codes once, as the file does:
+
+  ```
+  B [V, blocks, block·bits/8] uint8 ───────────────► MatMulNBits (the LM head)
+       └─────────────────────────────────────────► GatherBlockQuantized(gather_axis 0,
+  scales [V, blocks] ─► Reshape [V, blocks, 1] ───►   quantize_axis 2) ◄── input_ids
+                                                  ─► Reshape [..., blocks·block] [─► Slice to H]
+  ```
 
 - `gather_dequantize_linear` (the portable target, standard ops): ONNX's `Gather` takes no
   4-bit type (opset 21 added int4 to Reshape, Transpose, DequantizeLinear and a few others,
@@ -65,6 +73,7 @@ from onnx_ir.passes import InPlacePass, PassResult
 from kvforge.passes.quantize import (
     BITS,
     BLOCK_SIZES,
+    IMPORTED_RECORD,
     LM_HEAD,
     QuantizedWeight,
     QuantizeWeights,
@@ -74,9 +83,11 @@ from kvforge.passes.quantize import (
     matmul_nbits_inputs,
     quantize_blockwise,
     quantize_free_min,
+    read_as,
     register_initializer,
     register_quantized,
     replace_node,
+    stored_scales,
 )
 
 EMBEDDING_FORMS = ("gather_block_quantized", "gather_dequantize_linear")
@@ -221,8 +232,9 @@ class QuantizeEmbedding(QuantizeWeights):
         elif record is None:
             q = quantize_blockwise(tensor.numpy(), self.bits, self.block_size, self.symmetric)
         else:
-            q = replace(record, scales=record.scales.astype(tensor.dtype.numpy()))
+            q = replace(record, scales=stored_scales(record.scales, tensor.dtype.numpy()))
         name = _free_name(graph, f"{table.name}.q{q.bits}")
+        head = None if record is None or self.form != "gather_block_quantized" else _head_reading(graph, record)
         if record is not None:
             # the names the checkpoint gives this very record (a table tied to the LM head has two)
             sources = sorted(n for n, r in self._imported.items() if r is record)
@@ -233,9 +245,17 @@ class QuantizeEmbedding(QuantizeWeights):
                 "zero_points": False,
                 "from": sources,
             }
-        if self.form == "gather_block_quantized":
+            if head is not None:
+                self.imported_forms[name]["codes_of"] = head.inputs[1].name  # type: ignore[union-attr]
+        if head is not None:
+            model.opset_imports.setdefault(_MS_DOMAIN, 1)
+            for gather in gathers:
+                replace_node(graph, gather, self._gather_head_codes(graph, gather, head, q))
+        elif self.form == "gather_block_quantized":
             b, scales, zero_points = matmul_nbits_inputs(q)
             data, *rest = register_quantized(graph, name, [b.reshape(b.shape[0], -1), scales, zero_points])
+            if rest:
+                rest[0] = read_as(graph, rest[0], tensor.dtype)
             # a free minimum's [V, blocks, 1], looked up beside the rows
             mins = None
             if q.mins is not None:
@@ -272,14 +292,35 @@ class QuantizeEmbedding(QuantizeWeights):
             return _add_mins(graph, gather, lookup.outputs[0], mins, hidden, q.block_size)
         if hidden % q.block_size == 0:
             return lookup.outputs[0]
-        # the codes hold whole blocks, and so does the lookup's output: cut it to H
+        return self._cut(graph, gather, lookup.outputs[0], hidden)
+
+    def _cut(self, graph: ir.Graph, gather: ir.Node, rows: ir.Value, hidden: int) -> ir.Value:
+        """`rows` of whole blocks (as the codes hold them) cut to the table's H."""
         bounds = [
             _register(graph, f"gather_block_quantized_{part}", np.array([value], np.int64))
             for part, value in (("start", 0), (f"end_{hidden}", hidden), ("axis", -1))
         ]
-        cut = ir.node("Slice", [lookup.outputs[0], *bounds])
+        cut = ir.node("Slice", [rows, *bounds])
         graph.insert_before(gather, cut)
         return cut.outputs[0]
+
+    def _gather_head_codes(self, graph: ir.Graph, gather: ir.Node, head: ir.Node, q: QuantizedWeight) -> ir.Value:
+        """The rows of a table whose codes the LM head's MatMulNBits holds: its B
+        `[V, blocks, block * bits / 8]` and scales `[V, blocks]` as they are, read along their
+        last axis (`quantize_axis` 2, the scales reshaped to `[V, blocks, 1]`), the rows'
+        blocks joined back to `[..., H]`."""
+        ids, (data, scales) = gather.inputs[1], head.inputs[1:3]
+        assert ids is not None and ids.shape is not None and data is not None and scales is not None
+        per_block = _register(graph, "gather_block_quantized_scales_per_block", np.array([0, 0, 1], np.int64))
+        blocked_scales = ir.node("Reshape", [scales, per_block])
+        attributes = {"bits": q.bits, "block_size": q.block_size, "gather_axis": 0, "quantize_axis": 2}
+        lookup = ir.node("GatherBlockQuantized", [data, ids, blocked_scales.outputs[0]], attributes, domain=_MS_DOMAIN)
+        rank, hidden, padded = len(ids.shape), q.codes.shape[1], q.padded_codes().shape[1]
+        joined = _register(graph, f"joined_rows_{rank}_{padded}", np.array([0] * rank + [padded], np.int64))
+        rows = ir.node("Reshape", [lookup.outputs[0], joined])
+        for node in (blocked_scales, lookup, rows):
+            graph.insert_before(gather, node)
+        return rows.outputs[0] if hidden == padded else self._cut(graph, gather, rows.outputs[0], hidden)
 
     # --- gather_dequantize_linear ----------------------------------------------------------------
 
@@ -317,6 +358,20 @@ def _add_mins(
     for node in (row_mins, blocked, added, joined_rows):
         graph.insert_before(gather, node)
     return joined_rows.outputs[0]
+
+
+def _head_reading(graph: ir.Graph, record: QuantizedWeight) -> ir.Node | None:
+    """The MatMulNBits that holds `record`'s own codes (`IMPORTED_RECORD`: the LM head tied to an
+    imported table), with the scales it reads; None where no such node is in the graph."""
+    for node in graph:
+        if node.op_type != "MatMulNBits" or node.domain != _MS_DOMAIN or len(node.inputs) != 3:
+            continue
+        codes = node.inputs[1]
+        if codes is not None and codes.meta.get(IMPORTED_RECORD) is record:
+            same = node.attributes.get_int("bits") == record.bits
+            if same and node.attributes.get_int("block_size") == record.block_size:
+                return node
+    return None
 
 
 def _token_ids(value: ir.Value) -> bool:

@@ -270,3 +270,57 @@ def test_a_free_min_table_looks_up_each_row_with_its_block_minimums(dtype: type)
     QuantizeEmbedding(4, 32, True, "gather_block_quantized")(plain)
     (symmetric,) = ort_outputs(plain, {"input_ids": IDS})
     assert np.abs(symmetric - rows).max() > 1e-3
+
+
+def optimized_outputs(model: ir.Model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """All graph outputs, computed by onnxruntime as a kvforge session loads a model (its graph
+    optimizations on: a Cast of an initializer is folded at load)."""
+    proto = ir.to_proto(model)
+    onnx.checker.check_model(proto)
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    return [np.asarray(v) for v in session.run(None, feeds)]
+
+
+@pytest.mark.parametrize("hidden", [64, 80])  # whole blocks (a GGUF file's), a padded last one
+def test_an_imported_table_tied_to_the_head_is_looked_up_in_the_heads_codes(hidden: int) -> None:
+    """A checkpoint's table that the LM head reads too (a GGUF file without an output matrix) is
+    written once: the lookup reads the head's MatMulNBits codes and scales as they are, the scales
+    float16 in the file (the file's own: each a float16 value) and float32 where the kernels
+    read them; the rows are the record's floats exactly."""
+    from kvforge.passes.quantize import ImportQuantizedWeights
+
+    blocks = -(-hidden // 32)
+    scales = (RNG.random((VOCAB, blocks)) * 0.01 + 1e-3).astype(np.float16).astype(np.float32)
+    record = QuantizedWeight(RNG.integers(-127, 128, (VOCAB, hidden)).astype(np.int8), scales, None, 8, 32)
+    weights = record.dequantize()
+    model = lookup_graph(weights, tied_head=True)
+    imported = {"embed.weight": record, LM_HEAD: record}
+    head = ImportQuantizedWeights(imported, accuracy_level=4)
+    assert head(model).modified and head.counts == {"imported": 1}
+    lookup = QuantizeEmbedding(8, form="gather_block_quantized", imported=imported, only_imported=True)
+    assert lookup(model).modified and lookup.counts == {"imported": 1}
+    (forms,) = lookup.imported_forms.values()
+    assert forms["codes_of"] == "embed.weight.q8" and forms["from"] == sorted(imported)
+    codes = [v for v in model.graph.initializers.values() if v.dtype == ir.DataType.UINT8]
+    assert [v.name for v in codes] == ["embed.weight.q8"]
+    assert nodes_reading(model, "embed.weight.q8") == ["GatherBlockQuantized", "MatMulNBits"]
+    assert model.graph.initializers["embed.weight.q8.scales"].dtype == ir.DataType.FLOAT16
+    assert "embed.weight" not in model.graph.initializers
+    logits, rows = optimized_outputs(model, {"input_ids": IDS})
+    np.testing.assert_array_equal(rows, weights[IDS])
+    want = -rows @ weights.T
+    np.testing.assert_allclose(logits, want, rtol=0, atol=2e-2 * np.abs(want).max())  # int8 activations
+    assert not lookup(model).modified
+
+
+def test_imported_scales_that_are_not_float16_values_stay_float32() -> None:
+    """Only a float16 value is stored as one: a scale of more precision (a k-quant's d * sc) keeps
+    the graph's float32, read directly."""
+    from kvforge.passes.quantize import ImportQuantizedWeights
+
+    scales = (RNG.random((VOCAB, 2)) * 0.01 + 1e-3).astype(np.float32)  # float32 values
+    record = QuantizedWeight(RNG.integers(-127, 128, (VOCAB, 64)).astype(np.int8), scales, None, 8, 32)
+    model = lookup_graph(record.dequantize(), tied_head=True)
+    ImportQuantizedWeights({"embed.weight": record}, accuracy_level=4)(model)
+    assert model.graph.initializers["embed.weight.q8.scales"].dtype == ir.DataType.FLOAT
+    assert op_count(model, "Cast") == 0
