@@ -29,10 +29,16 @@ A record that is not exact changes what the model computes: it belongs in a buil
 the distribution gate (`--weights`), while the exact ones also pass the float gate (the
 `exact` records alone, as `kvforge.toolchain.build` imports a Hugging Face checkpoint's).
 
-The codes come from the gguf package's own dequantization (its public `gguf.quants.dequantize`),
-divided by each block's scale read from the block's bytes: the bit layout is the package's,
-never a second copy of it. The names are left to the caller: `records` takes GGUF tensor
-names to Hugging Face weight names, the interface the GGUF front door joins on.
+The codes of Q8_0, Q4_0 and Q4_1 are read from the blocks as they lie (int8 bytes after the
+fp16 scale; nibbles, the low ones the block's first 16 values, as the package's dequantization
+reads them): a plain copy, where dequantizing a table of millions of values and dividing it
+again took seconds. The other types' codes come from the gguf package's own dequantization
+(its public `gguf.quants.dequantize`), divided by each block's scale read from the block's
+bytes: their bit layouts (5-bit high bits, 6-bit packed scales) are the package's, never a
+second copy of them. The tests hold every type's record to the package's values.
+
+The names are left to the caller: `records` takes GGUF tensor names to Hugging Face weight
+names, the interface the GGUF front door joins on.
 """
 
 from __future__ import annotations
@@ -67,6 +73,13 @@ _FREE_MINIMUM: dict[GGMLQuantizationType, tuple[int, int, bool]] = {
     _T.Q5_K: (176, 5, True),
 }
 _FLOAT = (_T.F32, _T.F16, _T.BF16)
+# type -> (offset of its codes in a block of 32, whether they are 4-bit nibbles, else int8 bytes):
+# the layouts read as they lie (`_stored_codes`)
+_PLAIN_CODES: dict[GGMLQuantizationType, tuple[int, bool]] = {
+    _T.Q8_0: (2, False),
+    _T.Q4_0: (2, True),
+    _T.Q4_1: (4, True),
+}
 
 
 def decode(
@@ -79,13 +92,13 @@ def decode(
     if qtype in _FLOAT:
         return None
     n, k = shape
-    values = dequantize(raw, qtype).reshape(n, k).astype(np.float32)
     if qtype in _EXACT:
-        return Imported(_exact(raw, qtype, values), True)
+        return Imported(_exact(raw, qtype, shape), True)
     if qtype in _FREE_MINIMUM:
-        return Imported(_with_mins(raw, qtype, values), True)
+        return Imported(_with_mins(raw, qtype, shape), True)
     if form == "float":
         return None
+    values = _values(raw, qtype, shape)
     bits = 4 if form == "int4" else 8
     q = quantize_blockwise(values, bits, 32, symmetric=False)
     return Imported(
@@ -93,26 +106,47 @@ def decode(
     )
 
 
-def _exact(raw: np.ndarray, qtype: GGMLQuantizationType, values: np.ndarray) -> QuantizedWeight:
+def _values(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> np.ndarray:
+    """The [N, K] float32 weight the package dequantizes `raw` to."""
+    return dequantize(raw, qtype).reshape(shape).astype(np.float32)
+
+
+def _stored_codes(blocks: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> np.ndarray | None:
+    """The [N, K] codes as the blocks of 32 store them (int8 bytes; 4-bit ones 0..15), for the
+    types whose layout is read as it lies (`_PLAIN_CODES`); None for the others."""
+    found = _PLAIN_CODES.get(qtype)
+    if found is None:
+        return None
+    at, nibbles = found
+    data = blocks[:, at:]
+    codes = np.concatenate([data & 0x0F, data >> 4], axis=1).astype(np.int8) if nibbles else data.view(np.int8)
+    return codes.reshape(shape)
+
+
+def _exact(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> QuantizedWeight:
     block_bytes, d_at, scales_at, per_scale, bits = _EXACT[qtype]
-    n, k = values.shape
+    n, k = shape
     blocks = raw.reshape(-1).view(np.uint8).reshape(-1, block_bytes)
     scales = blocks[:, d_at : d_at + 2].copy().view(np.float16).astype(np.float32)
     if scales_at >= 0:  # d * each sub-block's scale, as the package multiplies them
         sub = 256 // per_scale  # sub-blocks of a 256-value super-block
         scales = scales * blocks[:, scales_at : scales_at + sub].copy().view(np.int8).astype(np.float32)
     scales = scales.reshape(n, k // per_scale)
+    stored = _stored_codes(blocks, qtype, shape)
+    if stored is not None:  # Q4_0's codes are centred on 8 (the kernel's default zero point)
+        codes = stored - np.int8(8) if bits == 4 else stored
+        return QuantizedWeight(codes, scales, None, bits, per_scale)
     step = np.repeat(scales, per_scale, axis=1)
     with np.errstate(divide="ignore", invalid="ignore"):
-        codes = np.where(step != 0, np.rint(values / step), 0).astype(np.int8)
+        codes = np.where(step != 0, np.rint(_values(raw, qtype, shape) / step), 0).astype(np.int8)
     return QuantizedWeight(codes, scales, None, bits, per_scale)
 
 
-def _with_mins(raw: np.ndarray, qtype: GGMLQuantizationType, values: np.ndarray) -> QuantizedWeight:
+def _with_mins(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> QuantizedWeight:
     """Codes q centred to symmetric ones, the scale s and the term m + offset * s of each block
     of 32, where the package's weight is s * q + m."""
     block_bytes, width, k_quant = _FREE_MINIMUM[qtype]
-    n, k = values.shape
+    n, k = shape
     blocks = raw.reshape(-1).view(np.uint8).reshape(-1, block_bytes)
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
     second = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)  # m, or dmin for a k-quant
@@ -123,11 +157,16 @@ def _with_mins(raw: np.ndarray, qtype: GGMLQuantizationType, values: np.ndarray)
     else:
         scales, low = d, second
     scales, low = scales.reshape(n, k // 32), low.reshape(n, k // 32)
-    step = np.repeat(scales, 32, axis=1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(step != 0, np.rint((values - np.repeat(low, 32, axis=1)) / step), 0)
     offset = 2 ** (width - 1)
-    codes = (np.clip(q, 0, 2**width - 1) - offset).astype(np.int8)
+    stored = _stored_codes(blocks, qtype, shape)
+    if stored is not None:
+        codes = stored - np.int8(offset)
+    else:
+        step = np.repeat(scales, 32, axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            shifted = _values(raw, qtype, shape) - np.repeat(low, 32, axis=1)
+            q = np.where(step != 0, np.rint(shifted / step), 0)
+        codes = (np.clip(q, 0, 2**width - 1) - offset).astype(np.int8)
     return QuantizedWeight(codes, scales, None, 4 if width == 4 else 8, 32, mins=low + offset * scales)
 
 
