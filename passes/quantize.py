@@ -90,6 +90,27 @@ FormChooser = Callable[[int, int], KernelForm]
 
 
 @dataclass(frozen=True)
+class ScaleFactors:
+    """A record's scales as a k-quant stores them: a float16 `d` per super-block times a small
+    integer per block (`scales == d * multipliers`, float32 products), and, where the record has
+    min terms, `mins == offset * scales - dmin * min_multipliers`. The graph multiplies them out
+    from these (`factored_scales`: Casts and Muls of constants, which onnxruntime folds when it
+    loads the model), the same floats in a quarter of float32 scales' bytes."""
+
+    d: np.ndarray  # [N, S] float16, S super-blocks per row
+    multipliers: np.ndarray  # [N, S, blocks per super-block], int8 or uint8
+    dmin: np.ndarray | None = None  # [N, S] float16
+    min_multipliers: np.ndarray | None = None  # [N, S, blocks per super-block] uint8
+    offset: int = 0
+
+    def rows(self, order: np.ndarray) -> ScaleFactors:
+        """The factors of the weight's rows taken in `order`."""
+        dmin = None if self.dmin is None else self.dmin[order]
+        mins = None if self.min_multipliers is None else self.min_multipliers[order]
+        return replace(self, d=self.d[order], multipliers=self.multipliers[order], dmin=dmin, min_multipliers=mins)
+
+
+@dataclass(frozen=True)
 class QuantizedWeight:
     """A [N, K] weight (out, in features) in blocks of `block_size` along K."""
 
@@ -105,6 +126,8 @@ class QuantizedWeight:
     # type's min, with what the codes' offset takes away), None: none. The graph computes it as
     # ReduceSum of each block of inputs times these (`ImportQuantizedWeights`)
     mins: np.ndarray | None = None
+    # `scales` and `mins` as products of smaller factors (a GGUF k-quant's), None: as they are
+    factors: ScaleFactors | None = None
 
     def dequantize(self) -> np.ndarray:
         """The [N, K] float weight the codes stand for, its input features in their own order."""
@@ -799,14 +822,22 @@ class ImportQuantizedWeights(InPlacePass):
                     parts: list[np.ndarray | _Tensor | None] = list(matmul_nbits_inputs(q))
                 else:
                     parts = list(dequantize_linear_inputs(q))
+                factored = q.factors is not None and self.form == "matmul_nbits" and tensor.dtype == ir.DataType.FLOAT
+                if factored:
+                    parts[1] = None  # the scales are multiplied out of their factors
                 registered = register_quantized(graph, base, parts)
                 registered[0].meta[IMPORTED_RECORD] = codes_of
-                registered[1] = read_as(graph, registered[1], tensor.dtype)
+                mins = None
+                if factored:
+                    assert q.factors is not None
+                    scales, mins = factored_scales(graph, base, q.factors, tensor.dtype)
+                    registered.insert(1, scales)
+                else:
+                    registered[1] = read_as(graph, registered[1], tensor.dtype)
                 if q.input_order is not None:  # the activations' features in the codes' order
                     order = q.input_order.astype(np.int64)
                     registered.append(register_initializer(graph, f"{base}.input_order", order))
-                mins = None
-                if q.mins is not None:
+                if q.mins is not None and mins is None:
                     stored = stored_scales(q.mins, tensor.dtype.numpy())
                     mins = read_as(graph, register_mins(graph, base, stored, stored.dtype), tensor.dtype)
                 done[key] = (tuple(registered), q, mins)
@@ -890,9 +921,9 @@ def stored_scales(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return values.astype(dtype)
 
 
-def read_as(graph: ir.Graph, value: ir.Value, dtype: ir.DataType) -> ir.Value:
-    """The initializer `value` as `dtype`: itself, or a Cast of it at the top of the graph (before
-    any reader it gets). A Cast of an initializer is constant-folded when onnxruntime loads the
+def read_as(graph: ir.Graph, value: ir.Value, dtype: ir.DataType, before: ir.Node | None = None) -> ir.Value:
+    """The initializer `value` as `dtype`: itself, or a Cast of it before `before` (default: at the
+    top of the graph, before any reader it gets). A Cast of an initializer is constant-folded when onnxruntime loads the
     model (any optimization level but ORT_DISABLE_ALL), so the kernels that pack their scales
     at load (MatMulNBits) see a constant, and the file keeps the narrow bytes."""
     if value.dtype == dtype:
@@ -900,8 +931,55 @@ def read_as(graph: ir.Graph, value: ir.Value, dtype: ir.DataType) -> ir.Value:
     cast = ir.node("Cast", [value], {"to": dtype})
     cast.outputs[0].type = ir.TensorType(dtype)
     cast.outputs[0].shape = value.shape
-    graph.insert_before(next(iter(graph)), cast)
+    graph.insert_before(next(iter(graph)) if before is None else before, cast)
     return cast.outputs[0]
+
+
+def factored_scales(
+    graph: ir.Graph, base: str, factors: ScaleFactors, dtype: ir.DataType
+) -> tuple[ir.Value, ir.Value | None]:
+    """A weight's scales `[N, blocks]` and min terms `[blocks, N]` (as `register_mins` gives
+    them; None without) multiplied out of `factors`, by constant nodes at the top of the graph::
+
+        d [N, S, 1] f16 ─► Cast ─┐
+        multipliers [N, S, per] ─► Cast ─► Mul ─► Reshape [N, S·per] ─► scales
+                                        └─► Mul(offset) ─► Add ─► Reshape ─► Transpose ─► mins
+        dmin [N, S, 1] f16 ─► Cast ─┐                       ▲
+        min_multipliers ─► Cast ─► Mul ─► Neg ─────────────┘
+    """
+    top = next(iter(graph))
+
+    def constant(name: str, data: np.ndarray) -> ir.Value:
+        return read_as(graph, register_initializer(graph, f"{base}.{name}", data), dtype, top)
+
+    def add(op: str, inputs: list[ir.Value], attributes: dict[str, list[int]] | None = None) -> ir.Value:
+        node = ir.node(op, inputs, attributes or {})
+        node.outputs[0].type = ir.TensorType(dtype)
+        graph.insert_before(top, node)
+        return node.outputs[0]
+
+    n, supers, per = factors.multipliers.shape
+    shape = register_initializer(graph, f"{base}.scales.shape", np.array([n, supers * per], np.int64))
+    products = add(
+        "Mul", [constant("scales.d", factors.d[..., None]), constant("scales.multipliers", factors.multipliers)]
+    )
+    scales = add("Reshape", [products, shape])
+    if factors.dmin is None or factors.min_multipliers is None:
+        return scales, None
+    low = add(
+        "Neg",
+        [
+            add(
+                "Mul",
+                [constant("mins.dmin", factors.dmin[..., None]), constant("mins.multipliers", factors.min_multipliers)],
+            )
+        ],
+    )
+    offset = register_initializer(graph, f"{base}.mins.offset", np.array(factors.offset, np.float32))
+    mins = add("Add", [low, add("Mul", [products, offset])])
+    transposed = add("Transpose", [add("Reshape", [mins, shape])], {"perm": [1, 0]})
+    transposed.meta[FLOAT_TERM] = True
+    return scales, transposed
 
 
 def register_mins(graph: ir.Graph, base: str, mins: np.ndarray, dtype: np.dtype) -> ir.Value:
@@ -1012,7 +1090,8 @@ def _widened(q: QuantizedWeight, bits: int, block: int) -> QuantizedWeight:
         return np.repeat(values, split, axis=1)[:, :blocks]
 
     mins = None if q.mins is None else per_block(q.mins)
-    return replace(q, codes=q.codes.astype(np.int8), scales=per_block(q.scales), bits=bits, block_size=block, mins=mins)
+    codes = q.codes.astype(np.int8)
+    return replace(q, codes=codes, scales=per_block(q.scales), bits=bits, block_size=block, mins=mins, factors=None)
 
 
 def _same_order(a: np.ndarray | None, b: np.ndarray | None) -> bool:

@@ -283,7 +283,10 @@ def quantized_weights(file: Path, hf_names: Iterable[str], config: Mapping[str, 
         if not np.array_equal(order, np.arange(n)):
             mins = None if q.mins is None else q.mins[order]
             zero_points = None if q.zero_points is None else q.zero_points[order]
-            q = dataclasses.replace(q, codes=q.codes[order], scales=q.scales[order], zero_points=zero_points, mins=mins)
+            factors = None if q.factors is None else q.factors.rows(order)
+            q = dataclasses.replace(
+                q, codes=q.codes[order], scales=q.scales[order], zero_points=zero_points, mins=mins, factors=factors
+            )
         found[hf_name] = dataclasses.replace(imported, record=q, stored_as=tensor.type.name)
         if tensor.gguf_name == TOKEN_EMBEDDING and OUTPUT not in stored:
             tied = found[hf_name]  # the LM head reads the table: the graph may name it either way

@@ -49,7 +49,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import Q4_K, dequantize
 
-from kvforge.passes.quantize import QuantizedWeight, quantize_blockwise
+from kvforge.passes.quantize import QuantizedWeight, ScaleFactors, quantize_blockwise
 from kvforge.toolchain.prequantized import Imported
 
 FORMS = ("int4", "int8", "float")
@@ -127,10 +127,13 @@ def _exact(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int])
     block_bytes, d_at, scales_at, per_scale, bits = _EXACT[qtype]
     n, k = shape
     blocks = raw.reshape(-1).view(np.uint8).reshape(-1, block_bytes)
-    scales = blocks[:, d_at : d_at + 2].copy().view(np.float16).astype(np.float32)
+    d = blocks[:, d_at : d_at + 2].copy().view(np.float16)
+    scales, factors = d.astype(np.float32), None
     if scales_at >= 0:  # d * each sub-block's scale, as the package multiplies them
         sub = 256 // per_scale  # sub-blocks of a 256-value super-block
-        scales = scales * blocks[:, scales_at : scales_at + sub].copy().view(np.int8).astype(np.float32)
+        multipliers = blocks[:, scales_at : scales_at + sub].copy().view(np.int8)
+        scales = scales * multipliers.astype(np.float32)
+        factors = ScaleFactors(d.reshape(n, -1), multipliers.reshape(n, -1, sub))
     scales = scales.reshape(n, k // per_scale)
     stored = _stored_codes(blocks, qtype, shape)
     if stored is not None:  # Q4_0's codes are centred on 8 (the kernel's default zero point)
@@ -139,7 +142,7 @@ def _exact(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int])
     step = np.repeat(scales, per_scale, axis=1)
     with np.errstate(divide="ignore", invalid="ignore"):
         codes = np.where(step != 0, np.rint(_values(raw, qtype, shape) / step), 0).astype(np.int8)
-    return QuantizedWeight(codes, scales, None, bits, per_scale)
+    return QuantizedWeight(codes, scales, None, bits, per_scale, factors=factors)
 
 
 def _with_mins(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> QuantizedWeight:
@@ -148,16 +151,21 @@ def _with_mins(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, i
     block_bytes, width, k_quant = _FREE_MINIMUM[qtype]
     n, k = shape
     blocks = raw.reshape(-1).view(np.uint8).reshape(-1, block_bytes)
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-    second = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)  # m, or dmin for a k-quant
+    d16, second16 = blocks[:, 0:2].copy().view(np.float16), blocks[:, 2:4].copy().view(np.float16)
+    d, second = d16.astype(np.float32), second16.astype(np.float32)  # second: m, or dmin for a k-quant
+    offset = 2 ** (width - 1)
+    factors = None
     if k_quant:  # 8 sub-blocks of 32 per 256-value block, as the package's Q4_K / Q5_K dequantize
         sc, mn = Q4_K.get_scale_min(blocks[:, 4 : 4 + Q4_K.K_SCALE_SIZE].copy())
         scales = d * sc.astype(np.float32)
         low = -(second * mn.astype(np.float32))
+        sub = sc.shape[-1]
+        factors = ScaleFactors(
+            d16.reshape(n, -1), sc.reshape(n, -1, sub), second16.reshape(n, -1), mn.reshape(n, -1, sub), offset
+        )
     else:
         scales, low = d, second
     scales, low = scales.reshape(n, k // 32), low.reshape(n, k // 32)
-    offset = 2 ** (width - 1)
     stored = _stored_codes(blocks, qtype, shape)
     if stored is not None:
         codes = stored - np.int8(offset)
@@ -167,7 +175,8 @@ def _with_mins(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, i
             shifted = _values(raw, qtype, shape) - np.repeat(low, 32, axis=1)
             q = np.where(step != 0, np.rint(shifted / step), 0)
         codes = (np.clip(q, 0, 2**width - 1) - offset).astype(np.int8)
-    return QuantizedWeight(codes, scales, None, 4 if width == 4 else 8, 32, mins=low + offset * scales)
+    bits = 4 if width == 4 else 8
+    return QuantizedWeight(codes, scales, None, bits, 32, mins=low + offset * scales, factors=factors)
 
 
 def records(reader: GGUFReader, names: Mapping[str, str], form: str = DEFAULT_FORM) -> dict[str, Imported]:

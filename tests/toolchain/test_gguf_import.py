@@ -113,3 +113,40 @@ def test_records_read_a_gguf_file_by_the_names_given(tmp_path: Path) -> None:
     np.testing.assert_array_equal(
         found["model.layers.0.mlp.down_proj.weight"].record.dequantize(), dequantize(raw, T.Q8_0)
     )
+
+
+@pytest.mark.parametrize("qtype, mins", [(T.Q6_K, False), (T.Q4_K, True), (T.Q5_K, True)])
+def test_k_quant_scales_are_stored_as_their_factors_and_multiplied_out_to_the_same_floats(
+    qtype: GGMLQuantizationType, mins: bool
+) -> None:
+    """A k-quant's scales (d * an integer per block) and min terms are written as the file holds
+    them, a float16 per super-block and the integers, and multiplied out by constant nodes:
+    at load, the scales and min terms the record holds, bit for bit."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    raw = blocks_of(qtype)
+    imported = decode(raw, qtype, (N, K))
+    assert imported is not None and imported.record.factors is not None
+    q = imported.record
+    model = projection_graph(K, N, q.dequantize())
+    ImportQuantizedWeights({"w": q}, accuracy_level=4)(model)
+    floats = [v for v in model.graph.initializers.values() if v.dtype == ir.DataType.FLOAT]
+    stored = [v for v in floats if not (v.name or "").startswith("kvforge.block_sum")]  # the min term's ones
+    assert sum(v.const_value.nbytes for v in stored) <= 4  # the min terms' offset: no float32 scales
+    # the scales and min terms the graph computes are the record's floats exactly
+    nodes = {node.op_type: node for node in model.graph}
+    kernel = nodes["MatMulNBits"]
+    scales = kernel.inputs[2]
+    taps = [scales] + ([nodes["Transpose"].outputs[0]] if mins else [])
+    for tap in taps:
+        model.graph.outputs.append(tap)
+    x = RNG.standard_normal((2, 3, K)).astype(np.float32)
+    proto = ir.to_proto(model)
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    got, got_scales, *got_mins = session.run(None, {"x": x})
+    np.testing.assert_array_equal(got_scales, q.scales)
+    if mins:
+        np.testing.assert_array_equal(got_mins[0], q.mins.T)
+    want = x @ q.dequantize().T
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())  # int8 activations
