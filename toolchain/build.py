@@ -44,7 +44,13 @@ from kvforge.toolchain import tune as tuning
 from kvforge.toolchain.emit import genai
 from kvforge.toolchain.emit import tensorrt as trt_engine
 from kvforge.toolchain.export import eager_model, export_decoder, layer_windows, read_spec
-from kvforge.toolchain.footprint import QuantLayout, footprint, format_bytes, quantized_weight_bytes
+from kvforge.toolchain.footprint import (
+    QuantLayout,
+    footprint,
+    format_bytes,
+    imported_weight_bytes,
+    quantized_weight_bytes,
+)
 from kvforge.toolchain.gate import check_tolerance, eager_session, record_gate, verifiable
 from kvforge.toolchain.gate import verify as verify  # `kvforge verify`, importable from here as before
 from kvforge.toolchain.lower import OPSET, apply_contract, to_onnx
@@ -568,11 +574,19 @@ def _check_fits(ckpt: checkpoints.Checkpoint, spec: DecoderSpec, options: BuildO
     windows = layer_windows(ckpt.config, spec) if options.target.bounded_windows else None
     fp = footprint(ckpt, spec, batch=options.memory_batch, seq=seq, compute_bytes=compute_bytes, layer_windows=windows)
     compute = "fp16" if half else "fp32"
-    if options.weights is None:
+    quant = options.weights
+    layout = None
+    if quant is not None:
+        layout = QuantLayout(quant.bits, quant.block_size, zero_points=not quant.symmetric, free_min=quant.free_min)
+    # the checkpoint's own quantized weights, where the target imports them, as the import writes them
+    imported = None
+    if pipeline.imports_codes(options.target):
+        imported = imported_weight_bytes(ckpt, spec, layout, compute_bytes)
+    if imported is not None:
+        weights = imported
+    elif layout is None:
         weights = fp.weight_bytes_at[compute]
     else:
-        quant = options.weights
-        layout = QuantLayout(quant.bits, quant.block_size, zero_points=not quant.symmetric, free_min=quant.free_min)
         weights = quantized_weight_bytes(ckpt, spec, layout, compute_bytes)
     kv = fp.kv_bytes_total[compute if options.kv_dtype is None else options.kv_dtype]
     cache = options.dtype if options.kv_dtype is None else options.kv_dtype

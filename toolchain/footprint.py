@@ -1,7 +1,8 @@
 """How much memory a model needs: its weights at each precision, and the KV cache.
 
-Feeds `kvforge inspect`. Everything is computed from safetensors headers and the spec;
-no weight data is read.
+Feeds `kvforge inspect`. Everything is computed from safetensors headers and the spec; no
+weight data is read, but for a checkpoint that ships quantized weights (a GGUF file), whose
+records are decoded to count them as the import writes them (`imported_weight_bytes`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
+from kvforge.passes.quantize import QuantizedWeight, stored_scales
 from kvforge.runners.contract import DecoderIO
 from kvforge.runners.errors import CheckpointError, GenerationError, KvforgeError
 from kvforge.toolchain.checkpoint import Checkpoint
@@ -96,6 +100,9 @@ class Footprint:
     # "fp32", "fp16" -> bytes of fixed-size layer states (convolution, recurrent) per sequence,
     # whatever its length; empty for an attention-only model
     state_bytes_per_sequence: dict[str, int] = field(default_factory=dict)
+    # a GGUF file that holds quantized matrices: its default build's weights (the records as the
+    # import writes them, the rest at int4: `imported_weight_bytes`); None for any other checkpoint
+    imported_bytes: int | None = None
 
     @property
     def active_parameters(self) -> int:
@@ -163,6 +170,11 @@ def footprint(
         expert_parameters=sum(math.prod(shape) for name, (_, shape) in params.items() if _is_expert(name, shape, spec)),
         experts_fraction=spec.experts_per_token / spec.num_experts if spec.num_experts else 1.0,
         state_bytes_per_sequence=state,
+        # a GGUF file's (read through transformers already): another checkpoint's records are
+        # read only where a build asks (`--device-memory`), so that inspect reads headers only
+        imported_bytes=None
+        if checkpoint.gguf is None
+        else imported_weight_bytes(checkpoint, spec, QuantLayout(4), compute_bytes),
     )
 
 
@@ -234,6 +246,44 @@ def quantized_weight_bytes(
     recipe against; `Footprint.weight_bytes_at` holds the default layouts' figures)."""
     params = _float_parameters(checkpoint, parameter_metadata(checkpoint, spec))
     return _quantized_total(params, spec, layout, compute_bytes)
+
+
+def imported_weight_bytes(
+    checkpoint: Checkpoint, spec: DecoderSpec, rest: QuantLayout | None, compute_bytes: int = COMPUTE_BYTES
+) -> int | None:
+    """The weights' bytes of a build that imports the checkpoint's quantized weights: each exact
+    record as `ImportQuantizedWeights` writes it (`record_bytes`; one the tied LM head and the
+    lookup share, once), the parameters it ships in float as `rest` quantizes them (None: in the
+    compute dtype). None for a checkpoint that ships no quantized weights. A packed projection
+    whose parts' forms differ stores its scales in the wider form: a little more than counted."""
+    if checkpoint.quantization_header() is None:
+        return None
+    records = {name: found.record for name, found in checkpoint.quantized_weights().items() if found.exact}
+    params = _float_parameters(checkpoint, parameter_metadata(checkpoint, spec))
+    distinct = {id(q): q for q in records.values()}
+    total = sum(record_bytes(q, compute_bytes) for q in distinct.values())
+    left = {name: meta for name, meta in params.items() if name not in records}
+    if rest is None:
+        return total + sum(compute_bytes * math.prod(shape) for _, shape in left.values())
+    return total + _quantized_total(left, spec, rest, compute_bytes)
+
+
+def record_bytes(q: QuantizedWeight, compute_bytes: int = COMPUTE_BYTES) -> int:
+    """Bytes of a pre-quantized record as MatMulNBits holds it: codes in whole blocks, packed zero
+    points, and scales and min terms as `ImportQuantizedWeights` stores them (float16 where they
+    are float16 values in a float32 graph, or the k-quant factors they are multiplied out of)."""
+    n, k = q.codes.shape
+    blocks = math.ceil(k / q.block_size)
+    total = n * blocks * q.block_size * q.bits // 8
+    if q.zero_points is not None:
+        total += n * math.ceil(blocks * q.bits / 8)
+    factors = q.factors
+    if factors is not None and compute_bytes == COMPUTE_BYTES:
+        parts = (factors.d, factors.multipliers, factors.dmin, factors.min_multipliers)
+        return total + sum(part.nbytes for part in parts if part is not None)
+    dtype = np.dtype(np.float32 if compute_bytes == COMPUTE_BYTES else np.float16)
+    total += stored_scales(q.scales, dtype).nbytes
+    return total + (0 if q.mins is None else stored_scales(q.mins, dtype).nbytes)
 
 
 def _float_parameters(checkpoint: Checkpoint, stored: dict[str, TensorMeta]) -> dict[str, TensorMeta]:
@@ -311,6 +361,8 @@ def format_footprint(fp: Footprint, spec: DecoderSpec) -> str:
         _size_row(f"as stored ({'/'.join(fp.parameters_by_dtype)})", fp.weight_bytes),
     ]
     lines += [_size_row(_precision_label(p), b) for p, b in fp.weight_bytes_at.items()]
+    if fp.imported_bytes is not None:
+        lines.append(_size_row("as imported (the default build)", fp.imported_bytes))
     lines += ["", _row(f"KV cache, batch {fp.batch} × seq {fp.seq:,}", "per token", "total", "GiB")]
     for name, total in fp.kv_bytes_total.items():
         lines.append(_row(f"  {name}", f"{fp.kv_bytes_per_token[name]:,}", f"{total:,}", _gib(total)))

@@ -385,3 +385,27 @@ def test_tolerance_on_the_default_build_of_a_quantized_gguf_file_is_refused(tiny
 
     with pytest.raises(ArtifactError, match="add --exact-activations for the float gate, or drop --tolerance"):
         build(tiny_gguf, tmp_path / "out", BuildOptions(tolerance=1e-3))
+
+
+def test_device_memory_counts_a_gguf_files_codes_as_the_import_writes_them(tiny_gguf: Path, tmp_path: Path) -> None:
+    """`inspect` and `--device-memory` count a GGUF file's default build as it is written: its
+    records (`record_bytes`, the tied table once), the rest at int4; a build is refused by that
+    figure, not by the file requantized."""
+    from click.testing import CliRunner
+
+    from kvforge.cli import main
+    from kvforge.toolchain.checkpoint import load
+    from kvforge.toolchain.footprint import footprint, format_bytes, record_bytes
+    from kvforge.toolchain.spec import DecoderSpec
+
+    ckpt = load(tiny_gguf)
+    fp = footprint(ckpt, DecoderSpec.from_config(ckpt.config), batch=1, seq=32)
+    records = {id(f.record): f.record for f in ckpt.quantized_weights().values() if f.exact}
+    assert fp.imported_bytes is not None and fp.imported_bytes > sum(record_bytes(q) for q in records.values())
+    need = fp.imported_bytes + fp.kv_bytes_total["fp32"]
+    args = ["build", str(tiny_gguf), "-o", str(tmp_path / "out"), "--batch", "1", "--seq", "32", "-q"]
+    result = CliRunner().invoke(main, [*args, "--device-memory", str(need - 1)])
+    assert result.exit_code == 2 and not (tmp_path / "out").exists()
+    assert f"needs {format_bytes(need)}" in result.output
+    inspected = CliRunner().invoke(main, ["inspect", str(tiny_gguf), "--batch", "1", "--seq", "32"])
+    assert inspected.exit_code == 0 and f"{fp.imported_bytes:,}" in inspected.output

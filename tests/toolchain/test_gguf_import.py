@@ -150,3 +150,20 @@ def test_k_quant_scales_are_stored_as_their_factors_and_multiplied_out_to_the_sa
         np.testing.assert_array_equal(got_mins[0], q.mins.T)
     want = x @ q.dequantize().T
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())  # int8 activations
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K, T.Q4_K])
+def test_the_footprint_counts_a_record_as_the_import_writes_it(qtype: GGMLQuantizationType) -> None:
+    """`record_bytes` (what `kvforge inspect` and `--device-memory` count for an imported weight) is
+    the bytes of the initializers the import writes for it, but the min term's block-sum constant
+    and the factors' shape and offset (a few bytes)."""
+    from kvforge.toolchain.footprint import record_bytes
+
+    imported = decode(blocks_of(qtype), qtype, (N, K))
+    assert imported is not None
+    q = imported.record
+    model = projection_graph(K, N, q.dequantize())
+    ImportQuantizedWeights({"w": q}, accuracy_level=4)(model)
+    constants = ("kvforge.block_sum", ".scales.shape", ".mins.offset")
+    written = [v for name, v in model.graph.initializers.items() if not any(c in name for c in constants)]
+    assert record_bytes(q) == sum(v.const_value.nbytes for v in written)
