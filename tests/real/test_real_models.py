@@ -106,6 +106,8 @@ def test_the_default_build_keeps_the_files_codes_at_int8_activations_and_passes_
     )
     assert manifest["imported_weights"]["activations"] == "int8"
     _kept(manifest, gguf)
+    # the file's bytes about as the file holds them: a tied table once, scales as stored (docs/performance.md)
+    assert _weight_bytes(real_artifact(name)) <= 1.1 * gguf.stat().st_size
 
 
 @MODELS
