@@ -266,6 +266,7 @@ class QuantizeEmbedding(QuantizeWeights):
         else:
             # codes [V, H] (int8 when symmetric, uint8 with zero points), scales and zero points [V, blocks]
             values = register_quantized(graph, name, [q.codes, q.scales, q.zero_points])
+            values[1] = read_as(graph, values[1], tensor.dtype)
             for gather in gathers:
                 replace_node(graph, gather, self._gather_dequantize(graph, gather, values, q.block_size))
         if not table.uses() and table.name is not None and table.name in graph.initializers:

@@ -215,14 +215,14 @@ def test_unsupported_settings_are_refused() -> None:
 
 @pytest.mark.parametrize("form", ["gather_block_quantized", "gather_dequantize_linear"])
 @pytest.mark.parametrize("block", [32, 16])  # Q8_0's blocks, Q6_K's
-def test_a_table_the_checkpoint_ships_quantized_is_looked_up_with_its_own_codes(form: str, block: int) -> None:
+@pytest.mark.parametrize("half", [False, True])  # scales that are float16 values: stored so, read through a Cast
+def test_a_table_the_checkpoint_ships_quantized_is_looked_up_with_its_own_codes(
+    form: str, block: int, half: bool
+) -> None:
     hidden = 64
+    scales = (RNG.random((VOCAB, hidden // block)) * 0.01).astype(np.float16 if half else np.float32)
     record = QuantizedWeight(
-        RNG.integers(-128, 128, (VOCAB, hidden)).astype(np.int8),
-        (RNG.random((VOCAB, hidden // block)) * 0.01).astype(np.float32),
-        None,
-        8,
-        block,
+        RNG.integers(-128, 128, (VOCAB, hidden)).astype(np.int8), scales.astype(np.float32), None, 8, block
     )
     model = lookup_graph(record.dequantize())
     imports = QuantizeEmbedding(8, form=form, imported={"embed.weight": record, "alias": record}, only_imported=True)
@@ -235,6 +235,8 @@ def test_a_table_the_checkpoint_ships_quantized_is_looked_up_with_its_own_codes(
         "zero_points": False,
         "from": ["alias", "embed.weight"],
     }
+    stored = [v.dtype for name, v in model.graph.initializers.items() if name.endswith(".scales")]
+    assert stored == [ir.DataType.FLOAT16 if half else ir.DataType.FLOAT]
     (got,) = ort_outputs(model, {"input_ids": IDS})
     np.testing.assert_allclose(got, record.dequantize()[IDS], atol=1e-6, rtol=1e-6)
     # a table it was not given, or one with a float term per block the lookup cannot add, stays
