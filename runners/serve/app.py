@@ -35,6 +35,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from kvforge.runners.decoding import TokenLogprob
 from kvforge.runners.engine import Engine
 from kvforge.runners.errors import KvforgeError
+from kvforge.runners.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvforge.runners.serve.metrics import Metrics
 from kvforge.runners.serve.openapi import openapi_schema
 from kvforge.runners.serve.protocol import (
@@ -235,8 +236,7 @@ async def models(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    text = _state(request).metrics.render().encode()
-    return Response(text, 200, media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(_state(request).metrics.render(), 200, media_type=METRICS_CONTENT_TYPE)
 
 
 async def openapi(request: Request) -> Response:
