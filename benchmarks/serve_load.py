@@ -14,7 +14,9 @@ Only loopback is used; every request is bounded by --timeout.
 With several --kvforge executables (two checkouts side by side), one server of each is
 started and the loads alternate between them, --rounds times per concurrency; the table
 gives each server's medians over the rounds and, for the second and later servers, the
-first one's figures relative to theirs (tokens/s ratio, TTFT ratio).
+first one's figures relative to theirs (tokens/s ratio, TTFT ratio), and each server's CPU
+time per generated token (user + system, all its threads, from /proc on Linux): on a shared
+machine the wall-clock figures move with the other work, its CPU time much less.
 """
 
 from __future__ import annotations
@@ -110,6 +112,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time so far (Linux's /proc; nan elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def start_server(
     artifact: str, args: argparse.Namespace, kvforge: str | None = None
 ) -> tuple[subprocess.Popen[bytes], str, Path]:
@@ -179,22 +190,31 @@ def compare(args: argparse.Namespace) -> None:
     servers = [start_server(args.artifact, args, kvforge) for kvforge in args.kvforge]
     model = args.model or Path(args.artifact).resolve().name
     try:
-        print(f"{'server':<40} {'conc':>4} {'ttft p50':>9} {'itl p50':>8} {'tok/s':>7} {'tok/s x':>8} {'ttft x':>7}")
+        print(
+            f"{'server':<40} {'conc':>4} {'ttft p50':>9} {'itl p50':>8} {'tok/s':>7} {'cpu/tok':>8} {'tok/s x':>8} "
+            f"{'ttft x':>7}"
+        )
         for concurrency in args.concurrency:
-            figures: list[list[tuple[float, float, float]]] = [[] for _ in servers]
+            figures: list[list[tuple[float, float, float, float]]] = [[] for _ in servers]
             for round_ in range(args.rounds):
                 order = range(len(servers)) if round_ % 2 == 0 else reversed(range(len(servers)))
                 for index in order:
-                    run, wall = load(servers[index][1], model, concurrency, args)
+                    process, url, _ = servers[index]
+                    cpu = cpu_seconds(process.pid)
+                    run, wall = load(url, model, concurrency, args)
+                    cpu = (cpu_seconds(process.pid) - cpu) / max(run.tokens, 1)
                     ttft, itl = percentile(run.ttft, 0.5), percentile(run.gaps, 0.5)
-                    figures[index].append((ttft, itl, run.tokens / wall))
-            medians = [[statistics.median(f[i] for f in runs) for i in range(3)] for runs in figures]
-            for index, (ttft, itl, rate) in enumerate(medians):
+                    figures[index].append((ttft, itl, run.tokens / wall, cpu))
+            medians = [[statistics.median(f[i] for f in runs) for i in range(4)] for runs in figures]
+            for index, (ttft, itl, rate, cpu) in enumerate(medians):
                 ratios = ""
                 if index:
                     ratios = f"{medians[0][2] / rate:>7.2f}x {ttft / medians[0][0]:>6.2f}x"
                 name = args.kvforge[index][-40:]
-                print(f"{name:<40} {concurrency:>4} {ttft * 1e3:>7.1f}ms {itl * 1e3:>6.1f}ms {rate:>7.1f} {ratios}")
+                print(
+                    f"{name:<40} {concurrency:>4} {ttft * 1e3:>7.1f}ms {itl * 1e3:>6.1f}ms {rate:>7.1f} "
+                    f"{cpu * 1e3:>6.2f}ms {ratios}"
+                )
             sys.stdout.flush()
     finally:
         for process, _, _ in servers:

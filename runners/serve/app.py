@@ -12,6 +12,7 @@ for the disconnect itself while it waits.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import importlib.resources
 import logging
@@ -27,7 +28,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.types import Message, Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -35,6 +36,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from kvforge.runners.decoding import TokenLogprob
 from kvforge.runners.engine import Engine
 from kvforge.runners.errors import KvforgeError
+from kvforge.runners.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvforge.runners.serve.metrics import Metrics
 from kvforge.runners.serve.openapi import openapi_schema
 from kvforge.runners.serve.protocol import (
@@ -118,24 +120,49 @@ class State:
 
 class EventQueue(queue.SimpleQueue[Event]):
     """A request's event queue as the engine thread sees it (`put`), read on the event loop
-    (`get`): each put is handed to the loop, which wakes the request's reader."""
+    (`next`). A put wakes the loop only when no wake-up is pending already, so the events of
+    several steps that come before the reader runs cost one wake-up, and go out in one write."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._items: asyncio.Queue[Event] = asyncio.Queue()
+        self._items: collections.deque[Event] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._wake_pending = False
+        self._closed = False
 
     def put(self, item: Event, block: bool = True, timeout: float | None = None) -> None:
+        self._items.append(item)
+        if self._wake_pending:  # the reader has yet to run, and will see this event too
+            return
+        self._wake_pending = True
         try:
-            self._loop.call_soon_threadsafe(self._items.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._wake)
         except RuntimeError:  # the loop has closed: the server is gone and nobody reads
             pass
 
-    async def next(self) -> Event:
-        return await self._items.get()
+    def _wake(self) -> None:
+        self._wake_pending = False  # first: an event put from now on asks for a wake-up of its own
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def close(self) -> None:
+        """On the loop: the reader's client has gone; `next` returns None from now on."""
+        self._closed = True
+        self._wake()
+
+    async def next(self) -> Event | None:
+        """The next event, or None once closed."""
+        while not self._items and not self._closed:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return None if self._closed else self._items.popleft()
 
     def ready(self) -> bool:
         """Whether an event is waiting to be read."""
-        return not self._items.empty()
+        return bool(self._items)
 
 
 @dataclass
@@ -235,8 +262,7 @@ async def models(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    text = _state(request).metrics.render().encode()
-    return Response(text, 200, media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(_state(request).metrics.render(), 200, media_type=METRICS_CONTENT_TYPE)
 
 
 async def openapi(request: Request) -> Response:
@@ -350,18 +376,25 @@ async def admit(state: State, raw: bytes, chat: bool, arrival: float) -> Admitte
     return Admitted(parsed, requests, events, scheduler, Reply.new(chat, state.name), writers)
 
 
+def note(admitted: Admitted, record: Record, event: Event) -> None:
+    """What an event read tells the access log and which choices have ended."""
+    if isinstance(event, Delta):
+        record.first_token()
+    elif isinstance(event, Finished):
+        admitted.ended.add(event.index)
+        record.prompt_tokens = event.prompt_tokens
+        record.completion_tokens = (record.completion_tokens or 0) + event.completion_tokens
+
+
 async def generation_events(admitted: Admitted, record: Record) -> AsyncIterator[Event]:
     """The events of a request's choices until each has ended (a failed choice ends them all);
     a reader that stops early (its client left) cancels the choices still running."""
     try:
         while len(admitted.ended) < len(admitted.requests):
             event = await admitted.events.next()
-            if isinstance(event, Delta):
-                record.first_token()
-            elif isinstance(event, Finished):
-                admitted.ended.add(event.index)
-                record.prompt_tokens = event.prompt_tokens
-                record.completion_tokens = (record.completion_tokens or 0) + event.completion_tokens
+            if event is None:
+                return
+            note(admitted, record, event)
             yield event
             if isinstance(event, Failed):
                 return
@@ -383,9 +416,7 @@ async def generate(request: Request) -> Response:
         raise
     record.prompt_tokens = len(admitted.parsed.ids)
     if admitted.parsed.stream:
-        return StreamingResponse(
-            event_stream(admitted, record), headers=_SSE_HEADERS, media_type="text/event-stream; charset=utf-8"
-        )
+        return EventStream(admitted, record)
     return await collect(request, admitted, record)
 
 
@@ -446,32 +477,62 @@ def stream_chunks(admitted: Admitted, event: Event) -> list[Any]:
     return [error_body(event.message, "server_error")]
 
 
-async def stream_messages(admitted: Admitted, record: Record) -> AsyncIterator[Any]:
-    """The JSON messages of a streamed reply: a role chunk per choice (chat), a chunk per
-    event, then the usage (when asked for); an engine failure ends it with an error."""
-    reply = admitted.reply
-    if reply.chat:
-        for request in admitted.requests:
-            yield reply.chunk("", index=request.index, first=True, include_usage=admitted.parsed.include_usage)
+async def stream_messages(admitted: Admitted, record: Record) -> AsyncIterator[list[Any]]:
+    """The JSON messages of a streamed reply, in batches (the messages of the events waiting when
+    one is read): a role chunk per choice (chat), a chunk per event, then the usage (when asked
+    for); an engine failure ends it with an error. A reader that stops early (its client left)
+    cancels the choices still running."""
+    reply, usage, events = admitted.reply, admitted.parsed.include_usage, admitted.events
+    batch = [reply.chunk("", index=r.index, first=True, include_usage=usage) for r in admitted.requests]
+    if not reply.chat:
+        batch = []
     failed = False
-    async for event in generation_events(admitted, record):
-        failed = isinstance(event, Failed)
-        for message in stream_chunks(admitted, event):
-            yield message
-    if admitted.parsed.include_usage and not failed:
-        yield reply.usage_chunk(record.prompt_tokens or 0, record.completion_tokens or 0)
+    try:
+        while len(admitted.ended) < len(admitted.requests) and not failed:
+            if batch and not events.ready():
+                yield batch
+                batch = []
+            event = await events.next()
+            if event is None:  # the client has gone
+                return
+            note(admitted, record, event)
+            batch.extend(stream_chunks(admitted, event))
+            failed = isinstance(event, Failed)
+        if usage and not failed:
+            batch.append(reply.usage_chunk(record.prompt_tokens or 0, record.completion_tokens or 0))
+        yield batch
+    finally:
+        admitted.cancel()
 
 
-async def event_stream(admitted: Admitted, record: Record) -> AsyncIterator[bytes]:
-    """The SSE body; the events already waiting when one is read go out in the same write."""
-    pending: list[bytes] = []
-    async for message in stream_messages(admitted, record):
-        pending.append(b"data: " + dumps(message) + b"\n\n")
-        if not admitted.events.ready():
-            yield b"".join(pending)
-            pending.clear()
-    pending.append(b"data: [DONE]\n\n")
-    yield b"".join(pending)
+class EventStream(Response):
+    """A streamed reply as server-sent events, written straight to the ASGI server, a batch of
+    messages per write. A client that leaves (seen on `receive`) closes the event queue, which
+    ends the stream and cancels the request."""
+
+    media_type = "text/event-stream; charset=utf-8"
+
+    def __init__(self, admitted: Admitted, record: Record) -> None:
+        self.admitted, self.record = admitted, record
+        self.status_code = 200
+        self.background = None
+        self.init_headers(_SSE_HEADERS)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watch = asyncio.ensure_future(self._watch(receive))
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for batch in stream_messages(self.admitted, self.record):
+                body = b"".join(b"data: " + dumps(message) + b"\n\n" for message in batch)
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        finally:
+            watch.cancel()
+            self.admitted.cancel()  # the choices still running, where the client left mid-write
+
+    async def _watch(self, receive: Receive) -> None:
+        await disconnected(receive)
+        self.admitted.events.close()
 
 
 # -- the WebSocket ----------------------------------------------------------------------
@@ -513,8 +574,9 @@ async def generate_websocket(websocket: WebSocket) -> None:
 
         group.start_soon(watch)
         try:
-            async for chunk in stream_messages(admitted, record):
-                await websocket.send_text(dumps(chunk).decode())
+            async for batch in stream_messages(admitted, record):
+                for message in batch:
+                    await websocket.send_text(dumps(message).decode())
             await websocket.close(1000)
         finally:
             admitted.cancel()  # what has ended is left as it is; a choice still running is cancelled

@@ -1,15 +1,18 @@
-"""Prometheus metrics of the server, in the text exposition format, with vLLM's names.
+"""Prometheus metrics of the server through prometheus_client, with vLLM's names.
 
 Dashboards built for vLLM read `vllm:<name>`; the same names under `kvforge:` let them be
-pointed at this server by changing the prefix. No client library is needed for a handful
-of counters, gauges and histograms, so none is used.
+pointed at this server by changing the prefix. Each `Metrics` has a registry of its own (a
+process may hold several engines, and tests make many), and every series carries the served
+model's name as `model_name`, which is known only once the server has named its model.
 """
 
 from __future__ import annotations
 
-import bisect
-import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+
+import prometheus_client
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.registry import Collector, CollectorRegistry
 
 PREFIX = "kvforge:"
 # Buckets as vLLM chooses them for each quantity (seconds).
@@ -17,98 +20,85 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 FINISH_REASONS = ("stop", "length")
+# The classic text format, which generate_latest writes and every Prometheus reads.
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 
-def _labels(pairs: dict[str, str]) -> str:
-    if not pairs:
-        return ""
-    escaped = (f'{k}="{_escape(v)}"' for k, v in pairs.items())
-    return "{" + ",".join(escaped) + "}"
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _number(value: float) -> str:
-    return repr(float(value)) if value != int(value) else f"{int(value)}.0"
+def _value(metric: Collector, suffix: str, labels: dict[str, str]) -> float:
+    """A sample's value as the metric reports it (0 when it has no such sample yet)."""
+    for family in metric.collect():
+        for sample in family.samples:
+            if sample.name.endswith(suffix) and sample.labels == labels:
+                return float(sample.value)
+    return 0.0
 
 
 class Histogram:
-    def __init__(self, name: str, help: str, buckets: Sequence[float]) -> None:
+    def __init__(self, registry: CollectorRegistry, name: str, help: str, buckets: Sequence[float]) -> None:
         self.name, self.help, self.buckets = PREFIX + name, help, tuple(buckets)
-        self._counts = [0] * (len(self.buckets) + 1)
-        self._sum = 0.0
-        self._lock = threading.Lock()
-
-    def observe(self, value: float) -> None:
-        with self._lock:
-            self._counts[bisect.bisect_left(self.buckets, value)] += 1
-            self._sum += value
+        self._metric = prometheus_client.Histogram(self.name, help, buckets=self.buckets, registry=registry)
+        self.observe = self._metric.observe
 
     @property
     def count(self) -> int:
-        return sum(self._counts)
-
-    def render(self, labels: dict[str, str]) -> list[str]:
-        with self._lock:
-            counts, total = list(self._counts), self._sum
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, count in zip((*self.buckets, float("inf")), counts):
-            cumulative += count
-            le = "+Inf" if bound == float("inf") else _number(bound)
-            lines.append(f"{self.name}_bucket{_labels({**labels, 'le': le})} {cumulative}")
-        lines.append(f"{self.name}_sum{_labels(labels)} {_number(total)}")
-        lines.append(f"{self.name}_count{_labels(labels)} {cumulative}")
-        return lines
+        return int(_value(self._metric, "_count", {}))
 
 
 class Counter:
     """A counter, optionally split by one label (values are created at zero up front)."""
 
-    def __init__(self, name: str, help: str, label: str | None = None, values: Sequence[str] = ()) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, name: str, help: str, label: str | None = None, values: Sequence[str] = ()
+    ) -> None:
         self.name, self.help, self.label = PREFIX + name, help, label
-        self._values: dict[str, float] = {v: 0.0 for v in values} if label else {"": 0.0}
-        self._lock = threading.Lock()
+        self._metric = prometheus_client.Counter(self.name, help, [label] if label else [], registry=registry)
+        self._values = list(values) if label else [""]
+        for value in values if label else ():
+            self._metric.labels(value)
 
     def inc(self, amount: float = 1.0, value: str = "") -> None:
-        with self._lock:
-            self._values[value] = self._values.get(value, 0.0) + amount
+        if self.label is None:
+            self._metric.inc(amount)
+            return
+        if value not in self._values:
+            self._values.append(value)
+        self._metric.labels(value).inc(amount)
 
     def labels(self) -> tuple[str, ...]:
         """The values of its label ("" alone when it has none)."""
-        with self._lock:
-            return tuple(self._values)
+        return tuple(self._values)
 
     def get(self, value: str = "") -> float:
-        with self._lock:
-            return self._values.get(value, 0.0)
-
-    def render(self, labels: dict[str, str]) -> list[str]:
-        with self._lock:
-            values = dict(self._values)
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
-        for value, amount in values.items():
-            extra = {self.label: value} if self.label else {}
-            lines.append(f"{self.name}_total{_labels({**labels, **extra})} {_number(amount)}")
-        return lines
+        return _value(self._metric, "_total", {self.label: value} if self.label else {})
 
 
 class Gauge:
-    def __init__(self, name: str, help: str) -> None:
+    def __init__(self, registry: CollectorRegistry, name: str, help: str) -> None:
         self.name, self.help = PREFIX + name, help
-        self.value = 0.0  # written by the engine thread only; a float store is atomic
+        self._metric = prometheus_client.Gauge(self.name, help, registry=registry)
+        self.set = self._metric.set
 
-    def set(self, value: float) -> None:
-        self.value = float(value)
+    @property
+    def value(self) -> float:
+        return _value(self._metric, "", {})
 
-    def render(self, labels: dict[str, str]) -> list[str]:
-        return [
-            f"# HELP {self.name} {self.help}",
-            f"# TYPE {self.name} gauge",
-            f"{self.name}{_labels(labels)} {_number(self.value)}",
-        ]
+
+class _Named(Collector):
+    """The metrics of one registry with the served model's name as a label, without the
+    `_created` series (a counter's start time, which vLLM's dashboards do not read)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterable[prometheus_client.Metric]:
+        name = {"model_name": self.metrics.model_name}
+        for family in self.metrics.registry.collect():
+            family.samples = [
+                sample._replace(labels={**name, **sample.labels})
+                for sample in family.samples
+                if not sample.name.endswith("_created")
+            ]
+            yield family
 
 
 class Metrics:
@@ -116,44 +106,63 @@ class Metrics:
 
     def __init__(self) -> None:
         self.model_name = ""
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._exposed = CollectorRegistry(auto_describe=False)
+        self._exposed.register(_Named(self))
         self.time_to_first_token = Histogram(
-            "time_to_first_token_seconds", "Time from arrival to the first generated token.", TTFT_BUCKETS
+            self.registry,
+            "time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            TTFT_BUCKETS,
         )
         self.inter_token_latency = Histogram(
-            "inter_token_latency_seconds", "Time between two consecutive generated tokens.", ITL_BUCKETS
+            self.registry, "inter_token_latency_seconds", "Time between two consecutive generated tokens.", ITL_BUCKETS
         )
         self.queue_time = Histogram(
-            "request_queue_time_seconds", "Time a request waited before its prefill began.", REQUEST_BUCKETS
+            self.registry,
+            "request_queue_time_seconds",
+            "Time a request waited before its prefill began.",
+            REQUEST_BUCKETS,
         )
         self.e2e_latency = Histogram(
-            "e2e_request_latency_seconds", "Time from arrival to the last token.", REQUEST_BUCKETS
+            self.registry, "e2e_request_latency_seconds", "Time from arrival to the last token.", REQUEST_BUCKETS
         )
-        self.running = Gauge("num_requests_running", "Requests in the batch (prefilling or decoding).")
-        self.waiting = Gauge("num_requests_waiting", "Requests accepted and waiting for a batch slot.")
+        self.running = Gauge(self.registry, "num_requests_running", "Requests in the batch (prefilling or decoding).")
+        self.waiting = Gauge(self.registry, "num_requests_waiting", "Requests accepted and waiting for a batch slot.")
         self.kv_usage = Gauge(
-            "kv_cache_usage_perc", "Fraction of the KV cache (max-num-seqs x context positions) holding tokens."
+            self.registry,
+            "kv_cache_usage_perc",
+            "Fraction of the KV cache (max-num-seqs x context positions) holding tokens.",
         )
-        self.prompt_tokens = Counter("prompt_tokens", "Prompt tokens prefilled.")
-        self.generation_tokens = Counter("generation_tokens", "Tokens generated.")
+        self.prompt_tokens = Counter(self.registry, "prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = Counter(self.registry, "generation_tokens", "Tokens generated.")
         self.request_success = Counter(
-            "request_success", "Requests finished, by finish reason.", "finished_reason", FINISH_REASONS
+            self.registry, "request_success", "Requests finished, by finish reason.", "finished_reason", FINISH_REASONS
         )
-        self.request_aborted = Counter("request_aborted", "Requests aborted by a client disconnect or shutdown.")
-        self.request_rejected = Counter("request_rejected", "Requests refused with 429 (queue full) or 503.")
-        self.request_failed = Counter("request_failed", "Requests ended by an engine error.")
-        self.prefix_cache_queries = Counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = Counter("prefix_cache_hits", "Requests that found a cached prefix.")
+        self.request_aborted = Counter(
+            self.registry, "request_aborted", "Requests aborted by a client disconnect or shutdown."
+        )
+        self.request_rejected = Counter(
+            self.registry, "request_rejected", "Requests refused with 429 (queue full) or 503."
+        )
+        self.request_failed = Counter(self.registry, "request_failed", "Requests ended by an engine error.")
+        self.prefix_cache_queries = Counter(
+            self.registry, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = Counter(self.registry, "prefix_cache_hits", "Requests that found a cached prefix.")
         self.prefix_cache_hit_tokens = Counter(
-            "prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache instead of prefilled."
+            self.registry, "prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache instead of prefilled."
         )
-        self.prefix_cache_evictions = Counter("prefix_cache_evictions", "Prefix cache blocks evicted.")
-        self.prefix_cache_bytes = Gauge("prefix_cache_bytes", "Bytes the prefix cache holds.")
+        self.prefix_cache_evictions = Counter(self.registry, "prefix_cache_evictions", "Prefix cache blocks evicted.")
+        self.prefix_cache_bytes = Gauge(self.registry, "prefix_cache_bytes", "Bytes the prefix cache holds.")
         self.spec_decode_num_drafts = Counter(
-            "spec_decode_num_drafts", "Decode steps in which a row had drafted tokens (--speculative)."
+            self.registry, "spec_decode_num_drafts", "Decode steps in which a row had drafted tokens (--speculative)."
         )
-        self.spec_decode_num_draft_tokens = Counter("spec_decode_num_draft_tokens", "Tokens drafted.")
+        self.spec_decode_num_draft_tokens = Counter(self.registry, "spec_decode_num_draft_tokens", "Tokens drafted.")
         self.spec_decode_num_accepted_tokens = Counter(
-            "spec_decode_num_accepted_tokens", "Drafted tokens the target model's own choice agreed with."
+            self.registry,
+            "spec_decode_num_accepted_tokens",
+            "Drafted tokens the target model's own choice agreed with.",
         )
 
     def families(self) -> tuple[Histogram | Counter | Gauge, ...]:
@@ -182,9 +191,6 @@ class Metrics:
             self.spec_decode_num_accepted_tokens,
         )
 
-    def render(self) -> str:
-        labels = {"model_name": self.model_name}
-        lines: list[str] = []
-        for metric in self.families():
-            lines.extend(metric.render(labels))
-        return "\n".join(lines) + "\n"
+    def render(self) -> bytes:
+        """The /metrics body, in the text format of `CONTENT_TYPE`."""
+        return prometheus_client.generate_latest(self._exposed)
