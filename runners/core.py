@@ -154,7 +154,10 @@ class EngineCore:
     the waiting queue and releases, which `_cond` guards (`BatchScheduler` steps it on a thread).
 
     `metrics` has the server's instruments (`kvforge.runners.serve.metrics.Metrics`), or records
-    nothing when None. `prefill_chunk` None prefills a prompt in one call."""
+    nothing when None. `prefill_chunk` None prefills a prompt in one call. With `join_first`, the
+    running rows decode only once no waiting request can join (`Engine`'s batch, given at once,
+    decodes all together from its first step, as a left-padded batch does); otherwise every step
+    decodes while a request is prefilled (the server: a long prompt delays the others by a chunk)."""
 
     def __init__(
         self,
@@ -168,6 +171,7 @@ class EngineCore:
         prefix_cache: PrefixCache | None = None,
         speculation: Speculation | None = None,
         speculative_rows: int = 1,
+        join_first: bool = False,
     ) -> None:
         self.session = session
         self.io = session.io
@@ -183,11 +187,13 @@ class EngineCore:
                 )
         self.speculation = speculation
         self.speculative_rows = speculative_rows  # verify steps run while the batch holds at most this many rows
+        self.join_first = join_first  # the batch waits for every request a slot is free for (a batch given at once)
         self.max_positions = max_positions
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk = prefill_chunk
         self.metrics: Any = NullMetrics() if metrics is None else metrics  # Metrics' instruments, by name
+        self._measured = metrics is not None
         self._cond = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
         self._in_system = 0  # accepted and not yet released
@@ -208,6 +214,11 @@ class EngineCore:
             self._cond.notify_all()
 
     @property
+    def _admitting(self) -> bool:
+        """Whether a request is being prefilled, or waits with a batch slot free for it."""
+        return self._prefill is not None or (bool(self._waiting) and len(self._rows) < self.max_num_seqs)
+
+    @property
     def busy(self) -> bool:
         """Whether a request is waiting or running."""
         return bool(self._rows or self._prefill or self._waiting)
@@ -218,13 +229,14 @@ class EngineCore:
         """One step of every request: a decode (or verify) step of the batch's rows, then at most one
         prefill chunk of a request admitted from the queue. Its results are the requests' events."""
         self._drop_cancelled()
-        if self._rows:
+        if self._rows and not (self.join_first and self._admitting):
             self._decode()
         if self._prefill is None and len(self._rows) < self.max_num_seqs:
             self._admit()
         if self._prefill is not None:
             self._prefill_step()
-        self._update_gauges()
+        if self._measured:
+            self._update_gauges()
 
     def _admit(self) -> None:
         with self._cond:
@@ -373,13 +385,14 @@ class EngineCore:
 
     def _deliver(self, request: Request, token: int, logprob: TokenLogprob | None = None) -> bool:
         """Hand one sampled token to its request; True when the request has finished."""
-        now = time.perf_counter()
-        self.metrics.generation_tokens.inc()
-        if request.generated == 0:
-            self.metrics.time_to_first_token.observe(now - request.arrival)
-        else:
-            self.metrics.inter_token_latency.observe(now - request.last_token_at)
-        request.last_token_at = now
+        if self._measured:
+            now = time.perf_counter()
+            self.metrics.generation_tokens.inc()
+            if request.generated == 0:
+                self.metrics.time_to_first_token.observe(now - request.arrival)
+            else:
+                self.metrics.inter_token_latency.observe(now - request.last_token_at)
+            request.last_token_at = now
         try:
             text = request.add(token, logprob)
         except Exception as error:  # one request's detokenizer must not stop the others

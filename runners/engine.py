@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvforge.runners.core import Delta, EngineCore, Event, Failed, Finished, Request
 from kvforge.runners.decoding import Decoder, TokenLogprob, batch_decoders
+from kvforge.runners.detokenizer import StreamingDetokenizer
 from kvforge.runners.errors import ArtifactError, GenerationError
 from kvforge.runners.generate import check_length
 from kvforge.runners.manifest import (
@@ -434,6 +435,7 @@ class Engine:
             max_num_seqs=1 if speculation is not None else len(requests),
             prefill_chunk=None,
             speculation=speculation,
+            join_first=True,
         )
         core.add(*requests)
         while core.busy:
@@ -480,7 +482,7 @@ class Engine:
         budget = self.budget(max_new_tokens, batch)
         check_length(batch, budget, self.max_positions)
         requests = [
-            Request(ids, params, budget, self.tokenizer.detokenizer((), context_ids=ids), self.eos_ids, decoder=decoder)
+            Request(ids, params, budget, _NoText(), self.eos_ids, decoder=decoder)
             for ids, decoder in zip(batch, batch_decoders(params, batch))
         ]
         for _ in self._run(requests):
@@ -632,3 +634,16 @@ def _as_request(record: GenerationRequest) -> Request:
     """A record made elsewhere as the core's request, its state carried over."""
     request = Request(**{f.name: getattr(record, f.name) for f in fields(GenerationRequest)})
     return request
+
+
+class _NoText(StreamingDetokenizer):
+    """The detokenizer of a request whose caller wants token ids only (`generate_tokens`): no text."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+
+    def add(self, token_id: int) -> str:
+        return ""
+
+    def finish(self) -> str:
+        return ""
