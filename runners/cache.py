@@ -529,6 +529,16 @@ class BatchCache:
                 self.device.copy(present[name], (0,) * len(shape), state, (0,) * len(shape), shape)
             self._bounded = {name: present[name] for name in self._bounded}
 
+    def take_back(self, drop: int) -> None:
+        """Take the last `drop` positions out of the window-bounded layers after a whole-batch step
+        (the drafts a batch of one rejected; the full layers' columns are cut by `close`). The step
+        kept them `drop` positions beyond the window (`Cache.after`'s `extra`)."""
+        if drop > 0:
+            self._bounded = {
+                name: columns(self.device, tensor, 0, _positions(tensor) - drop)
+                for name, tensor in self._bounded.items()
+            }
+
     def advance(self, growth: list[int], grown: int) -> None:
         """After a step: row i keeps `growth[i]` more positions; the width moves `grown` columns."""
         for index, kept in enumerate(growth):

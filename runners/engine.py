@@ -4,6 +4,9 @@
     for chunk in engine.stream("def fibonacci(n):", max_new_tokens=64):
         print(chunk, end="", flush=True)
 
+Every generation runs the engine core (`kvforge.runners.core`) stepped in the caller's thread: the
+same step as the server's, over a batch of the call's rows.
+
 Needs only onnxruntime, tokenizers, jinja2 and numpy: no torch at run time.
 """
 
@@ -16,11 +19,11 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from kvforge.runners.core import Delta, EngineCore, Event, Failed, Finished, Request
 from kvforge.runners.decoding import Decoder, TokenLogprob, batch_decoders
+from kvforge.runners.detokenizer import StreamingDetokenizer
 from kvforge.runners.errors import ArtifactError, GenerationError
-from kvforge.runners.generate import Step, check_length, generate_steps
+from kvforge.runners.generate import check_length
 from kvforge.runners.manifest import (
     FileHashes,
     check_spec_against_io,
@@ -37,14 +40,12 @@ from kvforge.runners.session import Session
 from kvforge.runners.settings import declared
 from kvforge.runners.speculative import (
     PROMPT_LOOKUP,
-    Drafter,
     DraftModel,
-    PromptLookup,
+    Speculation,
     SpeculationStats,
     check_same_vocabulary,
     parse_speculative,
     require_all_logits,
-    speculative_steps,
 )
 from kvforge.runners.tokenizer import TokenizerBundle
 
@@ -351,7 +352,7 @@ class Engine:
         regex: str | None = None,
         grammar: str | None = None,
         **sampling: Any,
-    ) -> list[GenerationRequest]:
+    ) -> list[Request]:
         """One record per prompt, each check made once. With `batch`, rows without a grammar or
         logprobs draw from one generator (`batch_decoders`: the same seed, the same tokens whatever
         the rows are run as)."""
@@ -366,7 +367,7 @@ class Engine:
         else:
             decoders = [self.decoder(params, ids, compiled, logprobs) for ids in encoded]
         return [
-            GenerationRequest(ids, params, budget, detok, eos_ids=self.eos_ids, decoder=decoder)
+            Request(ids, params, budget, detok, eos_ids=self.eos_ids, decoder=decoder)
             for ids, detok, decoder in zip(encoded, detoks, decoders)
         ]
 
@@ -407,59 +408,45 @@ class Engine:
         self, request: GenerationRequest, stats: GenerationStats, speculation: Speculation | None
     ) -> Iterator[str]:
         start = time.perf_counter()
-        decoder = request.chooser
-        for step in self._steps(
-            [request.ids], request.budget, decoder.params, [decoder], None, speculation, stats.speculation
-        ):
-            chunk = request.add(int(step.tokens[0]), step.logprobs[0] if step.logprobs else None)
-            stats.new_tokens = request.generated
-            if stats.new_tokens == 1:
+        record = request if isinstance(request, Request) else _as_request(request)
+        record.speculation = stats.speculation
+        for events in self._run([record], speculation):
+            if stats.new_tokens == 0 and record.generated:
                 stats.first_token_s = time.perf_counter() - start
-            if chunk:
-                yield chunk
-            if request.finish_reason is not None:
-                stats.finish_reason = request.finish_reason
-                break
-        tail = request.finish()
+            stats.new_tokens = record.generated
+            for event in events[0]:
+                if isinstance(event, Delta) and event.text:
+                    yield event.text
+                elif isinstance(event, Finished):
+                    stats.finish_reason = event.reason
         stats.total_s = time.perf_counter() - start
-        if tail:
-            yield tail
 
-    def _steps(
-        self,
-        prompts: list[list[int]],
-        budget: int,
-        params: SamplingParams,
-        decoders: Sequence[Decoder] | None = None,
-        done: np.ndarray | None = None,
-        speculation: Speculation | None = None,
-        stats: SpeculationStats | None = None,
-    ) -> Iterator[Step]:
-        """The steps of one batch; without `decoders`, the batch is sampled under `params` as one."""
-        decoders = batch_decoders(params, prompts) if decoders is None else decoders
-        if speculation is not None:
-            return speculative_steps(
-                self.session,
-                prompts,
-                max_new_tokens=budget,
-                decoders=decoders,
-                drafters=[speculation.drafter(len(p) + budget) for p in prompts],
-                draft_tokens=speculation.draft_tokens,
-                eos_ids=self.eos_ids,
-                pad_id=self.pad_id,
-                done=done,
-                stats=stats,
-            )
-        return generate_steps(
+    def _run(self, requests: list[Request], speculation: Speculation | None = None) -> Iterator[list[list[Event]]]:
+        """Generate `requests` as the engine core's batch, stepped here (no thread); after each step,
+        every request's new events. A failed request raises its message as a GenerationError.
+
+        The rows share one batch (as many rows as requests); with speculation they run one after
+        another, each a batch of one that verifies its pending token and drafts in one step."""
+        longest = max(len(r.ids) + r.budget for r in requests)
+        core = EngineCore(
             self.session,
-            prompts,
-            max_new_tokens=budget,
-            max_positions=self.max_positions,
-            decoders=decoders,
+            max_positions=min(self.max_positions, longest),
             eos_ids=self.eos_ids,
-            pad_id=self.pad_id,
-            done=done,
+            max_num_seqs=1 if speculation is not None else len(requests),
+            prefill_chunk=None,
+            speculation=speculation,
+            join_first=True,
         )
+        core.add(*requests)
+        while core.busy:
+            core.step()
+            events = [_drain(r) for r in requests]
+            for row, got in enumerate(events):
+                for event in got:
+                    if isinstance(event, Failed):
+                        where = f"prompts[{row}]: " if len(requests) > 1 else ""
+                        raise GenerationError(where + event.message)
+            yield events
 
     def speculation(self, speculative: str | None, draft_tokens: int | None) -> Speculation | None:
         """What `speculative` and `draft_tokens` ask for, checked against this artifact (None: plain decoding);
@@ -494,12 +481,13 @@ class Engine:
         batch = [self._checked_ids(row, p) for row, p in enumerate(prompts)]
         budget = self.budget(max_new_tokens, batch)
         check_length(batch, budget, self.max_positions)
-        rows: list[list[int]] = [[] for _ in batch]
-        done = np.zeros(len(batch), dtype=bool)
-        for step in self._steps(batch, budget, params, done=done):
-            for row in np.flatnonzero(step.active):
-                rows[row].append(int(step.tokens[row]))
-        return rows
+        requests = [
+            Request(ids, params, budget, _NoText(), self.eos_ids, decoder=decoder)
+            for ids, decoder in zip(batch, batch_decoders(params, batch))
+        ]
+        for _ in self._run(requests):
+            pass
+        return [r.tokens + ([] if r.ending_eos is None else [r.ending_eos]) for r in requests]
 
     def _checked_ids(self, row: int, prompt: Sequence[int]) -> list[int]:
         """Prompt ids as ints inside the vocabulary: an id outside it would index past the embedding."""
@@ -519,7 +507,7 @@ class Engine:
         draft_tokens: int | None = None,
         **options: Any,
     ) -> str | list[str] | Completion | list[Completion]:
-        """Generate for one prompt, or for several as one left-padded batch.
+        """Generate for one prompt, or for several as one batch (each prompt prefilled alone, then decoded together).
 
         Returns the text (a list of texts for a list of prompts); with `logprobs` = k, a
         `Completion` per prompt instead, with the text's tokens, their log-probabilities
@@ -533,18 +521,10 @@ class Engine:
         batch = [prompts] if isinstance(prompts, str) else list(prompts)
         speculation = self.speculation(speculative, draft_tokens)
         requests = self._requests(batch, single, batch=True, **options)
-        done = np.zeros(len(batch), dtype=bool)
-        first = requests[0]
-        steps = self._steps(
-            [r.ids for r in requests], first.budget, first.params, [r.chooser for r in requests], done, speculation
-        )
         texts = [""] * len(batch)
-        for step in steps:
-            for row in map(int, np.flatnonzero(step.active)):
-                request = requests[row]
-                texts[row] += request.add(int(step.tokens[row]), step.logprobs[row] if step.logprobs else None)
-                done[row] = request.finished
-        texts = [text + request.finish() for text, request in zip(texts, requests)]
+        for events in self._run(requests, speculation):
+            for row, got in enumerate(events):
+                texts[row] += "".join(event.text for event in got if isinstance(event, Delta))
         if options.get("logprobs") is None:
             return texts[0] if single else texts
         results = [
@@ -554,19 +534,6 @@ class Engine:
 
 
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
-
-
-@dataclass(frozen=True)
-class Speculation:
-    """A request's speculative decoding: drafts per verify step, and the draft model (None: prompt lookup)."""
-
-    draft_tokens: int
-    draft: DraftModel | None = None
-
-    def drafter(self, capacity: int) -> Drafter:
-        """A fresh drafter for one sequence of at most `capacity` positions (raises GenerationError
-        when the draft model holds fewer)."""
-        return PromptLookup() if self.draft is None else self.draft.row(capacity)
 
 
 @dataclass(frozen=True)
@@ -653,3 +620,30 @@ def _preview(value: object, limit: int = 60) -> str:
     """repr for a message, cut short: prompts and hostile config values can be long."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _drain(request: Request) -> list[Event]:
+    """The events a request has had since the last call."""
+    events: list[Event] = []
+    while not request.events.empty():
+        events.append(request.events.get_nowait())
+    return events
+
+
+def _as_request(record: GenerationRequest) -> Request:
+    """A record made elsewhere as the core's request, its state carried over."""
+    request = Request(**{f.name: getattr(record, f.name) for f in fields(GenerationRequest)})
+    return request
+
+
+class _NoText(StreamingDetokenizer):
+    """The detokenizer of a request whose caller wants token ids only (`generate_tokens`): no text."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+
+    def add(self, token_id: int) -> str:
+        return ""
+
+    def finish(self) -> str:
+        return ""

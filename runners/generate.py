@@ -1,4 +1,7 @@
-"""The generation loop: a prefill (in chunks or at once), then one-token decode steps over a `Session`.
+"""The step's pieces (`forward`, `prefill`, the length and logits checks, `choose_tokens`), and the
+left-padded loop the verification gate and `kvforge bench` drive (`generate_steps`): a prefill of
+every prompt at once, then one-token decode steps over a `Session`. `Engine` and the server run
+the engine core (`kvforge.runners.core`) instead.
 
 Prompts of different lengths are left-padded into one batch; the attention mask marks
 padding, and position ids count only real tokens, so each row sees exactly what it would

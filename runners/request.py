@@ -33,6 +33,7 @@ class GenerationRequest:
     tokens: list[int] = field(default_factory=list)  # the tokens of the text (no ending eos)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token of `tokens`, when asked for
     finish_reason: str | None = None  # "stop" or "length" once finished
+    ending_eos: int | None = None  # the end-of-text id that ended it, if one did
 
     def __post_init__(self) -> None:
         if self.decoder is None:
@@ -61,7 +62,9 @@ class GenerationRequest:
         self.generated += 1
         eos = token in self.eos_ids and not self.ignore_eos
         text = ""
-        if not eos:
+        if eos:
+            self.ending_eos = token
+        else:
             text = self.detokenizer.add(token)
             self.tokens.append(token)
             if logprob is not None:

@@ -31,9 +31,7 @@ Drafters:
 - `draft:PATH`: a smaller kvforge artifact with the same tokenizer proposes K tokens
   greedily, one step each, over its own cache (rolled back like the target's).
 
-Rows of a batch are generated one after another, each as a batch of one:
-onnxruntime's `GroupQueryAttention` takes several new tokens over a non-empty cache only at
-batch 1.
+The verify step is the engine core's (`kvforge.runners.core`): a row's step with k + 1 positions.
 """
 
 from __future__ import annotations
@@ -41,16 +39,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from kvforge.runners.cache import Cache, device_of
 from kvforge.runners.contract import DecoderIO
-from kvforge.runners.decoding import Decoder, TokenLogprob, end_of_row
 from kvforge.runners.errors import GenerationError
-from kvforge.runners.generate import Step, empty_cache, forward, last_logits
+from kvforge.runners.generate import empty_cache, forward
 from kvforge.runners.session import Session
 
 PROMPT_LOOKUP = "prompt-lookup"
@@ -177,6 +174,19 @@ def take_back(cache: Cache, length: int, kept: int) -> tuple[Cache, int]:
     return cache.drop_last(drop, kept), kept
 
 
+@dataclass(frozen=True)
+class Speculation:
+    """A request's speculative decoding: drafts per verify step, and the draft model (None: prompt lookup)."""
+
+    draft_tokens: int
+    draft: DraftModel | None = None
+
+    def drafter(self, capacity: int) -> Drafter:
+        """A fresh drafter for one sequence of at most `capacity` positions (raises GenerationError
+        when the draft model holds fewer)."""
+        return PromptLookup() if self.draft is None else self.draft.row(capacity)
+
+
 class DraftModel:
     """A smaller artifact's session proposing greedily; one `DraftRow` per sequence."""
 
@@ -218,109 +228,6 @@ class DraftRow:
             drafts.append(int(np.argmax(self.run(drafts[-1:])[0, -1])))
         self.ids = [*history, *drafts[:-1]]
         return drafts
-
-
-def speculative_steps(
-    session: Session,
-    prompts: Sequence[Sequence[int]],
-    *,
-    max_new_tokens: int,
-    decoders: Sequence[Decoder],
-    drafters: Sequence[Drafter],
-    draft_tokens: int,
-    eos_ids: Sequence[int] = (),
-    pad_id: int = 0,
-    done: np.ndarray | None = None,
-    stats: SpeculationStats | None = None,
-) -> Iterator[Step]:
-    """`generate_steps` with speculation: one `Step` per generated token, each with one row
-    active (rows run one after another). A row ends at eos, at `max_new_tokens`, when its
-    decoder has finished, or when the caller sets `done[row]` after a step."""
-    require_all_logits(session.io)
-    batch = len(prompts)
-    done = np.zeros(batch, dtype=bool) if done is None else done
-    stats = SpeculationStats() if stats is None else stats
-    eos = frozenset(int(t) for t in eos_ids)
-    vocab = session.io.vocab_size
-    for row, prompt in enumerate(prompts):
-        if done[row]:
-            continue
-        active = np.zeros(batch, dtype=bool)
-        active[row] = True
-        for token, logits, entry in _row_tokens(
-            session, prompt, max_new_tokens, decoders[row], drafters[row], draft_tokens, eos, stats, vocab
-        ):
-            tokens = np.full(batch, pad_id, dtype=np.int64)
-            tokens[row] = token
-            if batch > 1:
-                full = np.zeros((batch, vocab), dtype=logits.dtype)
-                full[row] = logits
-                logits = full
-            else:
-                logits = logits[None, :]
-            entries: list[TokenLogprob | None] = [None] * batch
-            entries[row] = entry
-            yield Step(tokens, logits, active, tuple(entries))
-            if done[row]:
-                break
-        done[row] = True
-
-
-def _row_tokens(
-    session: Session,
-    prompt: Sequence[int],
-    budget: int,
-    decoder: Decoder,
-    drafter: Drafter,
-    draft_tokens: int,
-    eos: frozenset[int],
-    stats: SpeculationStats,
-    vocab: int,
-) -> Iterator[tuple[int, np.ndarray, TokenLogprob | None]]:
-    """One sequence's tokens with the logits each came from; the caller stops when it must."""
-    cache = empty_cache(session.io, 1, len(prompt) + budget, device_of(session))
-    one = np.ones(1, dtype=bool)
-    logits, cache = run_row(session, cache, 0, prompt)
-    length = len(prompt)
-    row_logits = last_logits(logits, one, vocab, 0)[0]
-    token, entry = decoder.take(row_logits)
-    yield token, row_logits, entry
-    history = [*prompt, token]
-    generated, step = 1, 0
-
-    def ended() -> bool:
-        return (
-            end_of_row(eos=token in eos, stopped=False, finished=decoder.finished, generated=generated, budget=budget)
-            is not None
-        )
-
-    while not ended():
-        # no more drafts than tokens still allowed after the pending one: the cache never
-        # grows past prompt + budget
-        drafts = drafter.propose(history, min(draft_tokens, budget - generated - 1))
-        step += 1
-        logits, cache = run_row(session, cache, length, [token, *drafts], every_position=True)
-        length += 1 + len(drafts)
-        stats.verify_steps += 1
-        stats.drafted_tokens += len(drafts)
-        chosen: list[tuple[np.ndarray, TokenLogprob | None]] = []
-
-        def choose(j: int, logits: np.ndarray = logits, step: int = step, chosen: list[Any] = chosen) -> int:
-            row_logits = last_logits(logits[:, j : j + 1], one, vocab, step)[0]
-            token, entry = decoder.take(row_logits)
-            chosen.append((row_logits, entry))
-            return token
-
-        for token, accepted in accept_drafts(drafts, choose):
-            generated += 1
-            stats.verified_tokens += 1
-            history.append(token)
-            stats.accepted_tokens += accepted
-            yield token, *chosen[-1]
-            if ended():
-                break
-        # the newest token is pending: fed at the next step
-        cache, length = take_back(cache, length, len(history) - 1)
 
 
 def accept_drafts(drafts: Sequence[int], choose: Callable[[int], int]) -> Iterator[tuple[int, bool]]:

@@ -1,84 +1,44 @@
-"""Continuous batching: one engine thread owns the session and steps every request together.
+"""Continuous batching in the server: the engine core (`kvforge.runners.core`) stepped on one engine thread.
 
-Each step runs one decode for every row of the batch, then admits a waiting request and
-runs at most one prefill chunk, so a long prompt delays the others by one chunk at most.
-
-The running rows' caches live in one `BatchCache` (`kvforge.runners.cache`), where the session runs:
-a left-padded, right-aligned layout at a shared width, compacted as padding builds up; a decode
-step feeds every row's pending token at once.
-
-A request is prefilled alone (batch 1: onnxruntime's GroupQueryAttention takes several new tokens
-over a non-empty cache only at batch 1) by the runner's own `prefill`, one chunk per step, into a
-cache of its own (fixed-size states start from zero); its cache then joins the batch.
-
-With a prefix cache (`kvforge.runners.serve.prefix_cache`), a prefill first copies the longest cached
-block prefix of its prompt into its buffer and prefills the rest; a finished prefill stores its
-prompt's full blocks. Decode never sees the cache.
-
-With speculative decoding (`kvforge.runners.speculative`), each row's drafter proposes up to K tokens
-before the step. The batch decode runs as before (every row's pending token at the width); a
-row whose chosen token equals its first draft then verifies its drafts in a call of its own, at
-batch 1 over its row of the batch, and its decoder chooses each position's token in order, as
-plain decoding would, while they equal the drafts. A row rejected at the first draft costs no
-extra call. Rows then grow by different amounts, which the batch keeps as holes in its mask.
-Window-bounded layers and fixed-size states are refused (a hole would count in a window; a
-state cannot take a draft back).
+`BatchScheduler` is an `EngineCore` with a bounded queue in front of it and a thread that steps it
+while requests wait or run; `submit` and `cancel` come from request threads. What a step does
+(decode, speculative verify, chunked prefill, the prefix cache) is the core's, the same step
+`Engine` runs inline.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
-import numpy as np
-
-from kvforge.runners.cache import BatchCache, Cache, bounded_names, device_of
-from kvforge.runners.decoding import TokenLogprob
-from kvforge.runners.engine import Engine, Speculation
+from kvforge.runners.core import Delta, EngineCore, Event, Failed, Finished, Request
+from kvforge.runners.engine import Engine
 from kvforge.runners.errors import KvforgeError
-from kvforge.runners.generate import choose_tokens, forward, invalid_rows, prefill
-from kvforge.runners.request import GenerationRequest
 from kvforge.runners.serve.metrics import Metrics
 from kvforge.runners.serve.prefix_cache import PrefixCache, unsupported
 from kvforge.runners.serve.protocol import ParsedRequest
 from kvforge.runners.session import Session
-from kvforge.runners.speculative import Drafter, accept_drafts, require_all_logits
+from kvforge.runners.speculative import Speculation
+
+__all__ = [
+    "BatchScheduler",
+    "Delta",
+    "Event",
+    "Failed",
+    "Finished",
+    "Overloaded",
+    "Request",
+    "Unavailable",
+    "choice_requests",
+    "poll_events",
+]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Delta:
-    """Text newly safe to show, with the logprob entries of the tokens generated since the last
-    Delta (when asked for); `index` is the choice of the request (n > 1)."""
-
-    text: str
-    logprobs: tuple[TokenLogprob, ...] = ()
-    index: int = 0
-
-
-@dataclass(frozen=True)
-class Finished:
-    reason: str  # "stop" (eos, stop string or grammar end) or "length"
-    prompt_tokens: int
-    completion_tokens: int
-    index: int = 0
-    incomplete: bool = False  # "length" before the grammar had a whole sentence (`GenerationRequest.cut_short`)
-
-
-@dataclass(frozen=True)
-class Failed:
-    message: str
-    index: int = 0
-
-
-Event = Delta | Finished | Failed
 
 
 class Overloaded(KvforgeError):
@@ -87,37 +47,6 @@ class Overloaded(KvforgeError):
 
 class Unavailable(KvforgeError):
     """The engine is shutting down or has failed."""
-
-
-@dataclass(eq=False)
-class Request(GenerationRequest):
-    """One generation in the server: the request record (`kvforge.runners.request`) with its events out
-    through `events`. The choices of one request (n > 1) are requests of their own that share
-    `events`, told apart by `index`. The scheduler gives it the artifact's eos ids when it has none."""
-
-    events: queue.SimpleQueue[Event] = field(default_factory=queue.SimpleQueue)
-    arrival: float = field(default_factory=time.perf_counter)
-    index: int = 0
-    cancelled: bool = False
-    last_token_at: float = 0.0
-    released: bool = False
-
-
-@dataclass(eq=False)
-class _Row:
-    """A running request; its cache is the batch's row of the same index."""
-
-    request: Request
-    next_token: int  # sampled, not yet fed
-    drafter: Drafter | None = None  # with speculative decoding
-    history: list[int] = field(default_factory=list)  # prompt and generated ids, for the drafter
-
-
-@dataclass(eq=False)
-class _Prefill:
-    request: Request
-    chunks: Iterator[tuple[int, np.ndarray, Cache]]  # `prefill` over the prompt
-    cache: Cache  # the prompt's cache after the chunks run so far
 
 
 def poll_events(events: queue.SimpleQueue[Event], gone: Callable[[], bool], interval: float) -> Iterator[Event]:
@@ -166,8 +95,8 @@ def choice_requests(engine: Engine, parsed: ParsedRequest, arrival: float) -> li
     return requests
 
 
-class BatchScheduler:
-    """The engine thread and its bounded queue; `submit` and `cancel` are thread-safe."""
+class BatchScheduler(EngineCore):
+    """The engine core on its engine thread, behind a bounded queue; `submit` and `cancel` are thread-safe."""
 
     def __init__(
         self,
@@ -183,37 +112,23 @@ class BatchScheduler:
         speculation: Speculation | None = None,
         speculative_rows: int = 1,
     ) -> None:
-        self.session = session
-        self.io = session.io
-        reason = None if prefix_cache is None else unsupported(self.io)
+        reason = None if prefix_cache is None else unsupported(session.io)
         if reason is not None:
             raise KvforgeError(f"this artifact cannot have a prefix cache: {reason}; run without one")
-        self.prefix_cache = prefix_cache
-        if speculation is not None:
-            require_all_logits(self.io)
-            if bounded_names(self.io):
-                raise KvforgeError(
-                    "speculative decoding in the server's continuous batch (--speculative) is not available for "
-                    "layers whose cache is bounded by a sliding window (io.layer_windows in the manifest): a draft "
-                    "rejected in one row would leave a gap inside the window; serve without --speculative, or use "
-                    "`kvforge generate --speculative`"
-                )
-        self.speculation = speculation
-        self.speculative_rows = speculative_rows  # verify steps run while the batch holds at most this many rows
-        self.max_positions = max_positions
-        self.eos_ids = frozenset(int(i) for i in eos_ids)
-        self.max_num_seqs = max_num_seqs
+        super().__init__(
+            session,
+            max_positions=max_positions,
+            eos_ids=eos_ids,
+            max_num_seqs=max_num_seqs,
+            prefill_chunk=prefill_chunk,
+            metrics=metrics,
+            prefix_cache=prefix_cache,
+            speculation=speculation,
+            speculative_rows=speculative_rows,
+        )
         self.max_queued = max_queued
-        self.prefill_chunk = prefill_chunk
-        self.metrics = metrics
         self.failure: str | None = None
-        self._cond = threading.Condition()
-        self._waiting: collections.deque[Request] = collections.deque()
-        self._in_system = 0  # accepted and not yet released
         self._stopping = False
-        self._rows: list[_Row] = []
-        self._batch = BatchCache(self.io, max_rows=max_num_seqs, max_positions=max_positions, device=device_of(session))
-        self._prefill: _Prefill | None = None
         self._thread = threading.Thread(target=self._run, name="kvforge-engine", daemon=True)
 
     # -- called from request threads ---------------------------------------------------
@@ -240,12 +155,7 @@ class BatchScheduler:
                     f"server at capacity: {self.max_num_seqs} requests running (--max-num-seqs) and "
                     f"{self.max_queued} waiting (--max-queued); retry later"
                 )
-            self._in_system += len(requests)
-            for request in requests:
-                request.eos_ids = request.eos_ids or tuple(sorted(self.eos_ids))
-            self._waiting.extend(requests)
-            self.metrics.waiting.set(len(self._waiting))
-            self._cond.notify_all()
+            self.add(*requests)
 
     def cancel(self, request: Request) -> None:
         """Abort a request: a waiting one leaves the queue now, a running one at the next step."""
@@ -299,292 +209,9 @@ class BatchScheduler:
                         self._cond.wait()
                     if self._stopping:
                         return
-                self._step()
+                self.step()
         except Exception as error:  # the session itself failed: no request can go on
             logger.exception("engine step failed")
             with self._cond:
                 self.failure = f"{type(error).__name__}: {error}"
             self._fail_all(f"the engine failed ({self.failure}); the server must be restarted")
-
-    def _step(self) -> None:
-        self._drop_cancelled()
-        if self._rows:
-            self._decode()
-        if self._prefill is None and len(self._rows) < self.max_num_seqs:
-            self._admit()
-        if self._prefill is not None:
-            self._prefill_step()
-        self._update_gauges()
-
-    def _admit(self) -> None:
-        with self._cond:
-            if not self._waiting:
-                return
-            request = self._waiting.popleft()
-            self.metrics.waiting.set(len(self._waiting))
-        self.metrics.queue_time.observe(time.perf_counter() - request.arrival)
-        cache, start = self._sequence_cache(request)
-        ids = np.asarray([request.ids], dtype=np.int64)
-        mask = np.ones_like(ids)
-        chunks = prefill(self.session, ids, mask, cache, chunk=self.prefill_chunk, start=start)
-        self._prefill = _Prefill(request, chunks, cache)
-
-    def _drop_cancelled(self) -> None:
-        for index in reversed(range(len(self._rows))):
-            request = self._rows[index].request
-            if request.cancelled:
-                self._remove_row(index)
-                self._abort(request)
-        if self._prefill is not None and self._prefill.request.cancelled:
-            self._abort(self._prefill.request)
-            self._prefill = None
-
-    # -- decode -------------------------------------------------------------------------
-
-    def _decode(self) -> None:
-        batch = self._batch
-        drafts = self._propose()
-        batch.make_room(1 + max(map(len, drafts), default=0))
-        rows, width = self._rows, batch.width
-        drafts = [d[: batch.room] for d in drafts]  # columns a verify step may write after the pending token
-        n = len(rows)
-        if n == 1 and drafts and drafts[0]:
-            self._decode_alone(drafts[0])
-            return
-        ids = np.array([[row.next_token] for row in rows], dtype=np.int64)
-        logits = self._forward(ids, batch.open(None, width, width + 1), None, width)
-        tokens, entries = self._sample_rows(logits[:, -1, :], [row.request for row in rows])
-        growth, ended = [1] * n, [False] * n
-        for index, row in enumerate(rows):
-            token = int(tokens[index])
-            ended[index] = token < 0 or self._deliver(row.request, token, entries[index])
-            if self.speculation is None:
-                row.next_token = token
-                continue
-            row.history.append(token)
-            first = drafts[index][:1] if drafts else []
-            if first:
-                self.metrics.spec_decode_num_drafts.inc()
-                self.metrics.spec_decode_num_draft_tokens.inc(len(drafts[index]))
-                self.metrics.spec_decode_num_accepted_tokens.inc(int(token == first[0]))
-            if not ended[index] and first and token == first[0]:
-                token, growth[index], ended[index] = self._verify(index, drafts[index], width + 1)
-            row.next_token = token
-        # a row that kept fewer positions than the one that kept most leaves the rest out (holes)
-        batch.advance(growth, max((g for g, e in zip(growth, ended) if not e), default=1))
-        for index in reversed(range(n)):
-            if ended[index]:
-                self._remove_row(index)
-
-    def _propose(self) -> list[list[int]]:
-        """Each row's drafts for this step (none without speculation): at most K, and no more than
-        the tokens its budget still allows after the pending one."""
-        if self.speculation is None or len(self._rows) > self.speculative_rows:
-            return []
-        k = self.speculation.draft_tokens
-        drafts = []
-        for row in self._rows:
-            left = min(k, row.request.budget - row.request.generated - 1)
-            drafts.append(row.drafter.propose(row.history, left) if row.drafter is not None and left > 0 else [])
-        return drafts
-
-    def _verify(self, index: int, drafts: list[int], start: int) -> tuple[int, int, bool]:
-        """Row `index` chose its first draft: feed its drafts at columns [start, start + k) in a call
-        of its own, and choose each next token from them while they equal the drafts. Returns the
-        pending token, the positions the row keeps of this step, and whether the request ended."""
-        end = start + len(drafts)
-        ids = np.asarray([drafts], dtype=np.int64)
-        logits = self._forward(ids, self._batch.open(index, start, end), index, start, every_position=True)
-        token, accepted, ended = self._choose_along(index, logits, drafts[1:])
-        accepted += 1  # the first draft, chosen by the batch step
-        self._batch.close(index, start + accepted, end)  # the rejected drafts' columns
-        return token, 1 + accepted, ended
-
-    def _decode_alone(self, drafts: list[int]) -> None:
-        """A batch of one row: its pending token and drafts in one call (batch 1 takes several
-        tokens), as `Engine`'s speculative decoding does."""
-        row, width = self._rows[0], self._batch.width
-        self.metrics.spec_decode_num_drafts.inc()
-        self.metrics.spec_decode_num_draft_tokens.inc(len(drafts))
-        end = width + 1 + len(drafts)
-        ids = np.asarray([[row.next_token, *drafts]], dtype=np.int64)
-        logits = self._forward(ids, self._batch.open(None, width, end), None, width, every_position=True)
-        token, accepted, ended = self._choose_along(0, logits, drafts)
-        self._batch.close(0, width + 1 + accepted, end)
-        row.next_token = token
-        self._batch.advance([1 + accepted], 1 + accepted)
-        if ended:
-            self._remove_row(0)
-
-    def _choose_along(self, index: int, logits: np.ndarray, drafts: list[int]) -> tuple[int, int, bool]:
-        """Row `index`'s tokens from each position of `logits` [1, positions, vocab] in turn, while
-        they equal `drafts` (the tokens fed after each position). Returns the last token (pending),
-        the drafts accepted, and whether the request ended."""
-        row = self._rows[index]
-        accepted, ended, token = 0, False, -1
-        entry: list[TokenLogprob | None] = [None]
-
-        def choose(j: int) -> int:
-            tokens, entries = self._sample_rows(logits[:, j, :], [row.request])
-            entry[0] = entries[0]
-            return int(tokens[0])
-
-        for token, matched in accept_drafts(drafts, choose):
-            matched = matched and token >= 0
-            accepted += matched
-            self.metrics.spec_decode_num_accepted_tokens.inc(int(matched))
-            ended = token < 0 or self._deliver(row.request, token, entry[0])
-            row.history.append(token)
-            if ended or not matched:
-                break
-        return token, accepted, ended
-
-    def _sample_rows(
-        self, last: np.ndarray, requests: list[Request]
-    ) -> tuple[np.ndarray, tuple[TokenLogprob | None, ...]]:
-        """One token per row, each from its own decoder, with its logprob entry when asked for; -1
-        where the row failed (and was told)."""
-        ok = np.ones(len(requests), dtype=bool)
-        for _, rows in invalid_rows(last):
-            ok &= ~rows
-        for index in np.flatnonzero(~ok):
-            self._fail(requests[index], "the model produced invalid logits (NaN or inf) for this request")
-
-        def failed(row: int, error: Exception) -> None:
-            self._fail(requests[row], f"sampling failed: {error}")
-
-        return choose_tokens([r.chooser for r in requests], last, ok, -1, failed)
-
-    def _deliver(self, request: Request, token: int, logprob: TokenLogprob | None = None) -> bool:
-        """Hand one sampled token to its request; True when the request has finished."""
-        now = time.perf_counter()
-        self.metrics.generation_tokens.inc()
-        if request.generated == 0:
-            self.metrics.time_to_first_token.observe(now - request.arrival)
-        else:
-            self.metrics.inter_token_latency.observe(now - request.last_token_at)
-        request.last_token_at = now
-        try:
-            text = request.add(token, logprob)
-        except Exception as error:  # one request's detokenizer must not stop the others
-            self._fail(request, f"detokenizing failed: {error}")
-            return True
-        if text:
-            request.events.put(Delta(text, request.new_logprobs(), request.index))
-        return request.finish_reason is not None and self._finish(request, request.finish_reason)
-
-    # -- prefill ------------------------------------------------------------------------
-
-    def _prefill_step(self) -> None:
-        assert self._prefill is not None
-        state = self._prefill
-        request = state.request
-        try:
-            done, logits, state.cache = next(state.chunks)
-        except Exception as error:  # a prefill is one request's: only that request fails
-            logger.exception("prefill failed")
-            self._prefill = None
-            self._fail(request, f"prefill failed: {type(error).__name__}: {error}")
-            return
-        if done < len(request.ids):
-            return
-        self._prefill = None
-        self.metrics.prompt_tokens.inc(len(request.ids))
-        if self.prefix_cache is not None:
-            self.prefix_cache.store(request.ids, state.cache)
-        tokens, entries = self._sample_rows(logits[:, -1, :], [request])
-        token = int(tokens[0])
-        if token >= 0 and not self._deliver(request, token, entries[0]):
-            self._join(request, state.cache, token)
-
-    def _sequence_cache(self, request: Request) -> tuple[Cache, int]:
-        """A fresh batch-1 cache for `request`'s prefill, with the longest cached prefix of its
-        prompt restored: the cache and the positions it already holds (`BatchCache.sequence`)."""
-        prefix = self.prefix_cache
-        return self._batch.sequence(None if prefix is None else lambda buffers: prefix.restore(request.ids, buffers))
-
-    def _join(self, request: Request, cache: Cache, token: int) -> None:
-        """A prefilled request joins the batch: its cache as the batch's next row."""
-        length = len(request.ids)
-        self._batch.join(cache, length)
-        row = _Row(request, token)
-        if self.speculation is not None:
-            row.history = [*request.ids, token]
-            try:
-                row.drafter = self.speculation.drafter(length + request.budget)
-            except KvforgeError as error:  # a draft model with a shorter context: this row does not speculate
-                logger.info("request without speculation: %s", error)
-        self._rows.append(row)
-
-    def _forward(
-        self, ids: np.ndarray, mask: np.ndarray, row: int | None, width: int, every_position: bool = False
-    ) -> np.ndarray:
-        """Run the model over the batch (or its row `row`) whose cache fills `width` columns; the
-        new positions land in columns [width, width + seq). Returns the logits: the last position's,
-        or with `every_position` (a verify step) each new position's."""
-        logits, present = forward(self.session, ids, mask, self._batch.feeds(row, width), every_position=every_position)
-        self._batch.store(present, row, width, ids.shape[1])
-        return logits
-
-    def _remove_row(self, index: int) -> None:
-        self._batch.remove(index)
-        last = self._rows.pop()
-        if index < len(self._rows):
-            self._rows[index] = last
-
-    # -- request endings ----------------------------------------------------------------
-
-    def _finish(self, request: Request, reason: str) -> bool:
-        try:
-            tail = request.finish()
-        except Exception as error:
-            self._fail(request, f"detokenizing failed: {error}")
-            return True
-        entries = request.new_logprobs()
-        if tail or entries:
-            request.events.put(Delta(tail, entries, request.index))
-        request.events.put(
-            Finished(reason, len(request.ids), request.generated, request.index, incomplete=request.cut_short)
-        )
-        self.metrics.request_success.inc(value=reason)
-        self.metrics.e2e_latency.observe(time.perf_counter() - request.arrival)
-        self._release_locked(request)
-        return True
-
-    def _fail(self, request: Request, message: str) -> None:
-        request.events.put(Failed(message, request.index))
-        self.metrics.request_failed.inc()
-        self._release_locked(request)
-
-    def _abort(self, request: Request) -> None:
-        self.metrics.request_aborted.inc()
-        self._release_locked(request)
-
-    def _release_locked(self, request: Request) -> None:
-        with self._cond:
-            self._release(request)
-
-    def _release(self, request: Request) -> None:
-        if not request.released:
-            request.released = True
-            self._in_system -= 1
-            self._cond.notify_all()
-
-    def _fail_all(self, message: str) -> None:
-        with self._cond:
-            pending = [*self._waiting, *(row.request for row in self._rows)]
-            if self._prefill is not None:
-                pending.append(self._prefill.request)
-            self._waiting.clear()
-        self._rows, self._prefill = [], None
-        self._batch.clear()
-        for request in pending:
-            if not request.released:
-                self._fail(request, message)
-        self._update_gauges()
-
-    def _update_gauges(self) -> None:
-        self.metrics.running.set(len(self._rows) + (self._prefill is not None))
-        self.metrics.waiting.set(len(self._waiting))
-        cached = sum(self._batch.lengths)
-        self.metrics.kv_usage.set(cached / (self.max_num_seqs * self.max_positions))

@@ -87,6 +87,18 @@ def test_batch_generation_matches_single_prompts(engine: Engine) -> None:
     ]
 
 
+def test_a_batch_is_prefilled_row_by_row_then_decoded_together(engine: Engine) -> None:
+    """A batch runs through the engine core: each prompt prefilled alone, then one call per new token
+    for every row at once (the decode steps a left-padded batch takes), not a decode per prefill."""
+    calls = []
+    run = engine.session.run
+    engine.session.run = lambda feeds: calls.append(feeds["input_ids"].shape) or run(feeds)  # type: ignore[method-assign]
+    prompts = [engine.encode(p) for p in ("import os", PROMPT, "x")]
+    rows = engine.generate_tokens(prompts, max_new_tokens=5, temperature=0.0)
+    assert [len(row) for row in rows] == [5, 5, 5]
+    assert calls == [(1, len(p)) for p in prompts] + [(3, 1)] * 4
+
+
 def test_prompt_beyond_context_is_refused_before_any_work(engine: Engine) -> None:
     calls = []
     run = engine.session.run

@@ -338,3 +338,39 @@ def test_parse_speculative_defaults() -> None:
     assert parse_speculative(None, None) == (None, 8)
     assert parse_speculative("prompt-lookup", 3) == ("prompt-lookup", 3)
     assert parse_speculative("draft:/x", None) == ("draft:/x", 8)
+
+
+def test_a_server_batch_of_one_speculates_over_window_bounded_layers(engine: Engine) -> None:
+    """gemma2's sliding layers in the server's core at --max-num-seqs 1: each verify step takes its
+    rejected drafts back out of the window too, and the texts equal plain decoding's."""
+    from kvforge.runners.cache import bounded_names
+    from kvforge.runners.serve.metrics import Metrics
+    from kvforge.runners.serve.scheduler import BatchScheduler, Delta, Request
+    from kvforge.runners.speculative import SpeculationStats
+
+    if not bounded_names(engine.session.io):
+        pytest.skip("no window-bounded layers in this case")
+    speculation = engine.speculation("prompt-lookup", 4)
+    scheduler = BatchScheduler.for_engine(
+        engine, metrics=Metrics(), max_num_seqs=1, max_queued=8, prefill_chunk=8, speculation=speculation
+    )
+    scheduler.start()
+    drafted = accepted = 0
+    try:
+        for prompt in [p * 2 for p in PROMPTS]:
+            expected = engine.generate(prompt, max_new_tokens=30, temperature=0.0)
+            ids, params = engine.encode(prompt), engine.sampling(temperature=0.0)
+            detokenizer = engine.tokenizer.detokenizer((), context_ids=ids)
+            request = Request(ids, params, 30, detokenizer, speculation=SpeculationStats())
+            scheduler.submit(request)
+            assert scheduler.wait_released(request, 120)
+            events = []
+            while not request.events.empty():
+                events.append(request.events.get_nowait())
+            assert "".join(e.text for e in events if isinstance(e, Delta)) == expected, prompt
+            assert request.speculation is not None
+            drafted += request.speculation.drafted_tokens
+            accepted += request.speculation.accepted_tokens
+    finally:
+        scheduler.stop()
+    assert 0 < accepted < drafted  # drafts were accepted, and some were taken back

@@ -207,12 +207,12 @@ def test_a_decode_step_moves_ids_positions_mask_and_logits_only(
         for _ in range(64):  # every row prefilled and joined (each has 32 tokens to go, enough)
             if not (scheduler._waiting or scheduler._prefill is not None):
                 break
-            scheduler._step()
+            scheduler.step()
         steps = []
         for _ in range(2):
             width = scheduler._batch.width
             crossings.bytes, crossings.addresses = 0, {}
-            scheduler._step()
+            scheduler.step()
             steps.append((width, crossings.bytes, dict(crossings.addresses)))
     assert len(scheduler._rows) == rows
     for width, moved, _ in steps:
