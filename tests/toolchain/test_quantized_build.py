@@ -63,6 +63,7 @@ def float_tables(model_path: Path, shape: list[int]) -> list[str]:
     "target, model_type, weights, op",
     [
         ("ort-cpu", "llama", WeightQuantization(4), "com.microsoft::MatMulNBits"),
+        ("ort-cpu", "llama", WeightQuantization(4, mix="none"), "com.microsoft::MatMulNBits"),
         ("ort-cpu", "qwen2", WeightQuantization(4), "com.microsoft::MatMulNBits"),  # tied
         ("onnx", "llama", WeightQuantization(4), "DequantizeLinear"),
         ("onnx", "qwen2", WeightQuantization(8, block_size=64, symmetric=False), "DequantizeLinear"),  # tied
@@ -103,8 +104,10 @@ def test_quantized_build_passes_the_distribution_gate_and_generates(
     weights_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
     assert (tmp_path / "out" / "model.onnx.data").stat().st_size < 0.7 * weights_bytes
     # `kvforge inspect`'s figure for this precision is the artifact's parameter bytes, exactly (on
-    # `onnx` at int4, plus the half byte per value of the table's 8-bit codes)
-    if target != "tensorrt" and weights.symmetric and weights.block_size == QUANT_BLOCK:
+    # `onnx` at int4, plus the half byte per value of the table's 8-bit codes), for every weight at
+    # int4 (`--mix none`: inspect does not count a mix's 8-bit weights)
+    plain = weights.mixed == "none"
+    if target != "tensorrt" and weights.symmetric and weights.block_size == QUANT_BLOCK and plain:
         ckpt = checkpoints.load(checkpoint)
         expected = footprint(ckpt, DecoderSpec.from_config(ckpt.config), batch=1, seq=1).weight_bytes_at[weights.name]
         if target == "onnx" and weights.bits == 4:
@@ -245,7 +248,21 @@ def test_a_free_min_build_keeps_weights_on_a_free_min_grid_and_is_refused_where_
     for flags in ([], ["--free-min"]):
         out = tmp_path / f"out{len(flags)}"
         result = CliRunner().invoke(
-            main, ["build", str(checkpoint), "-o", str(out), "--weights", "int4", "-q", "--decode-steps", "2", *flags]
+            main,
+            [
+                "build",
+                str(checkpoint),
+                "-o",
+                str(out),
+                "--weights",
+                "int4",
+                "--mix",
+                "none",
+                "-q",
+                "--decode-steps",
+                "2",
+            ]
+            + flags,
         )
         assert result.exit_code == 0, result.output
         manifest = json.loads((out / "manifest.json").read_text())
