@@ -4,8 +4,9 @@
 
     python benchmarks/quantize_recipes.py CHECKPOINT RECIPE ... --text FILE [--text FILE ...]
 
-A recipe is the build's flags, e.g. "int4", "int4 --asymmetric --block-size 128",
-"int4 --keep embeddings --keep lm_head", "int4 --int8 lm_head", or "fp32" (no quantization). The checkpoint is
+A recipe is the build's flags, e.g. "int4", "int4 --mix none", "int4 --asymmetric --block-size 128",
+"int4 --keep embeddings --keep lm_head", "int4 --int8 lm_head", "int4 --free-min", or "fp32" (no
+quantization). The checkpoint is
 lowered once; each recipe runs the target's passes on a copy of that graph and the same
 check a build runs (`check_distribution` on the gate texts). With --text, each recipe's
 perplexity over those files is measured too, on the windows `benchmarks/perplexity.py`
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.perplexity import session_perplexity, windows  # noqa: E402
 from benchmarks.window_scores import WindowScores  # noqa: E402
 from kvforge.passes import pipeline  # noqa: E402
-from kvforge.passes.quantize import WeightQuantization  # noqa: E402
+from kvforge.passes.quantize import MIXES, WeightQuantization  # noqa: E402
 from kvforge.passes.targets import TARGETS  # noqa: E402
 from kvforge.runners.contract import DecoderIO  # noqa: E402
 from kvforge.runners.session import OrtSession  # noqa: E402
@@ -53,9 +54,13 @@ def recipe(text: str) -> WeightQuantization | None:
     parser.add_argument("--asymmetric", action="store_true")
     parser.add_argument("--keep", action="append", default=[])
     parser.add_argument("--int8", action="append", default=[])
+    parser.add_argument("--free-min", action="store_true")
+    parser.add_argument("--mix", choices=MIXES, default=None)
     args = parser.parse_args(shlex.split(text))
     bits, symmetric = int(args.weights[3:]), not args.asymmetric
-    return WeightQuantization(bits, args.block_size, symmetric, tuple(args.keep), int8=tuple(args.int8))
+    return WeightQuantization(
+        bits, args.block_size, symmetric, tuple(args.keep), int8=tuple(args.int8), free_min=args.free_min, mix=args.mix
+    )
 
 
 def main() -> None:

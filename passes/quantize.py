@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple, dataclass, replace
 
@@ -63,6 +64,55 @@ FLOAT_TERM = "kvforge.float_term"  # Value.meta key of the initializers a later 
 # Value.meta key of an imported weight's codes (MatMulNBits' B): the checkpoint's record they hold,
 # which a lookup of the same record reads too (a tied table: `kvforge.passes.quantize_embedding`)
 IMPORTED_RECORD = "kvforge.imported_record"
+
+
+# Mixes of a 4-bit build (`WeightQuantization.mix`): which weights stay at 8 bits, by name and
+# layer (`mixed_to_8_bits`). In the layers llama.cpp's Q4_K_M gives more bits (`more_bits`):
+# `attention` (the default) the attention's input projections, which cost 4 bits the most on the
+# 125M reference at the fewest bytes; `q4_k_m` also the down projection and the LM head, Q4_K_M's
+# own choice (with q and k, which the value projection is packed with), larger than Q4_K_M's file
+# at 8 bits; `none` every weight at 4 bits. docs/performance.md has the figures.
+MIXES = ("attention", "q4_k_m", "none")
+# Graph weight names (packed projections are named after the pack) of the attention's input
+# projections (the value projection is packed with the query and key: its MatMul is theirs) and
+# of the feed-forward down projection, as the families name them
+_ATTENTION_INPUT = ("*q_proj*", "*k_proj*", "*v_proj*", "*qkv_proj*", "*query_key_value*", "*c_attn*")
+_FEED_FORWARD_DOWN = ("*down_proj*", "*dense_4h_to_h*", "*fc2*", "*mlp.c_proj*")
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+
+
+def more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's `use_more_bits` (src/llama-quant.cpp): the first and the last eighth of the
+    layers and every third layer between them, where Q4_K_M keeps the value and down
+    projections at 6 bits."""
+    eighth = layers // 8
+    return layer < eighth or layer >= 7 * layers // 8 or (layer - eighth) % 3 == 2
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a weight's name places it in (`model.layers.3.mlp...`: 3), or None."""
+    found = _LAYER_INDEX.search(name)
+    return int(found.group(1)) if found else None
+
+
+def layer_count(names: Iterable[str]) -> int:
+    """The layers that weights of these names span (the highest index, plus one)."""
+    return 1 + max((i for i in map(layer_index, names) if i is not None), default=-1)
+
+
+def mixed_to_8_bits(mix: str, name: str, layers: int) -> bool:
+    """Whether `mix` keeps the weight `name` of a model of `layers` layers at 8 bits (the LM head
+    aside: `q4_k_m` keeps it at 8 bits too, `mixed_head`)."""
+    layer = layer_index(name)
+    if mix == "none" or layer is None or not more_bits(layer, layers):
+        return False
+    patterns = _ATTENTION_INPUT + (_FEED_FORWARD_DOWN if mix == "q4_k_m" else ())
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def mixed_head(mix: str) -> bool:
+    """Whether `mix` keeps the LM head at 8 bits."""
+    return mix == "q4_k_m"
 
 
 @dataclass(frozen=True, order=True)
@@ -183,12 +233,8 @@ def quantize_blockwise(
         if symmetric:
             scale, chunk = _symmetric(blocks, bits, weight.dtype)
         else:
-            top = 2**bits - 1
-            low, high = np.minimum(blocks.min(axis=-1), 0.0), np.maximum(blocks.max(axis=-1), 0.0)
-            scale = _stored((high - low) / top, weight.dtype)
-            zero = np.clip(np.rint(-low / scale), 0, top)
+            scale, zero, chunk = _asymmetric(blocks, bits, weight.dtype)
             zero_points[rows] = zero  # type: ignore[index]
-            chunk = np.clip(np.rint(blocks / scale[..., None]) + zero[..., None], 0, top)
         codes[rows] = chunk.reshape(-1, k + pad)[:, :k]
         scales[rows] = scale
 
@@ -359,6 +405,52 @@ def _symmetric(blocks: np.ndarray, bits: int, dtype: np.dtype) -> tuple[np.ndarr
     return best_scale, np.clip(np.rint(blocks / best_scale[..., None]), -qmax - 1, qmax)
 
 
+# Spans tried per block by the asymmetric search, as fractions of the codes' range: the step
+# (max - min) / (range * fraction), a fraction below 1 clipping the block's extremes a little
+ASYMMETRIC_SPANS = {4: (1.0, 14 / 15, 13 / 15, 12 / 15, 11 / 15, 10 / 15, 9 / 15, 8 / 15), 8: (1.0,)}
+ASYMMETRIC_REFITS = {4: 2, 8: 0}  # least-squares refits of the best step to the codes it rounds to
+
+
+def _asymmetric(blocks: np.ndarray, bits: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(scale, zero point, codes 0 .. 2^bits - 1) per block of `blocks` [..., block], weight =
+    scale * (code - zero point). Of the steps (max - min) / span (ASYMMETRIC_SPANS), the zero point
+    the block's minimum rounds to, the one with the least squared error weighted by `_importance`;
+    then the step is refitted by least squares to the codes it gives (ASYMMETRIC_REFITS), kept
+    where that lowers the error. The zero point is a code, so 0 is always exact."""
+    top = 2**bits - 1
+    low, high = blocks.min(axis=-1), blocks.max(axis=-1)
+    importance = _importance(blocks)
+    best_error = np.full(low.shape, np.inf, np.float32)
+    best_scale, best_zero = np.ones_like(low), np.zeros_like(low)
+
+    def codes_of(scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
+        return np.clip(np.rint(blocks / scale[..., None]) + zero[..., None], 0, top)
+
+    def consider(scale: np.ndarray) -> None:
+        nonlocal best_error, best_scale, best_zero
+        scale = _stored(scale, dtype)
+        zero = np.clip(np.rint(-low / scale), 0, top)
+        error = (np.square((codes_of(scale, zero) - zero[..., None]) * scale[..., None] - blocks) * importance).sum(-1)
+        better = error < best_error
+        best_error = np.where(better, error, best_error)
+        best_scale, best_zero = np.where(better, scale, best_scale), np.where(better, zero, best_zero)
+
+    for fraction in ASYMMETRIC_SPANS[bits]:
+        consider((high - low) / (top * fraction))
+    for _ in range(ASYMMETRIC_REFITS[bits]):
+        q = codes_of(best_scale, best_zero) - best_zero[..., None]
+        fitted, norm = (importance * q * blocks).sum(-1), (importance * q * q).sum(-1)
+        consider(np.where(norm > 0, fitted / np.where(norm > 0, norm, 1.0), best_scale))
+    return best_scale, best_zero, codes_of(best_scale, best_zero)
+
+
+def _importance(blocks: np.ndarray) -> np.ndarray:
+    """How much each weight's squared error counts in the asymmetric search: the block's root mean
+    square plus the weight's magnitude (llama.cpp's weighting for its k-quants without an
+    importance matrix), between plain squared error and the symmetric search's w²."""
+    return np.sqrt(np.square(blocks).mean(axis=-1, keepdims=True)) + np.abs(blocks)
+
+
 def _stored(scale: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """The scale as it will be stored (the weight's dtype), so the codes are rounded against
     the very scale that dequantizes them; an all-zero block, for which any scale is exact,
@@ -434,17 +526,23 @@ class QuantizeWeights(InPlacePass):
         int8_form: str | None = None,
         scales: Mapping[str, np.ndarray] | None = None,
         free_min: bool = False,
+        mix: str = "none",
     ) -> None:
         super().__init__()
-        if bits not in BITS or block_size not in BLOCK_SIZES or form not in FORMS:
-            raise ValueError(f"unsupported quantization: bits={bits}, block_size={block_size}, form={form!r}")
-        if int8 and (bits != 4 or int8_form not in FORMS):
+        if bits not in BITS or block_size not in BLOCK_SIZES or form not in FORMS or mix not in MIXES:
+            raise ValueError(
+                f"unsupported quantization: bits={bits}, block_size={block_size}, form={form!r}, mix={mix!r}"
+            )
+        mixed = mix != "none"
+        if (int8 or mixed) and (bits != 4 or int8_form not in FORMS):
             raise ValueError(f"8-bit weights within a {bits}-bit quantization need bits=4 and an int8_form")
+        self.mix = mix
         if free_min and (bits != 4 or not symmetric or form == "dequantize_linear_channel"):
             raise ValueError("a free minimum per block is a 4-bit block-wise form, without zero points")
         self.free_min = free_min
         self.int8 = ",".join(int8)
-        self._int8 = int8
+        # a mix that keeps the LM head at 8 bits does as an `--int8 lm_head` would
+        self._int8 = int8 + ((LM_HEAD,) if mixed_head(mix) and LM_HEAD not in int8 else ())
         self._int8_form = int8_form or form
         self.bits = bits
         self.block_size = block_size
@@ -481,6 +579,7 @@ class QuantizeWeights(InPlacePass):
         # 8 bits is a property of the weight, whichever MatMul reads it: the LM head's by name
         found_head = _constant_weight(head) if head is not None and LM_HEAD in self._int8 else None
         wide_head = found_head[0].name if found_head is not None else None
+        layers = layer_count(graph.initializers)
         # a weight read by several MatMuls the same way is quantized once; read both directly and
         # through Transpose, it is two different [N, K] matrices
         quantized: dict[tuple[str, bool], tuple[ir.Value, ...]] = {}
@@ -492,7 +591,11 @@ class QuantizeWeights(InPlacePass):
                 self.counts["kept" if reason.startswith("kept") else "skipped"] += 1
                 continue
             key = (name, transpose is not None)
-            wide = name == wide_head or any(fnmatch.fnmatchcase(name, pattern) for pattern in self._int8)
+            wide = (
+                name == wide_head
+                or any(fnmatch.fnmatchcase(name, pattern) for pattern in self._int8)
+                or mixed_to_8_bits(self.mix, name, layers)
+            )
             bits, form = (8, self._int8_form) if wide else (self.bits, self.form)
             if key not in quantized:
                 quantized[key] = self._quantized_inputs(graph, weight, key[1], bits, form)
@@ -703,8 +806,17 @@ class WeightQuantization:
     int8: tuple[str, ...] = ()
     # 4-bit blocks with a float step and minimum (`quantize_free_min`), the min added by `MinTerms`
     free_min: bool = False
+    # which weights of a 4-bit build are kept at 8 bits besides `int8` (MIXES); None: the
+    # default, `attention` at 4 bits
+    mix: str | None = None
 
     def __post_init__(self) -> None:
+        if self.mix is not None and self.mix not in MIXES:
+            raise ValueError(f"unknown mix {self.mix!r}: one of {', '.join(MIXES)}")
+        if self.mix not in (None, "none") and self.bits != 4:
+            raise ValueError(
+                f"--mix {self.mix} picks weights to keep at int8 in an int4 build; this build is int{self.bits}"
+            )
         if self.int8 and self.bits != 4:
             raise ValueError(f"--int8 picks weights to keep at 8 bits in an int4 build; this build is int{self.bits}")
         if self.free_min and (self.bits != 4 or not self.symmetric):
@@ -716,6 +828,13 @@ class WeightQuantization:
     @property
     def name(self) -> str:
         return f"int{self.bits}"
+
+    @property
+    def mixed(self) -> str:
+        """The mix this recipe applies (`none` at 8 bits)."""
+        if self.mix is not None:
+            return self.mix
+        return "attention" if self.bits == 4 else "none"
 
     def to_dict(self) -> dict[str, object]:
         recipe: dict[str, object] = {
@@ -729,6 +848,8 @@ class WeightQuantization:
             recipe["int8"] = list(self.int8)
         if self.free_min:
             recipe["free_min"] = True
+        if self.mixed != "none":  # absent for a plain recipe, which keeps its earlier bytes
+            recipe["mix"] = self.mixed
         return recipe
 
     @property
@@ -752,9 +873,10 @@ class WeightQuantization:
             self.accuracy_level,
             choose,
             self.int8,
-            int8_form if self.int8 else None,
+            int8_form if self.int8 or self.mixed != "none" else None,
             scales,
             self.free_min,
+            self.mixed,
         )
 
 

@@ -386,8 +386,9 @@ _REFUSED = "the stamped graph failed the parity gate"
 
 # What a GGUF file holding quantized matrices builds as when no `weights` are asked for: its
 # codes as they are, at MatMulNBits' accuracy level 4 (int8 activations, the fast path), and
-# any matrix the file keeps in float at symmetric int4; judged by the distribution gate.
-IMPORTED_DEFAULT = WeightQuantization(4)
+# any matrix the file keeps in float at symmetric int4 (no mix: the file chose each tensor's
+# bits); judged by the distribution gate.
+IMPORTED_DEFAULT = WeightQuantization(4, mix="none")
 
 
 def _gguf_default(options: BuildOptions, ckpt: checkpoints.Checkpoint) -> BuildOptions:

@@ -34,7 +34,15 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from kvforge.passes.quantize import LM_HEAD, WeightQuantization, quantize_free_min, symmetric_scales
+from kvforge.passes.quantize import (
+    LM_HEAD,
+    WeightQuantization,
+    layer_count,
+    mixed_head,
+    mixed_to_8_bits,
+    quantize_free_min,
+    symmetric_scales,
+)
 from kvforge.runners.errors import ArtifactError
 from kvforge.runners.tokenizer import TokenizerBundle
 
@@ -176,6 +184,7 @@ def _candidates(model: torch.nn.Module, weights: WeightQuantization) -> dict[int
     head = head_of() if callable(head_of) else None
     table = table_of() if callable(table_of) else None
     table_weight = getattr(table, "weight", None)
+    layers = layer_count(name for name, _ in model.named_modules())
     found = {}
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or module.weight.dtype not in (
@@ -187,8 +196,10 @@ def _candidates(model: torch.nn.Module, weights: WeightQuantization) -> dict[int
         weight_name = f"{name}.weight"
         if module.weight is table_weight:  # a tied head: its codes would move the table too
             continue
-        named = [*weights.keep, *weights.int8]
+        named = [*weights.keep, *weights.int8, *((LM_HEAD,) if mixed_head(weights.mixed) else ())]
         if any(fnmatch.fnmatchcase(weight_name, p) for p in named) or (module is head and LM_HEAD in named):
+            continue
+        if mixed_to_8_bits(weights.mixed, weight_name, layers):  # the mix keeps it at 8 bits
             continue
         found[id(module)] = name
     return found

@@ -212,6 +212,15 @@ def _calibration(choice: str | None, quantization: Any) -> Any:
     "K-quant mixes.",
 )
 @click.option(
+    "--mix",
+    type=click.Choice(["attention", "q4_k_m", "none"]),
+    default=None,
+    help="With --weights int4: which weights stay at int8 besides --int8's, in the layers llama.cpp's Q4_K_M gives "
+    "more bits (the first and last eighth and every third layer between). attention (the default): the "
+    "attention's q/k/v projections; q4_k_m: also the down projection, and the LM head (Q4_K_M's choice, more "
+    "bytes); none: every weight at int4.",
+)
+@click.option(
     "--device-memory",
     metavar="SIZE",
     default=None,
@@ -264,6 +273,7 @@ def build(
     tune: str,
     keep: tuple[str, ...],
     int8: tuple[str, ...],
+    mix: str | None,
     device_memory: str | None,
     batch: int,
     seq: int | None,
@@ -298,7 +308,7 @@ def build(
     )
     check_output(Path(os.path.abspath(output)), force)
     check_writable(Path(os.path.abspath(output)))
-    _check_weight_flags(weights, asymmetric, int8, free_min, exact_activations)
+    _check_weight_flags(weights, asymmetric, int8, free_min, exact_activations, mix)
     _require_build_packages()  # a runtime install: one line saying what to install, before any progress
     verbose = bool(click.get_current_context().find_root().params.get("verbose"))
     # -v logs a line as each stage starts and ends: a progress display would say it all again
@@ -315,7 +325,7 @@ def build(
         quantization = None
         if weights is not None:
             quantization = WeightQuantization(
-                int(weights[3:]), int(block_size), not asymmetric, keep, int8=int8, free_min=free_min
+                int(weights[3:]), int(block_size), not asymmetric, keep, int8=int8, free_min=free_min, mix=mix
             )
         options = BuildOptions(
             force=force,
@@ -368,7 +378,12 @@ def _require_build_packages() -> None:
 
 
 def _check_weight_flags(
-    weights: str | None, asymmetric: bool, int8: tuple[str, ...], free_min: bool, exact_activations: bool
+    weights: str | None,
+    asymmetric: bool,
+    int8: tuple[str, ...],
+    free_min: bool,
+    exact_activations: bool,
+    mix: str | None = None,
 ) -> None:
     """Refuse flags that only an int4 build takes, or that contradict --weights, before the libraries load."""
     if exact_activations and weights is not None:
@@ -382,6 +397,12 @@ def _check_weight_flags(
             f"picks weights to keep at int8 in an int4 build; this build is {weights or 'unquantized'}: "
             "add --weights int4, or drop --int8",
             param_hint="--int8",
+        )
+    if mix is not None and weights != "int4":
+        raise click.BadParameter(
+            f"picks weights to keep at int8 in an int4 build; this build is {weights or 'unquantized'}: "
+            "add --weights int4, or drop --mix",
+            param_hint="--mix",
         )
     if free_min and (weights != "int4" or asymmetric):
         raise click.BadParameter(

@@ -17,6 +17,7 @@ from kvforge.passes.quantize import (
     QuantizedWeight,
     QuantizeWeights,
     WeightQuantization,
+    more_bits,
     quantize_blockwise,
     quantize_free_min,
     stack_rows,
@@ -77,8 +78,27 @@ def test_every_weight_is_within_half_a_step_of_its_code(bits: int, symmetric: bo
         weighted = [(np.square(q - blocks) * np.square(blocks)).sum(-1) for q in (ours, plain)]
         assert (weighted[0] <= weighted[1] * (1 + 1e-5) + 1e-12).all()
     else:
-        assert (error <= step / 2 * (1 + 1e-5) + 1e-7).all()
-        assert q.zero_points is not None and q.codes.max() <= 2**bits - 1 and q.zero_points.max() <= 2**bits - 1
+        top = 2**bits - 1
+        assert q.zero_points is not None and q.codes.max() <= top and q.zero_points.max() <= top
+        # within half a step of its code, except the values a searched step clips: those to the
+        # block's lowest or highest value
+        zero = np.repeat(q.zero_points.astype(np.float32), 32, axis=1)[:, :k]
+        lowest, highest = -zero * step, (top - zero) * step
+        inside = (weight >= lowest - step / 2) & (weight <= highest + step / 2)
+        assert (error[inside] <= step[inside] / 2 * (1 + 1e-5) + 1e-7).all()
+        clipped_to = np.where(weight > 0, highest, lowest)
+        np.testing.assert_allclose(q.dequantize()[~inside], clipped_to[~inside], rtol=1e-5)
+        # never worse, block by block, than min..max over the codes (the quantizer before the
+        # search), in the squared error weighted by rms + |w|, what the search minimizes
+        blocks = np.pad(weight, ((0, 0), (0, -k % 32))).reshape(24, -1, 32)
+        low, high = np.minimum(blocks.min(axis=-1), 0.0), np.maximum(blocks.max(axis=-1), 0.0)
+        plain_step = np.where(high > low, (high - low) / top, 1.0)[..., None]
+        plain_zero = np.clip(np.rint(-low[..., None] / plain_step), 0, top)
+        plain = (np.clip(np.rint(blocks / plain_step) + plain_zero, 0, top) - plain_zero) * plain_step
+        ours = np.pad(q.dequantize(), ((0, 0), (0, -k % 32))).reshape(24, -1, 32)
+        importance = np.sqrt(np.square(blocks).mean(axis=-1, keepdims=True)) + np.abs(blocks)
+        weighted = [(np.square(q - blocks) * importance).sum(-1) for q in (ours, plain)]
+        assert (weighted[0] <= weighted[1] * (1 + 1e-4) + 1e-12).all()
 
 
 def test_the_searched_int4_scales_beat_round_to_nearest_of_the_largest_magnitude() -> None:
@@ -295,6 +315,69 @@ def test_a_weight_the_lm_head_shares_is_int8_for_every_reader() -> None:
     w8 = quantize_blockwise(weight, 8, 32, True).dequantize()
     (got,) = ort_outputs(model, {"x": x})
     np.testing.assert_allclose(got, x @ w8.T @ w8.T, atol=2e-3, rtol=1e-4)
+
+
+def test_more_bits_picks_the_layers_llama_cpps_use_more_bits_picks() -> None:
+    """The first and last eighth of the layers and every third layer between (src/llama-quant.cpp)."""
+    assert [i for i in range(12) if more_bits(i, 12)] == [0, 3, 6, 9, 10, 11]
+    assert [i for i in range(24) if more_bits(i, 24)] == [0, 1, 2, 5, 8, 11, 14, 17, 20, 21, 22, 23]
+    assert [i for i in range(30) if more_bits(i, 30)] == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]
+    assert [i for i in range(2) if more_bits(i, 2)] == [1]
+
+
+def layer_chain(k: int, names: list[str]) -> ir.Model:
+    """x through one [k, k] projection per name, in order, the last one producing the logits."""
+    nodes, inputs, values = [], "x", []
+    for i, name in enumerate(names):
+        out = "logits" if i == len(names) - 1 else f"h{i}"
+        nodes += [
+            helper.make_node("Transpose", [name], [f"t{i}"], perm=[1, 0]),
+            helper.make_node("MatMul", [inputs, f"t{i}"], [out]),
+        ]
+        values.append(onnx.numpy_helper.from_array(RNG.standard_normal((k, k)).astype(np.float32), name))
+        inputs = out
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, k])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 2, k])],
+        values,
+    )
+    return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]))
+
+
+MIXED_AT_8 = {"attention": ("self_attn.qkv_proj",), "q4_k_m": ("self_attn.qkv_proj", "mlp.down_proj"), "none": ()}
+
+
+@pytest.mark.parametrize("mix", ["attention", "q4_k_m", "none"])
+@pytest.mark.parametrize(
+    "form, int8_form", [("matmul_nbits", "matmul_nbits"), ("dequantize_linear", "dequantize_linear_channel")]
+)
+def test_a_mix_keeps_its_weights_at_8_bits_in_the_layers_more_bits_picks(mix: str, form: str, int8_form: str) -> None:
+    """Eight layers: `more_bits` picks layers 0, 3, 6 and 7. `attention` keeps their packed q/k/v
+    at 8 bits, `q4_k_m` also their down projections and the LM head, `none` nothing; every other
+    weight (and the same weights in the other layers) goes to 4 bits."""
+    parts = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    names = [f"model.layers.{i}.{part}.weight" for i in range(8) for part in parts] + ["lm_head.weight"]
+    model = layer_chain(32, names)
+    quantize = QuantizeWeights(4, 32, True, form, int8_form=int8_form, mix=mix)
+    quantize(model)
+    wide = [f"model.layers.{i}.{part}.weight" for i in (0, 3, 6, 7) for part in MIXED_AT_8[mix]]
+    assert sorted(quantize.wider) == sorted(wide + (["lm_head.weight"] if mix == "q4_k_m" else []))
+    for name in names:
+        assert f"{name}.q{8 if name in quantize.wider else 4}" in model.graph.initializers
+
+
+def test_an_int4_recipe_mixes_attention_unless_told_and_records_it() -> None:
+    assert WeightQuantization(4).mixed == "attention" and WeightQuantization(4).to_dict()["mix"] == "attention"
+    assert WeightQuantization(4, mix="q4_k_m").to_dict()["mix"] == "q4_k_m"
+    assert "mix" not in WeightQuantization(4, mix="none").to_dict()  # a plain recipe keeps its bytes
+    assert WeightQuantization(8).mixed == "none" and "mix" not in WeightQuantization(8).to_dict()
+    with pytest.raises(ValueError, match="int4 build"):
+        WeightQuantization(8, mix="q4_k_m")
+    with pytest.raises(ValueError, match="unknown mix"):
+        WeightQuantization(4, mix="q5_k_m")
+    assert WeightQuantization(4).make_pass("matmul_nbits", int8_form="matmul_nbits").mix == "attention"
 
 
 def test_the_8b_benchmarks_int4_grid_is_what_int4_reproduces_exactly() -> None:

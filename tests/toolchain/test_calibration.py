@@ -210,6 +210,20 @@ def test_a_calibrated_build_records_its_text_and_rounding_to_nearest_does_not(
     assert calibrated.parity.passed and nearest.parity.passed
 
 
+def test_the_weights_a_mix_keeps_at_8_bits_are_not_calibrated(tiny: Callable[[], torch.nn.Module]) -> None:
+    """The default mix keeps q/k/v of the layers `more_bits` picks at 8 bits: calibration leaves
+    them (their codes are rounded to nearest at 8 bits) and calibrates every other projection."""
+    from kvforge.passes.quantize import more_bits
+
+    model = tiny()
+    everything = set(calibration._candidates(model, WeightQuantization(4, mix="none")).values())
+    mixed = set(calibration._candidates(model, INT4).values())
+    layers = model.config.num_hidden_layers
+    picked = {f"model.layers.{i}.self_attn.{p}_proj" for i in range(layers) if more_bits(i, layers) for p in "qkv"}
+    assert picked and picked <= everything
+    assert mixed == everything - picked
+
+
 def test_each_statistic_is_freed_once_its_weights_are_rounded(
     tiny: Callable[[], torch.nn.Module], tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -85,11 +85,15 @@ def test_a_type_with_no_exact_form_is_rounded_as_chosen_and_said_so(qtype: GGMLQ
         imported = decode(data, qtype, (N, K), form)
         assert imported is not None and not imported.exact and "Q3_K" in imported.reason
         assert imported.record.bits == bits and imported.record.zero_points is not None
-        blocks = values.reshape(N, -1, 32)
-        span = np.maximum(blocks.max(-1), 0) - np.minimum(blocks.min(-1), 0)  # the range each block's codes cover
-        step = np.repeat(span / (2**bits - 1), 32, axis=1)
-        error = np.abs(imported.record.dequantize() - values)
-        assert (error <= step / 2 * (1 + 1e-3) + 1e-7).all()
+        # within half a step of its code, or clipped to the block's lowest or highest value
+        record = imported.record
+        step = np.repeat(record.scales.astype(np.float32), 32, axis=1)
+        zero = np.repeat(record.zero_points.astype(np.float32), 32, axis=1)
+        lowest, highest = -zero * step, (2**bits - 1 - zero) * step
+        inside = (values >= lowest - step / 2) & (values <= highest + step / 2)
+        error = np.abs(record.dequantize() - values)
+        assert (error[inside] <= step[inside] / 2 * (1 + 1e-3) + 1e-7).all()
+        np.testing.assert_allclose(record.dequantize()[~inside], np.where(values > 0, highest, lowest)[~inside])
         errors[form] = error.mean()
     assert errors["int8"] < errors["int4"] / 8
     assert decode(data, qtype, (N, K), "float") is None

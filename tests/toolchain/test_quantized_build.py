@@ -63,6 +63,7 @@ def float_tables(model_path: Path, shape: list[int]) -> list[str]:
     "target, model_type, weights, op",
     [
         ("ort-cpu", "llama", WeightQuantization(4), "com.microsoft::MatMulNBits"),
+        ("ort-cpu", "llama", WeightQuantization(4, mix="none"), "com.microsoft::MatMulNBits"),
         ("ort-cpu", "qwen2", WeightQuantization(4), "com.microsoft::MatMulNBits"),  # tied
         ("onnx", "llama", WeightQuantization(4), "DequantizeLinear"),
         ("onnx", "qwen2", WeightQuantization(8, block_size=64, symmetric=False), "DequantizeLinear"),  # tied
@@ -103,8 +104,10 @@ def test_quantized_build_passes_the_distribution_gate_and_generates(
     weights_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
     assert (tmp_path / "out" / "model.onnx.data").stat().st_size < 0.7 * weights_bytes
     # `kvforge inspect`'s figure for this precision is the artifact's parameter bytes, exactly (on
-    # `onnx` at int4, plus the half byte per value of the table's 8-bit codes)
-    if target != "tensorrt" and weights.symmetric and weights.block_size == QUANT_BLOCK:
+    # `onnx` at int4, plus the half byte per value of the table's 8-bit codes), for every weight at
+    # int4 (`--mix none`: inspect does not count a mix's 8-bit weights)
+    plain = weights.mixed == "none"
+    if target != "tensorrt" and weights.symmetric and weights.block_size == QUANT_BLOCK and plain:
         ckpt = checkpoints.load(checkpoint)
         expected = footprint(ckpt, DecoderSpec.from_config(ckpt.config), batch=1, seq=1).weight_bytes_at[weights.name]
         if target == "onnx" and weights.bits == 4:
@@ -153,14 +156,14 @@ def test_asymmetric_weights_for_tensorrt_are_refused_before_any_work(
 def test_a_mixed_int4_build_keeps_the_named_weights_at_int8(
     tmp_path: Path, tiny_checkpoint: Callable[..., Path]
 ) -> None:
-    """`--weights int4 --int8 ...` through the CLI: the down projections, the LM head and the table
-    at 8 bits, every other projection at 4; the gate passes and the manifest records the recipe."""
+    """`--weights int4 --int8 ... --mix none` through the CLI: the down projections, the LM head and the
+    table at 8 bits, every other projection at 4; the gate passes and the manifest records the recipe."""
     from click.testing import CliRunner
 
     from kvforge.cli import main
 
     out = tmp_path / "out"
-    mixed = ["--int8", "*down_proj*", "--int8", "lm_head", "--int8", "embeddings"]
+    mixed = ["--int8", "*down_proj*", "--int8", "lm_head", "--int8", "embeddings", "--mix", "none"]
     result = CliRunner().invoke(
         main, ["build", str(tiny_checkpoint("llama")), "-o", str(out), "--weights", "int4", *mixed]
     )
@@ -178,6 +181,33 @@ def test_a_mixed_int4_build_keeps_the_named_weights_at_int8(
     assert sum(b == 4 for b in bits.values()) == len(bits) - layers - 1 >= 3 * layers
     (lookup,) = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
     assert next(a.i for a in lookup.attribute if a.name == "bits") == 8
+
+
+def test_a_plain_int4_build_keeps_the_attention_inputs_of_more_bits_layers_at_int8(
+    tmp_path: Path, tiny_checkpoint: Callable[..., Path]
+) -> None:
+    """`--weights int4` alone: in the layers llama.cpp's `use_more_bits` picks, the packed q/k/v at 8
+    bits, everything else at 4; the gate passes and the manifest records the mix."""
+    from click.testing import CliRunner
+
+    from kvforge.cli import main
+    from kvforge.passes.quantize import more_bits
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["build", str(tiny_checkpoint("llama")), "-o", str(out), "--weights", "int4"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["flags"]["weights"]["mix"] == "attention" and manifest["parity"]["passed"]
+    graph = onnx.load(out / "model.onnx", load_external_data=False).graph
+    bits = {
+        n.input[1]: next(a.i for a in n.attribute if a.name == "bits") for n in graph.node if n.op_type == "MatMulNBits"
+    }
+    layers = manifest["spec"]["num_layers"]
+    picked = [i for i in range(layers) if more_bits(i, layers)]
+    assert picked and len(picked) < layers
+    want = {f"model.layers.{i}.self_attn.qkv_proj.weight.q8" for i in picked}
+    assert sorted(name for name, b in bits.items() if b == 8) == sorted(want)
+    assert sum(b == 4 for b in bits.values()) == len(bits) - len(want)
 
 
 def test_int8_without_int4_is_refused_before_any_work(tmp_path: Path, tiny_checkpoint: Callable[..., Path]) -> None:
@@ -218,7 +248,21 @@ def test_a_free_min_build_keeps_weights_on_a_free_min_grid_and_is_refused_where_
     for flags in ([], ["--free-min"]):
         out = tmp_path / f"out{len(flags)}"
         result = CliRunner().invoke(
-            main, ["build", str(checkpoint), "-o", str(out), "--weights", "int4", "-q", "--decode-steps", "2", *flags]
+            main,
+            [
+                "build",
+                str(checkpoint),
+                "-o",
+                str(out),
+                "--weights",
+                "int4",
+                "--mix",
+                "none",
+                "-q",
+                "--decode-steps",
+                "2",
+            ]
+            + flags,
         )
         assert result.exit_code == 0, result.output
         manifest = json.loads((out / "manifest.json").read_text())
