@@ -73,6 +73,7 @@ IMPORTED_RECORD = "kvforge.imported_record"
 # own choice (with q and k, which the value projection is packed with), larger than Q4_K_M's file
 # at 8 bits; `none` every weight at 4 bits. docs/performance.md has the figures.
 MIXES = ("attention", "q4_k_m", "none")
+DEFAULT_MIX = "attention"  # a 4-bit build's without --mix
 # Graph weight names (packed projections are named after the pack) of the attention's input
 # projections (the value projection is packed with the query and key: its MatMul is theirs) and
 # of the feed-forward down projection, as the families name them
@@ -834,7 +835,7 @@ class WeightQuantization:
         """The mix this recipe applies (`none` at 8 bits)."""
         if self.mix is not None:
             return self.mix
-        return "attention" if self.bits == 4 else "none"
+        return DEFAULT_MIX if self.bits == 4 else "none"
 
     def to_dict(self) -> dict[str, object]:
         recipe: dict[str, object] = {

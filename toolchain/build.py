@@ -578,7 +578,9 @@ def _check_fits(ckpt: checkpoints.Checkpoint, spec: DecoderSpec, options: BuildO
     quant = options.weights
     layout = None
     if quant is not None:
-        layout = QuantLayout(quant.bits, quant.block_size, zero_points=not quant.symmetric, free_min=quant.free_min)
+        layout = QuantLayout(
+            quant.bits, quant.block_size, zero_points=not quant.symmetric, free_min=quant.free_min, mix=quant.mixed
+        )
     # the checkpoint's own quantized weights, where the target imports them, as the import writes them
     imported = None
     if pipeline.imports_codes(options.target):

@@ -14,7 +14,14 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from kvforge.passes.quantize import QuantizedWeight, stored_scales
+from kvforge.passes.quantize import (
+    DEFAULT_MIX,
+    QuantizedWeight,
+    layer_count,
+    mixed_head,
+    mixed_to_8_bits,
+    stored_scales,
+)
 from kvforge.runners.contract import DecoderIO
 from kvforge.runners.errors import CheckpointError, GenerationError, KvforgeError
 from kvforge.toolchain.checkpoint import Checkpoint
@@ -76,7 +83,8 @@ class Footprint:
     stores on the default target, ort-cpu (symmetric, block 32, fp32 compute): each 2-D
     matmul weight and the token-embedding table ([vocab, hidden], blocks along hidden) is
     cut along its input dimension into blocks of 32 (the last block padded to 32, as
-    MatMulNBits stores it) holding 8- or 4-bit codes plus one fp32 scale per block; an
+    MatMulNBits stores it) holding 8- or 4-bit codes plus one fp32 scale per block (int4:
+    the weights the default mix picks at 8 bits, `kvforge.passes.quantize.DEFAULT_MIX`); an
     output head tied to the embeddings holds a copy of the table's codes of its own (the
     table is counted twice); norms, biases and learned position tables stay fp32. The `onnx`
     target stores the lookup's table as 8-bit codes (under int4 too), `tensorrt` in the
@@ -231,12 +239,14 @@ class QuantLayout:
     """How a quantized build stores each matmul weight, as far as its bytes go: codes of
     `bits` in blocks of `block` inputs, a scale per block in the compute dtype, and per block
     an integer zero point (`--asymmetric`: packed at `bits`) or a float minimum (`--free-min`:
-    the compute dtype). `--keep` and `--int8` patterns are not counted."""
+    the compute dtype). A 4-bit build's `mix` (`kvforge.passes.quantize.MIXES`) keeps the weights
+    it picks at 8 bits. `--keep` and `--int8` patterns are not counted."""
 
     bits: int
     block: int = QUANT_BLOCK
     zero_points: bool = False
     free_min: bool = False
+    mix: str = "none"
 
 
 def quantized_weight_bytes(
@@ -297,21 +307,27 @@ def _bytes_at(precision: str, params: Mapping[str, TensorMeta], spec: DecoderSpe
         return sum(4 * math.prod(shape) for _, shape in params.values())
     if precision == "fp16":
         return sum(2 * math.prod(shape) for _, shape in params.values())
-    return _quantized_total(params, spec, QuantLayout(_BITS[precision]), compute_bytes)
+    bits = _BITS[precision]
+    return _quantized_total(params, spec, QuantLayout(bits, mix=DEFAULT_MIX if bits == 4 else "none"), compute_bytes)
 
 
 def _quantized_total(
     params: Mapping[str, TensorMeta], spec: DecoderSpec, layout: QuantLayout, compute_bytes: int
 ) -> int:
+    layers = layer_count(params)
+    wider = replace(layout, bits=8) if layout.bits == 4 else layout
+    head = wider if mixed_head(layout.mix) else layout
     total = 0
     for name, (_, shape) in params.items():
         if len(shape) != 2 or name.endswith(POSITION_EMBEDDINGS):
             total += compute_bytes * math.prod(shape)
+        elif name.endswith(TOKEN_EMBEDDINGS):
+            total += quantized_bytes((shape[0], shape[1]), layout, compute_bytes)
+            if spec.tied_embeddings:  # the tied head's codes of its own
+                total += quantized_bytes((shape[0], shape[1]), head, compute_bytes)
         else:
-            table = name.endswith(TOKEN_EMBEDDINGS)
-            out_in = (shape[0], shape[1]) if table else _out_in(name, shape, spec)
-            copies = 2 if table and spec.tied_embeddings else 1  # the lookup's codes and the tied head's
-            total += copies * quantized_bytes(out_in, layout, compute_bytes)
+            picked = head if _is_head(name) else wider if mixed_to_8_bits(layout.mix, name, layers) else layout
+            total += quantized_bytes(_out_in(name, shape, spec), picked, compute_bytes)
     return total
 
 

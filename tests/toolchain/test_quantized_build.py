@@ -19,7 +19,7 @@ from kvforge.runners.engine import Engine
 from kvforge.runners.errors import ArtifactError, ParityError
 from kvforge.toolchain import checkpoint as checkpoints
 from kvforge.toolchain.build import BuildOptions, build, verify
-from kvforge.toolchain.footprint import QUANT_BLOCK, footprint
+from kvforge.toolchain.footprint import QUANT_BLOCK, QuantLayout, footprint, quantized_weight_bytes
 from kvforge.toolchain.spec import DecoderSpec
 
 pytestmark = pytest.mark.slow
@@ -103,13 +103,15 @@ def test_quantized_build_passes_the_distribution_gate_and_generates(
     # the weights really are smaller than the checkpoint's float32 ones
     weights_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
     assert (tmp_path / "out" / "model.onnx.data").stat().st_size < 0.7 * weights_bytes
-    # `kvforge inspect`'s figure for this precision is the artifact's parameter bytes, exactly (on
-    # `onnx` at int4, plus the half byte per value of the table's 8-bit codes), for every weight at
-    # int4 (`--mix none`: inspect does not count a mix's 8-bit weights)
-    plain = weights.mixed == "none"
-    if target != "tensorrt" and weights.symmetric and weights.block_size == QUANT_BLOCK and plain:
+    # `kvforge inspect`'s figure for this recipe is the artifact's parameter bytes, exactly (on
+    # `onnx` at int4, plus the half byte per value of the table's 8-bit codes), the default mix's
+    # 8-bit weights included; the default recipe's is the figure of inspect's table
+    if target != "tensorrt" and weights.symmetric and weights.block_size == QUANT_BLOCK:
         ckpt = checkpoints.load(checkpoint)
-        expected = footprint(ckpt, DecoderSpec.from_config(ckpt.config), batch=1, seq=1).weight_bytes_at[weights.name]
+        decoder = DecoderSpec.from_config(ckpt.config)
+        expected = quantized_weight_bytes(ckpt, decoder, QuantLayout(weights.bits, mix=weights.mixed))
+        if weights.mix is None:
+            assert expected == footprint(ckpt, decoder, batch=1, seq=1).weight_bytes_at[weights.name]
         if target == "onnx" and weights.bits == 4:
             expected += spec["vocab_size"] * spec["hidden_size"] // 2
         assert parameter_bytes(tmp_path / "out" / "model.onnx") == expected
