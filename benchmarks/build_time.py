@@ -17,8 +17,10 @@ writing a fresh output directory under WORKDIR:
 
 The peers run from the environments `../shared/bench/setup_peers.sh` makes (under
 KVF_EVAL_ROOT, default ~/.cache/kvf-eval), as `../shared/bench/peer_one.py` runs them.
-Prints one JSON line per build (wall seconds, peak resident memory in GB, the load average
-when it started, kvforge's stages) and the medians per tool.
+Prints one JSON line per build (wall seconds, CPU seconds (user + system, every thread of
+the process and its children), peak resident memory in GB, the load average when it
+started, kvforge's stages) and the medians per tool. On a machine other jobs share, the CPU
+seconds vary less between runs than the wall time.
 """
 
 from __future__ import annotations
@@ -55,16 +57,22 @@ def measure(tool: str, checkpoint: str, workdir: Path) -> dict[str, float]:
     for stale in (out, Path(f"{out}.cache")):
         shutil.rmtree(stale, ignore_errors=True)
     load = os.getloadavg()[0]
-    timed = ["/usr/bin/time", "-f", "TIME %e %M", *command(tool, checkpoint, out)]
+    timed = ["/usr/bin/time", "-f", "TIME %e %M %U %S", *command(tool, checkpoint, out)]
     name, _, tree = tool.partition("@")
     source = Path(tree) if tree else REPO
     environment = dict(os.environ, PYTHONPATH=str(source)) if name == "kvforge" else None
     done = subprocess.run(timed, capture_output=True, text=True, cwd=source, env=environment)
     if done.returncode:
         raise SystemExit(f"{tool} failed:\n{done.stderr[-3000:]}")
-    found = re.search(r"TIME (\S+) (\d+)", done.stderr)
+    found = re.search(r"TIME (\S+) (\d+) (\S+) (\S+)", done.stderr)
     assert found is not None
-    row = {"wall": float(found.group(1)), "peak_gb": int(found.group(2)) * 1024 / 1e9, "loadavg": round(load, 2)}
+    wall, peak, user, system = found.groups()
+    row = {
+        "wall": float(wall),
+        "cpu": round(float(user) + float(system), 2),
+        "peak_gb": int(peak) * 1024 / 1e9,
+        "loadavg": round(load, 2),
+    }
     stages = re.search(r"built \S+ (?:in [\d.]+s )?\((.*)\)", done.stderr)  # "in N s" since the summary has it
     if stages is not None:
         row |= {name: float(s) for name, s in re.findall(r"(\w+) ([\d.]+)s", stages.group(1))}
@@ -87,9 +95,16 @@ def main() -> None:
             rows[tool].append(row)
             print(json.dumps({"round": round_ + 1, "tool": tool} | row), flush=True)
     print("medians:")
-    for tool, measured in rows.items():
-        keys = list(measured[0])
-        print(json.dumps({"tool": tool} | {k: round(statistics.median(r[k] for r in measured), 3) for k in keys}))
+    medians = {
+        tool: {k: statistics.median(r[k] for r in measured) for k in measured[0]} for tool, measured in rows.items()
+    }
+    for tool, median in medians.items():
+        print(json.dumps({"tool": tool} | {k: round(v, 3) for k, v in median.items()}))
+    if "genai" in medians:  # the issue's measure: each tool's medians over onnxruntime-genai's builder's
+        base = medians["genai"]
+        for tool, median in medians.items():
+            ratios = {f"{k}_ratio": round(median[k] / base[k], 2) for k in ("wall", "cpu", "peak_gb")}
+            print(json.dumps({"tool": tool, "against": "genai"} | ratios))
 
 
 if __name__ == "__main__":
