@@ -9,8 +9,9 @@ writing a fresh output directory under WORKDIR:
 
 - kvforge: `python -m kvforge build CHECKPOINT -o OUT` (fp32, ort-cpu, the parity
   gate included), with this interpreter; its stage times are read off its last line;
-  `kvforge@DIR` runs the same from another source tree (a worktree of an earlier commit),
-  for a before-and-after in the same rounds;
+  `kvforge@DIR` runs the same from another source tree (a worktree or a copy of an earlier
+  commit, given to the interpreter as pyproject.toml maps it: `source_view`), for a
+  before-and-after in the same rounds;
 - genai: onnxruntime-genai's model builder, `python -m onnxruntime_genai.models.builder
   -i CHECKPOINT -o OUT -p fp32 -e cpu -c OUT.cache`;
 - optimum: `optimum-cli export onnx --model CHECKPOINT --task text-generation-with-past OUT`.
@@ -60,7 +61,7 @@ def measure(tool: str, checkpoint: str, workdir: Path) -> dict[str, float]:
     timed = ["/usr/bin/time", "-f", "TIME %e %M %U %S", *command(tool, checkpoint, out)]
     name, _, tree = tool.partition("@")
     source = Path(tree) if tree else REPO
-    environment = dict(os.environ, PYTHONPATH=str(source)) if name == "kvforge" else None
+    environment = dict(os.environ, PYTHONPATH=str(source_view(source, workdir))) if name == "kvforge" else None
     done = subprocess.run(timed, capture_output=True, text=True, cwd=source, env=environment)
     if done.returncode:
         raise SystemExit(f"{tool} failed:\n{done.stderr[-3000:]}")
@@ -77,6 +78,22 @@ def measure(tool: str, checkpoint: str, workdir: Path) -> dict[str, float]:
     if stages is not None:
         row |= {name: float(s) for name, s in re.findall(r"(\w+) ([\d.]+)s", stages.group(1))}
     return row
+
+
+def source_view(tree: Path, workdir: Path) -> Path:
+    """A folder for PYTHONPATH holding `tree`'s kvforge as pyproject.toml maps it: `kvforge/`
+    with `toolchain/`, `passes/` and `runners/` beneath it, as links. `tree` on PYTHONPATH
+    alone gives its `kvforge/` only: the subpackages would come from whichever tree this
+    interpreter's editable install maps."""
+    view = workdir / f"tree-{re.sub(r'[^A-Za-z0-9]+', '-', str(tree.resolve()))}"
+    shutil.rmtree(view, ignore_errors=True)
+    (view / "kvforge").mkdir(parents=True)
+    for part in (tree / "kvforge").iterdir():
+        if part.name != "__pycache__":
+            (view / "kvforge" / part.name).symlink_to(part.resolve())
+    for package in ("toolchain", "passes", "runners"):
+        (view / "kvforge" / package).symlink_to((tree / package).resolve())
+    return view
 
 
 def main() -> None:
