@@ -14,7 +14,7 @@ one of the substrings; `--table` quantizes the token-embedding table in the same
 symmetric int4, or keeps it. Activations stay in float: a build's int8 activations (accuracy
 level 4) add a little on top (SmolLM2 symmetric int4: 0.34 here, 0.36 at the gate). `--mix`
 rounds the weights a `--weights int4 --mix` build keeps at 8 bits to symmetric int8 in blocks of
-32 (`kvforge.passes.quantize.mixed_to_8_bits`, the LM head by `mixed_head`; default none). With
+32 (`kvforge.passes.storage.mixed_to_8_bits`, the LM head by `mixed_head`; default none). With
 `--text`, the measure is instead the mean KL over every position of the windows of 256 tokens
 `benchmarks/perplexity.py` scores (the first `--windows`), as its `--kl-against` the fp32 run
 measures an artifact.
@@ -30,14 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvforge.passes.quantize import (
-    MIXES,
-    layer_count,
-    mixed_head,
-    mixed_to_8_bits,
-    quantize_blockwise,
-    quantize_free_min,
-)
+from kvforge.passes.quantize import quantize_blockwise, quantize_free_min
+from kvforge.passes.storage import MIXES, layer_count, mixed_head, mixed_to_8_bits
 from kvforge.runners.tokenizer import TokenizerBundle
 from kvforge.toolchain.verify import GATE_TEXTS
 

@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.perplexity import session_perplexity, windows  # noqa: E402
 from benchmarks.window_scores import WindowScores  # noqa: E402
 from kvforge.passes import pipeline  # noqa: E402
-from kvforge.passes.quantize import MIXES, WeightQuantization  # noqa: E402
+from kvforge.passes.quantize import WeightQuantization  # noqa: E402
+from kvforge.passes.storage import MIXES  # noqa: E402
 from kvforge.passes.targets import TARGETS  # noqa: E402
 from kvforge.runners.contract import DecoderIO  # noqa: E402
 from kvforge.runners.session import OrtSession  # noqa: E402

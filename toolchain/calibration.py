@@ -37,12 +37,10 @@ import torch
 from kvforge.passes.quantize import (
     LM_HEAD,
     WeightQuantization,
-    layer_count,
-    mixed_head,
-    mixed_to_8_bits,
     quantize_free_min,
     symmetric_scales,
 )
+from kvforge.passes.storage import layer_count, mixed_head, mixed_to_8_bits
 from kvforge.runners.errors import ArtifactError
 from kvforge.runners.tokenizer import TokenizerBundle
 

@@ -11,17 +11,11 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvforge.passes.quantize import (
-    DEFAULT_MIX,
-    QuantizedWeight,
-    layer_count,
-    mixed_head,
-    mixed_to_8_bits,
-    stored_scales,
-)
+from kvforge.passes.storage import DEFAULT_MIX, layer_count, mixed_head, mixed_to_8_bits, stored_scales
 from kvforge.runners.contract import DecoderIO
 from kvforge.runners.errors import CheckpointError, GenerationError, KvforgeError
 from kvforge.toolchain.checkpoint import Checkpoint
@@ -36,6 +30,9 @@ from kvforge.toolchain.spec import (
     DecoderSpec,
     input_first_weights,
 )
+
+if TYPE_CHECKING:
+    from kvforge.passes.quantize import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +81,7 @@ class Footprint:
     matmul weight and the token-embedding table ([vocab, hidden], blocks along hidden) is
     cut along its input dimension into blocks of 32 (the last block padded to 32, as
     MatMulNBits stores it) holding 8- or 4-bit codes plus one fp32 scale per block (int4:
-    the weights the default mix picks at 8 bits, `kvforge.passes.quantize.DEFAULT_MIX`); an
+    the weights the default mix picks at 8 bits, `kvforge.passes.storage.DEFAULT_MIX`); an
     output head tied to the embeddings holds a copy of the table's codes of its own (the
     table is counted twice); norms, biases and learned position tables stay fp32. The `onnx`
     target stores the lookup's table as 8-bit codes (under int4 too), `tensorrt` in the
@@ -239,7 +236,7 @@ class QuantLayout:
     """How a quantized build stores each matmul weight, as far as its bytes go: codes of
     `bits` in blocks of `block` inputs, a scale per block in the compute dtype, and per block
     an integer zero point (`--asymmetric`: packed at `bits`) or a float minimum (`--free-min`:
-    the compute dtype). A 4-bit build's `mix` (`kvforge.passes.quantize.MIXES`) keeps the weights
+    the compute dtype). A 4-bit build's `mix` (`kvforge.passes.storage.MIXES`) keeps the weights
     it picks at 8 bits. `--keep` and `--int8` patterns are not counted."""
 
     bits: int

@@ -17,11 +17,11 @@ from kvforge.passes.quantize import (
     QuantizedWeight,
     QuantizeWeights,
     WeightQuantization,
-    more_bits,
     quantize_blockwise,
     quantize_free_min,
     stack_rows,
 )
+from kvforge.passes.storage import more_bits
 from kvforge.passes.weight_layout import StackedRows
 from tests.passes.fusion_testing import op_count, ort_outputs
 

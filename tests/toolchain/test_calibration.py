@@ -213,7 +213,7 @@ def test_a_calibrated_build_records_its_text_and_rounding_to_nearest_does_not(
 def test_the_weights_a_mix_keeps_at_8_bits_are_not_calibrated(tiny: Callable[[], torch.nn.Module]) -> None:
     """The default mix keeps q/k/v of the layers `more_bits` picks at 8 bits: calibration leaves
     them (their codes are rounded to nearest at 8 bits) and calibrates every other projection."""
-    from kvforge.passes.quantize import more_bits
+    from kvforge.passes.storage import more_bits
 
     model = tiny()
     everything = set(calibration._candidates(model, WeightQuantization(4, mix="none")).values())

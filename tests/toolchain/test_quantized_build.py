@@ -193,7 +193,7 @@ def test_a_plain_int4_build_keeps_the_attention_inputs_of_more_bits_layers_at_in
     from click.testing import CliRunner
 
     from kvforge.cli import main
-    from kvforge.passes.quantize import more_bits
+    from kvforge.passes.storage import more_bits
 
     out = tmp_path / "out"
     result = CliRunner().invoke(main, ["build", str(tiny_checkpoint("llama")), "-o", str(out), "--weights", "int4"])
