@@ -175,14 +175,16 @@ def test_a_bad_mode_is_refused() -> None:
 # --- builds ------------------------------------------------------------------------------
 
 
-def matmul_nbits_forms(model_path: Path) -> dict[str, tuple[int, int]]:
-    """Each MatMulNBits' codes initializer -> (block_size, accuracy_level), as written."""
+def matmul_nbits_forms(model_path: Path, bits: int | None = None) -> dict[str, tuple[int, int]]:
+    """Each MatMulNBits' codes initializer -> (block_size, accuracy_level), as written (only those
+    of `bits` when given)."""
     model = onnx.load(model_path, load_external_data=False)
     forms = {}
     for node in model.graph.node:
         if node.op_type == "MatMulNBits":
             attributes = {a.name: a.i for a in node.attribute}
-            forms[node.input[1]] = (attributes["block_size"], attributes.get("accuracy_level", 0))
+            if bits is None or attributes["bits"] == bits:
+                forms[node.input[1]] = (attributes["block_size"], attributes.get("accuracy_level", 0))
     return forms
 
 
@@ -207,8 +209,11 @@ def test_a_tuned_build_records_its_forms_passes_the_gate_and_rebuilds_byte_ident
     assert manifest["flags"]["tune"] == "full" and manifest["flags"]["weights"] == WeightQuantization(4).to_dict()
     kernels = manifest["kernels"]
     assert kernels["tune"] == "full" and kernels["margin"] == tune.MARGIN
-    written = matmul_nbits_forms(tmp_path / "first" / "model.onnx")
+    written = matmul_nbits_forms(tmp_path / "first" / "model.onnx", bits=4)
     assert written and set(written.values()) == {(128, 0)}
+    # the weights the default mix keeps at 8 bits are not tuned: the default form
+    mixed = matmul_nbits_forms(tmp_path / "first" / "model.onnx", bits=8)
+    assert mixed and set(mixed.values()) == {(32, 4)}
     recorded = {name: (f["block_size"], f["accuracy_level"]) for f in kernels["forms"] for name in f["weights"]}
     assert recorded == written
     assert "seconds" not in json.dumps(kernels) and str(cache) not in json.dumps(manifest)
