@@ -285,12 +285,8 @@ class EngineCore:
                 continue
             row.history.append(token)
             first = drafts[index][:1] if drafts else []
-            _count(row.request.speculation, len(drafts[index]) if drafts else 0)
-            _produced(row.request.speculation, bool(first) and token == first[0])
-            if first:
-                self.metrics.spec_decode_num_drafts.inc()
-                self.metrics.spec_decode_num_draft_tokens.inc(len(drafts[index]))
-                self.metrics.spec_decode_num_accepted_tokens.inc(int(token == first[0]))
+            self._verify_step(row.request, len(first) and len(drafts[index]))
+            self._produced(row.request, bool(first), bool(first) and token == first[0])
             if not ended[index] and first and token == first[0]:
                 token, growth[index], ended[index] = self._verify(index, drafts[index], width + 1)
             row.next_token = token
@@ -328,9 +324,7 @@ class EngineCore:
         """A batch of one row: its pending token and drafts in one call (batch 1 takes several
         tokens), the rejected drafts' columns cut afterwards (window-bounded layers included)."""
         row, width = self._rows[0], self._batch.width
-        self.metrics.spec_decode_num_drafts.inc()
-        self.metrics.spec_decode_num_draft_tokens.inc(len(drafts))
-        _count(row.request.speculation, len(drafts))
+        self._verify_step(row.request, len(drafts))
         end = width + 1 + len(drafts)
         ids = np.asarray([[row.next_token, *drafts]], dtype=np.int64)
         logits = self._forward(ids, self._batch.open(None, width, end), None, width, every_position=True)
@@ -359,13 +353,33 @@ class EngineCore:
         for token, matched in accept_drafts(drafts, choose):
             matched = matched and token >= 0
             accepted += matched
-            self.metrics.spec_decode_num_accepted_tokens.inc(int(matched))
-            _produced(row.request.speculation, matched)
+            self._produced(row.request, True, matched)
             ended = token < 0 or self._deliver(row.request, token, entry[0])
             row.history.append(token)
             if ended or not matched:
                 break
         return token, accepted, ended
+
+    def _verify_step(self, request: Request, drafted: int) -> None:
+        """A speculating request's step, checking `drafted` drafts: counted in its stats and, when it
+        checks any, in the server's metrics."""
+        stats = request.speculation
+        if stats is not None:
+            stats.verify_steps += 1
+            stats.drafted_tokens += drafted
+        if drafted:
+            self.metrics.spec_decode_num_drafts.inc()
+            self.metrics.spec_decode_num_draft_tokens.inc(drafted)
+
+    def _produced(self, request: Request, checked: bool, accepted: bool) -> None:
+        """A token a speculating request's step produced, and whether it was the draft; in the server's
+        metrics when the step `checked` a draft."""
+        stats = request.speculation
+        if stats is not None:
+            stats.verified_tokens += 1
+            stats.accepted_tokens += accepted
+        if checked:
+            self.metrics.spec_decode_num_accepted_tokens.inc(int(accepted))
 
     def _sample_rows(
         self, last: np.ndarray, requests: list[Request]
@@ -518,17 +532,3 @@ class EngineCore:
         self.metrics.waiting.set(len(self._waiting))
         cached = sum(self._batch.lengths)
         self.metrics.kv_usage.set(cached / (self.max_num_seqs * self.max_positions))
-
-
-def _count(stats: SpeculationStats | None, drafted: int) -> None:
-    """A speculating request's verify step, with the drafts it checks."""
-    if stats is not None:
-        stats.verify_steps += 1
-        stats.drafted_tokens += drafted
-
-
-def _produced(stats: SpeculationStats | None, accepted: bool) -> None:
-    """A token a verify step produced, and whether it was the draft."""
-    if stats is not None:
-        stats.verified_tokens += 1
-        stats.accepted_tokens += accepted
