@@ -312,7 +312,7 @@ def build(
     _require_build_packages()  # a runtime install: one line saying what to install, before any progress
     verbose = bool(click.get_current_context().find_root().params.get("verbose"))
     # -v logs a line as each stage starts and ends: a progress display would say it all again
-    with progress.reporting(progress.for_stream(sys.stderr, quiet or verbose)):
+    with progress.interruptible(), progress.reporting(progress.for_stream(sys.stderr, quiet or verbose)):
         with progress.stage("startup"):  # torch, transformers and onnx load: seconds, before any stage
             from kvforge.passes.quantize import WeightQuantization
             from kvforge.toolchain.build import DTYPES, BuildOptions

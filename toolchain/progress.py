@@ -11,6 +11,8 @@ Python API shows nothing.
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -78,8 +80,51 @@ def process_seconds() -> float | None:
         return None
 
 
+_interrupted = threading.Event()
+
+
+@contextmanager
+def interruptible() -> Iterator[None]:
+    """Ctrl-C inside this block ends the work at the latest when the next stage starts.
+
+    Python raises Ctrl-C's KeyboardInterrupt in whatever code runs in the main thread; where that is
+    a callback whose exceptions Python cannot pass on (a weakref's, during an import), it prints
+    "Exception ignored" and goes on as if no key was pressed. Here the signal is remembered, such a
+    KeyboardInterrupt is not printed, and `stage` raises it again. Outside the main thread, or
+    where SIGINT is not Python's default handler (ignored, say), nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:
+        yield
+        return
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        _interrupted.set()
+        raise KeyboardInterrupt
+
+    unraisable = sys.unraisablehook
+
+    def on_unraisable(info: Any) -> None:
+        if not issubclass(info.exc_type, KeyboardInterrupt):
+            unraisable(info)
+
+    _interrupted.clear()
+    signal.signal(signal.SIGINT, on_sigint)
+    sys.unraisablehook = on_unraisable
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = unraisable
+        _interrupted.clear()
+
+
 @contextmanager
 def stage(name: str) -> Iterator[None]:
+    if _interrupted.is_set():  # a Ctrl-C that Python swallowed where it was raised (see `interruptible`)
+        raise KeyboardInterrupt
     reporter = _reporter.get()
     if reporter is None:
         yield

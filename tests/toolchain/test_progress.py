@@ -84,3 +84,31 @@ def test_a_counted_session_counts_its_runs_as_steps() -> None:
         assert [session.run({"x": i})["logits"] for i in range(9)] == list(range(1, 10))
         assert session.io == "contract" and session.extra == 7
     assert stream.getvalue().splitlines()[-1].endswith("(9 steps)")
+
+
+def test_a_ctrl_c_python_swallows_still_ends_the_work_at_the_next_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    import signal
+    import weakref
+
+    class Target:
+        pass
+
+    def interrupt_in_a_callback() -> None:
+        # a weakref callback's exception cannot propagate: Python reports it as unraisable and goes on
+        target = Target()
+        ref = weakref.ref(target, lambda _: signal.raise_signal(signal.SIGINT))
+        del target
+        assert ref() is None
+
+    started = []
+    with pytest.raises(KeyboardInterrupt), progress.interruptible():
+        with progress.stage("export"):
+            interrupt_in_a_callback()
+            started.append("export went on")  # the interrupt was swallowed where it was raised
+        with progress.stage("lower"):
+            started.append("lower")
+    assert started == ["export went on"]
+    assert "KeyboardInterrupt" not in capsys.readouterr().err  # not printed as "Exception ignored"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    with progress.stage("after"):  # the next block starts clean
+        pass
