@@ -178,14 +178,14 @@ def sessions(artifact: Path, device: str) -> Iterator[tuple[Any, Any]]:
 
 def greedy(session: Any, prompts: Sequence[Sequence[int]], max_positions: int) -> tuple[list[list[int]], list[Any]]:
     """Each prompt's NEW_TOKENS greedy tokens and each step's last-position logits."""
+    from kvforge.runners.core import logit_steps
     from kvforge.runners.decoding import batch_decoders
-    from kvforge.runners.generate import generate_steps
     from kvforge.runners.sampling import SamplingParams
 
     decoders = batch_decoders(SamplingParams(temperature=0.0), prompts)
     tokens: list[list[int]] = [[] for _ in prompts]
     logits = []
-    steps = generate_steps(session, prompts, max_new_tokens=NEW_TOKENS, max_positions=max_positions, decoders=decoders)
+    steps = logit_steps(session, prompts, max_new_tokens=NEW_TOKENS, max_positions=max_positions, decoders=decoders)
     for step in steps:
         for row, token in enumerate(step.tokens):
             tokens[row].append(int(token))

@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 
 from kvforge.runners.contract import DecoderIO
+from kvforge.runners.core import run_inline, token_requests
 from kvforge.runners.cpus import usable_cpus
 from kvforge.runners.decoding import batch_decoders
 from kvforge.runners.engine import Engine
-from kvforge.runners.generate import generate_steps
 from kvforge.runners.manifest import read_manifest
 from kvforge.runners.sampling import SamplingParams
 
@@ -213,23 +213,21 @@ def peak_memory_bytes() -> int:
 def measure_round(engine: Engine, batches: Sequence[list[list[int]]], new_tokens: int) -> list[tuple[float, float]]:
     """(first token seconds, decode tokens/s over the batch) of one generation per batch of prompts.
 
-    Every generation is prefilled first, then their decode steps are taken in turn, one step
-    of each, so configurations compared with each other are timed within milliseconds of
-    each other rather than seconds. A generation's decode time is the sum of its own steps
-    from the first generated token to the last: exactly `new_tokens - 1` steps, prefill
-    excluded.
+    Each generation is the engine core's batch (`run_inline`, greedy, no eos: every row runs
+    its full length). Every generation is first run to its first tokens (each prompt prefilled
+    alone, as `Engine` does), then their decode steps are taken in turn, one step of each, so
+    configurations compared with each other are timed within milliseconds of each other rather
+    than seconds. A generation's decode time is the sum of its own steps from the first
+    generated token to the last: exactly `new_tokens - 1` steps, prefill excluded.
     """
     generations, firsts = [], []
     for prompts in batches:
-        steps = generate_steps(
-            engine.session,
-            prompts,
-            max_new_tokens=new_tokens,
-            max_positions=engine.max_positions,
-            decoders=batch_decoders(SamplingParams(temperature=0.0), prompts),
-        )
+        decoders = batch_decoders(SamplingParams(temperature=0.0), prompts)
+        requests = token_requests(prompts, new_tokens, decoders)
+        steps = run_inline(engine.session, requests, max_positions=engine.max_positions)
         start = time.perf_counter()
-        next(steps)  # prefill and the first token
+        while not all(r.generated for r in requests):  # every prompt prefilled: the first tokens
+            next(steps)
         firsts.append(time.perf_counter() - start)
         generations.append(steps)
     spent = [0.0] * len(generations)
@@ -253,7 +251,7 @@ def bench(
 ) -> tuple[list[BenchResult], list[str], float]:
     """Results per (prompt, batch), the configurations skipped and why, and the median
     bandwidth of the rounds (`bandwidth`, when given, stands for every round's)."""
-    engine = Engine.load(artifact, runtime=runtime)  # generate_steps without eos ids: every run has its full length
+    engine = Engine.load(artifact, runtime=runtime)
     weights = weight_bytes_per_step(artifact, read_manifest(artifact))
     rng = np.random.default_rng(0)
     configs, skipped = [], []

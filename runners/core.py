@@ -46,9 +46,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvforge.runners.cache import BatchCache, Cache, bounded_names, device_of
-from kvforge.runners.decoding import TokenLogprob
-from kvforge.runners.errors import KvforgeError
-from kvforge.runners.generate import choose_tokens, forward, invalid_rows, prefill
+from kvforge.runners.decoding import Decoder, TokenLogprob
+from kvforge.runners.detokenizer import StreamingDetokenizer
+from kvforge.runners.errors import GenerationError, KvforgeError
+from kvforge.runners.generate import check_length, choose_tokens, forward, invalid_rows, prefill
 from kvforge.runners.request import GenerationRequest
 from kvforge.runners.session import Session
 from kvforge.runners.speculative import (
@@ -387,10 +388,16 @@ class EngineCore:
         """One token per row, each from its own decoder, with its logprob entry when asked for; -1
         where the row failed (and was told)."""
         ok = np.ones(len(requests), dtype=bool)
-        for _, rows in invalid_rows(last):
+        for problem, rows in invalid_rows(last):
+            for index in np.flatnonzero(rows & ok):
+                generated = requests[index].generated
+                where = "prefill (step 0)" if generated == 0 else f"decode step {generated}"
+                self._fail(
+                    requests[index],
+                    f"{where}: logits {problem}; the model or session produced invalid output, so no token was "
+                    "sampled: check the artifact with `kvforge verify` or try another execution provider",
+                )
             ok &= ~rows
-        for index in np.flatnonzero(~ok):
-            self._fail(requests[index], "the model produced invalid logits (NaN or inf) for this request")
 
         def failed(row: int, error: Exception) -> None:
             self._fail(requests[row], f"sampling failed: {error}")
@@ -425,8 +432,11 @@ class EngineCore:
         try:
             done, logits, state.cache = next(state.chunks)
         except Exception as error:  # a prefill is one request's: only that request fails
-            logger.exception("prefill failed")
             self._prefill = None
+            if isinstance(error, KvforgeError):  # says what is wrong and what to do
+                self._fail(request, f"prefill failed: {error}")
+                return
+            logger.exception("prefill failed")
             self._fail(request, f"prefill failed: {type(error).__name__}: {error}")
             return
         if done < len(request.ids):
@@ -532,3 +542,133 @@ class EngineCore:
         self.metrics.waiting.set(len(self._waiting))
         cached = sum(self._batch.lengths)
         self.metrics.kv_usage.set(cached / (self.max_num_seqs * self.max_positions))
+
+
+# -- generating in the caller's thread ------------------------------------------------------
+
+
+def run_inline(
+    session: Session,
+    requests: Sequence[Request],
+    *,
+    max_positions: int,
+    eos_ids: Sequence[int] = (),
+    speculation: Speculation | None = None,
+) -> Iterator[list[list[Event]]]:
+    """Generate `requests` as one engine core's batch, stepped here (no thread); after each step,
+    every request's new events. A failed request raises its message as a GenerationError
+    (prefixed with `prompts[i]: ` when there are several).
+
+    The rows share one batch (as many rows as requests), which decodes once every request has
+    joined it; with speculation they run one after another, each a batch of one that verifies its
+    pending token and drafts in one step."""
+    longest = max(len(r.ids) + r.budget for r in requests)
+    core = EngineCore(
+        session,
+        max_positions=min(max_positions, longest),
+        eos_ids=eos_ids,
+        max_num_seqs=1 if speculation is not None else len(requests),
+        prefill_chunk=None,
+        speculation=speculation,
+        join_first=True,
+    )
+    core.add(*requests)
+    while core.busy:
+        core.step()
+        events = [_drain(r) for r in requests]
+        for row, got in enumerate(events):
+            for event in got:
+                if isinstance(event, Failed):
+                    where = f"prompts[{row}]: " if len(requests) > 1 else ""
+                    raise GenerationError(where + event.message)
+        yield events
+
+
+def _drain(request: Request) -> list[Event]:
+    """The events a request has had since the last call."""
+    events: list[Event] = []
+    while not request.events.empty():
+        events.append(request.events.get_nowait())
+    return events
+
+
+class NoText(StreamingDetokenizer):
+    """The detokenizer of a request whose caller wants token ids only: no text."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+
+    def add(self, token_id: int) -> str:
+        return ""
+
+    def finish(self) -> str:
+        return ""
+
+
+def token_requests(
+    prompts: Sequence[Sequence[int]], budget: int, decoders: Sequence[Decoder], eos_ids: Sequence[int] = ()
+) -> list[Request]:
+    """One request of token ids (no text) per prompt, each choosing with its decoder."""
+    if len(decoders) != len(prompts):
+        raise GenerationError(f"{len(prompts)} prompts need one decoder each, got {len(decoders)}")
+    return [
+        Request(list(ids), decoder.params, budget, NoText(), tuple(eos_ids), decoder=decoder)
+        for ids, decoder in zip(prompts, decoders)
+    ]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One generated position of a batch: the token chosen per row and the logits it came from."""
+
+    tokens: np.ndarray  # int64 [batch]; 0 for rows that had already finished
+    logits: np.ndarray  # [batch, vocab], before sampling; zeros for rows that had already finished
+    active: np.ndarray  # bool [batch]: rows still generating when this step was taken
+
+
+class _Recording(Decoder):
+    """`inner`, keeping the logits of each choice it makes."""
+
+    def __init__(self, inner: Decoder) -> None:  # what the request reads of it is inner's
+        self.inner, self.params, self.processors, self.logprobs = inner, inner.params, inner.processors, inner.logprobs
+        self.seen: list[np.ndarray] = []
+
+    def take(self, logits: Any) -> tuple[int, TokenLogprob | None]:
+        self.seen.append(np.array(logits, copy=True))
+        return self.inner.take(logits)
+
+
+def logit_steps(
+    session: Session,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    max_positions: int,
+    decoders: Sequence[Decoder],
+    eos_ids: Sequence[int] = (),
+) -> Iterator[Step]:
+    """The engine core's generation of `prompts` (`run_inline`), one `Step` per generated position
+    with the logits each row's token was chosen from: what the verification gate compares, step
+    by step. A row is done after it chooses an eos id; the steps go on while any row generates.
+    A step is yielded as soon as every row has taken it (or finished), so the steps before a
+    failure are seen before its GenerationError."""
+    check_length(prompts, max_new_tokens, max_positions)
+    recording = [_Recording(d) for d in decoders]
+    requests = token_requests(prompts, max_new_tokens, recording, eos_ids)
+    taken = 0
+    for _ in run_inline(session, requests, max_positions=max_positions, eos_ids=eos_ids):
+        while all(len(d.seen) > taken or r.finished for d, r in zip(recording, requests)):
+            rows = [d.seen[taken] if len(d.seen) > taken else None for d in recording]
+            if all(row is None for row in rows):
+                return
+            width = next(row for row in rows if row is not None).shape[-1]
+            active = np.array([row is not None for row in rows])
+            logits = np.stack([np.zeros(width, np.float32) if row is None else row for row in rows])
+            tokens = np.array([_token(r, taken) if on else 0 for r, on in zip(requests, active)], dtype=np.int64)
+            yield Step(tokens, logits, active)
+            taken += 1
+
+
+def _token(request: Request, index: int) -> int:
+    """The `index`-th token `request` took (an ending eos included)."""
+    return request.tokens[index] if index < len(request.tokens) else int(request.ending_eos or 0)

@@ -19,9 +19,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvforge.runners.core import Delta, EngineCore, Event, Failed, Finished, Request
+from kvforge.runners.core import Delta, Event, Finished, Request, run_inline, token_requests
 from kvforge.runners.decoding import Decoder, TokenLogprob, batch_decoders
-from kvforge.runners.detokenizer import StreamingDetokenizer
 from kvforge.runners.errors import ArtifactError, GenerationError
 from kvforge.runners.generate import check_length
 from kvforge.runners.manifest import (
@@ -422,31 +421,10 @@ class Engine:
         stats.total_s = time.perf_counter() - start
 
     def _run(self, requests: list[Request], speculation: Speculation | None = None) -> Iterator[list[list[Event]]]:
-        """Generate `requests` as the engine core's batch, stepped here (no thread); after each step,
-        every request's new events. A failed request raises its message as a GenerationError.
-
-        The rows share one batch (as many rows as requests); with speculation they run one after
-        another, each a batch of one that verifies its pending token and drafts in one step."""
-        longest = max(len(r.ids) + r.budget for r in requests)
-        core = EngineCore(
-            self.session,
-            max_positions=min(self.max_positions, longest),
-            eos_ids=self.eos_ids,
-            max_num_seqs=1 if speculation is not None else len(requests),
-            prefill_chunk=None,
-            speculation=speculation,
-            join_first=True,
+        """Generate `requests` as the engine core's batch, stepped here (`run_inline`)."""
+        return run_inline(
+            self.session, requests, max_positions=self.max_positions, eos_ids=self.eos_ids, speculation=speculation
         )
-        core.add(*requests)
-        while core.busy:
-            core.step()
-            events = [_drain(r) for r in requests]
-            for row, got in enumerate(events):
-                for event in got:
-                    if isinstance(event, Failed):
-                        where = f"prompts[{row}]: " if len(requests) > 1 else ""
-                        raise GenerationError(where + event.message)
-            yield events
 
     def speculation(self, speculative: str | None, draft_tokens: int | None) -> Speculation | None:
         """What `speculative` and `draft_tokens` ask for, checked against this artifact (None: plain decoding);
@@ -481,10 +459,7 @@ class Engine:
         batch = [self._checked_ids(row, p) for row, p in enumerate(prompts)]
         budget = self.budget(max_new_tokens, batch)
         check_length(batch, budget, self.max_positions)
-        requests = [
-            Request(ids, params, budget, _NoText(), self.eos_ids, decoder=decoder)
-            for ids, decoder in zip(batch, batch_decoders(params, batch))
-        ]
+        requests = token_requests(batch, budget, batch_decoders(params, batch), self.eos_ids)
         for _ in self._run(requests):
             pass
         return [r.tokens + ([] if r.ending_eos is None else [r.ending_eos]) for r in requests]
@@ -622,28 +597,7 @@ def _preview(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _drain(request: Request) -> list[Event]:
-    """The events a request has had since the last call."""
-    events: list[Event] = []
-    while not request.events.empty():
-        events.append(request.events.get_nowait())
-    return events
-
-
 def _as_request(record: GenerationRequest) -> Request:
     """A record made elsewhere as the core's request, its state carried over."""
     request = Request(**{f.name: getattr(record, f.name) for f in fields(GenerationRequest)})
     return request
-
-
-class _NoText(StreamingDetokenizer):
-    """The detokenizer of a request whose caller wants token ids only (`generate_tokens`): no text."""
-
-    def __init__(self) -> None:
-        self.stopped = False
-
-    def add(self, token_id: int) -> str:
-        return ""
-
-    def finish(self) -> str:
-        return ""

@@ -1,10 +1,9 @@
-"""The step's pieces (`forward`, `prefill`, the length and logits checks, `choose_tokens`), and the
-left-padded loop the verification gate and `kvforge bench` drive (`generate_steps`): a prefill of
-every prompt at once, then one-token decode steps over a `Session`. `Engine` and the server run
-the engine core (`kvforge.runners.core`) instead.
+"""The pieces of a step over a `Session` (`forward`, `prefill`, the length and logits checks,
+`choose_tokens`), which the engine core (`kvforge.runners.core`) puts together for everything
+that generates.
 
-Prompts of different lengths are left-padded into one batch; the attention mask marks
-padding, and position ids count only real tokens, so each row sees exactly what it would
+Prompts of different lengths are left-padded into one batch (`left_pad`); the attention mask
+marks padding, and position ids count only real tokens, so each row sees exactly what it would
 see alone. Each step's present tensors are fed back as the next step's past: in the
 contract's `shared` mode they are the same preallocated buffers, written in place; a layer
 bounded by a sliding window keeps only its present's last window - 1 positions.
@@ -14,26 +13,15 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvforge.runners.cache import HOST, Cache, Device, device_of
+from kvforge.runners.cache import HOST, Cache, Device, on_host, shape_of
 from kvforge.runners.contract import KEEP_INPUT, DecoderIO
 from kvforge.runners.decoding import Decoder, TokenLogprob
 from kvforge.runners.errors import GenerationError
 from kvforge.runners.session import Session
-
-
-@dataclass(frozen=True)
-class Step:
-    """One generated position: the token chosen per row and the logits it came from."""
-
-    tokens: np.ndarray  # int64 [batch]; pad id for rows that had already finished
-    logits: np.ndarray  # [batch, vocab], before sampling
-    active: np.ndarray  # bool [batch]: rows still generating when this step was taken
-    logprobs: tuple[TokenLogprob | None, ...] = ()  # per row, when its decoder was asked for them
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -80,6 +68,7 @@ def forward(
         feeds[KEEP_INPUT] = np.array([input_ids.shape[1] if every_position else 1], dtype=np.int64)
     feeds.update(cache)
     outputs = session.run(feeds)
+    check_logits(outputs["logits"], input_ids.shape[0], session.io.vocab_size)
     # a plain mapping is a cache its caller holds on the host: it comes back there
     current = cache if isinstance(cache, Cache) else Cache(session.io, cache, HOST)
     return outputs["logits"], current.after(outputs, extra)
@@ -117,29 +106,17 @@ def check_length(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_posi
         )
 
 
-def last_logits(logits: np.ndarray, active: np.ndarray, vocab_size: int, step: int) -> np.ndarray:
-    """The last position's logits [batch, vocab], refused when a row still generating has NaN or inf.
-
-    Sampling from such a row would pick an arbitrary token and carry on as if nothing
-    happened; the error names the step (0 is the prefill) and the row instead.
-    """
-    where = "prefill (step 0)" if step == 0 else f"decode step {step}"
-    array = np.asarray(logits)
-    shape_ok = array.ndim == 3 and array.shape[0] == active.shape[0] and array.shape[2] == vocab_size
-    if not shape_ok or array.shape[1] == 0 or not np.issubdtype(array.dtype, np.floating):
+def check_logits(logits: Any, rows: int, vocab_size: int) -> None:
+    """Refuse logits that are not [rows, positions, vocab] floats: an artifact that does not match its manifest."""
+    array = np.asarray(logits) if on_host(logits) else None
+    shape = tuple(array.shape) if array is not None else tuple(shape_of(logits))
+    floats = array is None or np.issubdtype(array.dtype, np.floating)
+    if len(shape) != 3 or shape[0] != rows or shape[1] == 0 or shape[2] != vocab_size or not floats:
+        dtype = "" if array is None else f" and dtype {array.dtype}"
         raise GenerationError(
-            f"{where}: the session returned logits of shape {array.shape} and dtype {array.dtype}, expected "
-            f"[{active.shape[0]}, seq, {vocab_size}] floats; the artifact does not match its manifest, rebuild it"
+            f"the session returned logits of shape {shape}{dtype}, expected [{rows}, positions, {vocab_size}] floats; "
+            "the artifact does not match its manifest, rebuild it"
         )
-    last = array[:, -1, :]
-    for problem, rows in invalid_rows(last):
-        bad = np.flatnonzero(rows & active)
-        if bad.size:
-            raise GenerationError(
-                f"{where}: logits {problem} (row {bad[0]}); the model or session produced invalid output, so no "
-                "token was sampled: check the artifact with `kvforge verify` or try another execution provider"
-            )
-    return last
 
 
 def invalid_rows(last: np.ndarray) -> list[tuple[str, np.ndarray]]:
@@ -185,54 +162,6 @@ def prefill(
         end = min(begin + size, width)
         logits, cache = forward(session, np.ascontiguousarray(ids[:, begin:end]), mask[:, :end], cache)
         yield end, logits, cache
-
-
-def generate_steps(
-    session: Session,
-    prompts: Sequence[Sequence[int]],
-    *,
-    max_new_tokens: int,
-    max_positions: int,
-    decoders: Sequence[Decoder],
-    eos_ids: Sequence[int] = (),
-    pad_id: int = 0,
-    done: np.ndarray | None = None,
-    prefilled: tuple[np.ndarray, Cache] | None = None,
-) -> Iterator[Step]:
-    """Yield one `Step` per generated position until every row is done or the budget is spent.
-
-    Each row's token is its decoder's choice (its own processors, sampler and draws; see
-    `kvforge.runners.decoding.batch_decoders` for a batch under one set of parameters) and is handed
-    back to it. A row is done after it chooses an eos id. The caller may also mark rows done
-    by setting `done[row] = True` between steps (a stop string, a cancelled request); the
-    loop ends as soon as every row is done. The prompts are prefilled in one call, or
-    `prefilled` gives that call's logits and cache where the caller has run it (`forward` on
-    the prompts left-padded with `pad_id`, into `empty_cache` for the prompt and
-    `max_new_tokens`).
-    """
-    check_length(prompts, max_new_tokens, max_positions)
-    if len(decoders) != len(prompts):
-        raise GenerationError(f"{len(prompts)} prompts need one decoder each, got {len(decoders)}")
-    ids, mask = left_pad(prompts, pad_id)
-    done = np.zeros(len(prompts), dtype=bool) if done is None else done
-    if prefilled is None:
-        cache = empty_cache(session.io, len(prompts), ids.shape[1] + max_new_tokens, device_of(session))
-        *_, (_, logits, cache) = prefill(session, ids, mask, cache)
-    else:
-        logits, cache = prefilled
-    eos = np.asarray(list(eos_ids), dtype=np.int64)
-    for step in range(max_new_tokens):
-        active = ~done
-        last = last_logits(logits, active, session.io.vocab_size, step)
-        # Finished rows are still computed; whatever they hold must not stop the others:
-        # only the rows still generating are checked and choose a token.
-        tokens, entries = choose_tokens(decoders, last, active, pad_id)
-        yield Step(tokens, last, active, entries)
-        done |= (tokens[:, None] == eos).any(axis=1) & active
-        if done.all() or step == max_new_tokens - 1:
-            return
-        mask = np.concatenate([mask, active[:, None].astype(np.int64)], axis=1)
-        logits, cache = forward(session, tokens[:, None], mask, cache)
 
 
 def choose_tokens(

@@ -8,7 +8,7 @@ generation loop and must pick the same token at every step, with logits in toler
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -16,9 +16,10 @@ import numpy as np
 
 from kvforge.runners.cache import Cache, device_of
 from kvforge.runners.contract import DecoderIO
+from kvforge.runners.core import Step, logit_steps
 from kvforge.runners.decoding import batch_decoders
 from kvforge.runners.errors import GenerationError, ParityError
-from kvforge.runners.generate import Step, empty_cache, forward, generate_steps, left_pad
+from kvforge.runners.generate import empty_cache, forward, left_pad
 from kvforge.runners.sampling import SamplingParams
 from kvforge.runners.session import Session
 
@@ -162,24 +163,17 @@ class ReferenceRun:
     prompts: list[list[int]]
     prefill_logits: np.ndarray
     prefill_cache: dict[str, np.ndarray]
-    steps: list[Step]  # greedy decode through the runner's loop
+    steps: list[Step]  # greedy decode through the engine core
     error: str = ""  # the eager model's own logits were not finite
 
 
 def record_reference(reference: Session, *, max_positions: int, decode_steps: int = 8, seed: int = 0) -> ReferenceRun:
     prompts = _prompts(reference.io.vocab_size, seed)
     logits, cache = _prefill(reference, prompts, decode_steps)
-    # the recorded cache is a copy: the decode below goes on from the prefill's own
+    # a copy: nothing the session runs next may write into what the comparison reads
     run = ReferenceRun(prompts, logits, {name: array.copy() for name, array in cache.host().items()}, [])
     try:
-        for step in generate_steps(
-            reference,
-            prompts,
-            max_new_tokens=decode_steps,
-            max_positions=max_positions,
-            decoders=batch_decoders(SamplingParams(temperature=0.0), prompts),
-            prefilled=(logits, cache),
-        ):
+        for step in _greedy(reference, prompts, decode_steps, max_positions):
             run.steps.append(step)
     except GenerationError as e:
         run.error = f"the eager model: {e}"
@@ -207,19 +201,26 @@ def compare_with_reference(
             compare("logits (logits_to_keep 1)", reference.prefill_logits[:, -1:], last, tol, rows=True)
         )
     if all(e.within for e in report.prefill):  # decoding from a wrong prefill only repeats the failure
-        _decode(report, reference, candidate, max_positions, prefilled, new_tokens)
+        _decode(report, reference, candidate, max_positions, new_tokens)
     return report
 
 
 def _prefill(
     session: Session, prompts: list[list[int]], new_tokens: int, every_position: bool = False
 ) -> tuple[np.ndarray, Cache]:
-    """The gate's prompts in one step, into a cache with room for `new_tokens` more: compared
-    as it is, then decoded from (`generate_steps`' `prefilled`). `every_position`: the logits
-    of every position where the graph takes `logits_to_keep` (what a verify step reads)."""
+    """The gate's prompts in one step, left-padded into one batch, into a cache with room for
+    `new_tokens` more: what the prefill comparison reads. `every_position`: the logits of every
+    position where the graph takes `logits_to_keep` (what a verify step reads)."""
     ids, mask = left_pad(prompts, pad_id=0)
     cache = empty_cache(session.io, len(prompts), ids.shape[1] + new_tokens, device_of(session))
     return forward(session, ids, mask, cache, every_position=every_position)
+
+
+def _greedy(session: Session, prompts: list[list[int]], new_tokens: int, max_positions: int) -> Iterator[Step]:
+    """The runner's own greedy generation of `prompts` (the engine core: each prompt prefilled
+    alone, then decoded as one batch), with each step's logits."""
+    decoders = batch_decoders(SamplingParams(temperature=0.0), prompts)
+    return logit_steps(session, prompts, max_new_tokens=new_tokens, max_positions=max_positions, decoders=decoders)
 
 
 def _decode(
@@ -227,19 +228,11 @@ def _decode(
     reference: ReferenceRun,
     candidate: Session,
     max_positions: int,
-    prefilled: tuple[np.ndarray, Cache],
     new_tokens: int,
 ) -> None:
-    """Greedy decode through the runner's loop from the compared prefill; stop at the first
-    token that differs from the eager model's."""
-    steps = generate_steps(
-        candidate,
-        reference.prompts,
-        max_new_tokens=new_tokens,
-        max_positions=max_positions,
-        decoders=batch_decoders(SamplingParams(temperature=0.0), reference.prompts),
-        prefilled=prefilled,
-    )
+    """Greedy generation through the engine core, as the eager model's was made; stop at the
+    first token that differs from the eager model's."""
+    steps = _greedy(candidate, reference.prompts, new_tokens, max_positions)
     try:
         for index, (ref_step, cand_step) in enumerate(zip(reference.steps, steps)):
             report.decode_steps = index + 1

@@ -83,8 +83,9 @@ def test_a_round_prefills_every_configuration_then_takes_their_decode_steps_in_t
     engine.session.run = recorded  # type: ignore[method-assign]
     batches = [[[5, 6, 7, 8]], [[3, 4, 5], [6, 7, 8]]]
     measured = measure_round(engine, batches, new_tokens=3)
-    # (rows, new positions) per call: both prefills, then one decode step of each in turn
-    assert calls == [(1, 4), (2, 3), (1, 1), (2, 1), (1, 1), (2, 1)]
+    # (rows, new positions) per call: every prompt prefilled alone (the engine core's prefills), then
+    # one decode step of each configuration's batch in turn
+    assert calls == [(1, 4), (1, 3), (1, 3), (1, 1), (2, 1), (1, 1), (2, 1)]
     assert len(measured) == 2 and all(first > 0 and speed > 0 for first, speed in measured)
 
 

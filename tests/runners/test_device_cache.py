@@ -21,9 +21,9 @@ import onnxruntime as ort
 import pytest
 
 from kvforge.runners.cache import HOST, Cache, OrtDevice
+from kvforge.runners.core import logit_steps
 from kvforge.runners.decoding import batch_decoders
 from kvforge.runners.engine import Engine
-from kvforge.runners.generate import generate_steps
 from kvforge.runners.sampling import SamplingParams
 from kvforge.runners.session import OrtSession
 
@@ -56,7 +56,7 @@ def _session(artifact: Path, on_device: bool) -> tuple[OrtSession, int]:
 
 
 def _greedy(session: OrtSession, max_positions: int, prompts: list[list[int]]) -> np.ndarray:
-    steps = generate_steps(
+    steps = logit_steps(
         session,
         prompts,
         max_new_tokens=NEW_TOKENS,

@@ -18,10 +18,11 @@ import pytest
 
 import kvforge.runners.engine as engine_module
 import kvforge.runners.manifest as manifest_module
+from kvforge.runners.core import Step, logit_steps
 from kvforge.runners.decoding import batch_decoders
 from kvforge.runners.engine import Engine
 from kvforge.runners.errors import ArtifactError, GenerationError
-from kvforge.runners.generate import Step, empty_cache, forward, generate_steps, left_pad
+from kvforge.runners.generate import empty_cache, forward, left_pad
 from kvforge.runners.sampling import SamplingParams
 from kvforge.runners.session import OrtSession, Session
 
@@ -251,7 +252,7 @@ def test_one_session_serves_generations_of_any_shape(artifact: Path, engine: Eng
     prompts = [engine.encode(PROMPT), engine.encode("import os")]
 
     def steps(session_engine: Engine, batch: list[list[int]], new: int) -> list[np.ndarray]:
-        run = generate_steps(
+        run = logit_steps(
             session_engine.session,
             batch,
             max_new_tokens=new,
@@ -287,7 +288,7 @@ def test_generations_stepped_in_turn_keep_their_bindings_and_match_each_alone(
     prompts = [engine.encode(PROMPT), engine.encode("import os")]
 
     def run(batch: list[list[int]], on: Engine = engine) -> Iterator[Step]:
-        return generate_steps(
+        return logit_steps(
             on.session,
             batch,
             max_new_tokens=6,
@@ -300,12 +301,14 @@ def test_generations_stepped_in_turn_keep_their_bindings_and_match_each_alone(
     for a, b in zip(one, two):
         alternating[0].append(a.logits)
         alternating[1].append(b.logits)
-    assert bound == [1, 2]  # one binding per generation, not one per step
+    # one binding per set of buffers, not one per step: each prompt's prefill cache, then the batch of
+    # two (a batch of one row goes on in its prefill's buffers)
+    assert bound == [1, 1, 1, 2]
     many = [run(prompts[:1]) for _ in range(6)]  # more sets of buffers than the session keeps bindings for
     for index, steps in enumerate(zip(*many)):
         for step in steps:
             np.testing.assert_array_equal(step.logits, alternating[0][index])
-    assert bound[2:] == [1] * 36  # in turn, six sets evict each other from four kept: every step rebinds
+    assert bound[4:] == [1] * 36  # in turn, six sets evict each other from four kept: every step rebinds
     fresh = Engine.load(artifact)
     for logits, batch in zip(alternating, (prompts[:1], prompts)):
         for got, want in zip(logits, (step.logits for step in run(batch, fresh)), strict=True):

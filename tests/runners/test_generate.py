@@ -1,7 +1,7 @@
-"""The generation loop over a scripted `Session`: invalid logits are refused, naming the step.
+"""The engine core's generation over a scripted `Session`: invalid logits are refused, naming the step.
 
-The loop needs only ``session.io`` and ``session.run(feeds)``, so a session that returns
-crafted arrays shows exactly what the loop does with them, without a model.
+The core needs only ``session.io`` and ``session.run(feeds)``, so a session that returns
+crafted arrays shows exactly what it does with them, without a model.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from kvforge.runners.contract import DecoderIO
+from kvforge.runners.core import logit_steps
 from kvforge.runners.decoding import batch_decoders
 from kvforge.runners.errors import GenerationError
-from kvforge.runners.generate import check_length, generate_steps
+from kvforge.runners.generate import check_length
 from kvforge.runners.sampling import SamplingParams
 
 IO = DecoderIO(num_layers=1, num_kv_heads=1, head_dim=2, vocab_size=8)
@@ -54,7 +55,7 @@ def favour(token: int, poison_call: int | None = None, poison: float = np.nan, r
 
 def run_loop(session: ScriptedSession, prompts: list[list[int]], max_new_tokens: int = 6, **kwargs: object) -> list:
     return list(
-        generate_steps(
+        logit_steps(
             session,
             prompts,
             max_new_tokens=max_new_tokens,
@@ -79,8 +80,8 @@ def test_nan_or_inf_logits_raise_naming_the_step(poison: float, problem: str | N
         assert [int(s.tokens[0]) for s in run_loop(session, [[1, 2]])] == [5] * 6
         return
     produced = []
-    with pytest.raises(GenerationError, match=rf"^{where}: logits {problem} \(row 0\); .*kvforge verify"):
-        for step in generate_steps(
+    with pytest.raises(GenerationError, match=rf"^{where}: logits {problem}; .*kvforge verify"):
+        for step in logit_steps(
             session,
             [[1, 2]],
             max_new_tokens=6,
@@ -94,11 +95,11 @@ def test_nan_or_inf_logits_raise_naming_the_step(poison: float, problem: str | N
 def test_all_minus_inf_row_is_refused() -> None:
     def logits_for(call: int, ids: np.ndarray) -> np.ndarray:
         logits = np.zeros((ids.shape[0], ids.shape[1], IO.vocab_size), np.float32)
-        if call == 2:
+        if call == 3:  # each prompt prefilled alone (calls 0 and 1), then the batch's second decode step
             logits[1, -1, :] = -np.inf
         return logits
 
-    with pytest.raises(GenerationError, match=r"^decode step 2: logits are all -inf \(row 1\)"):
+    with pytest.raises(GenerationError, match=r"^prompts\[1\]: decode step 2: logits are all -inf; "):
         run_loop(ScriptedSession(logits_for), [[1], [2, 3]])
 
 
@@ -106,7 +107,7 @@ def test_sampling_is_refused_too_not_only_greedy() -> None:
     session = ScriptedSession(favour(5, poison_call=1))
     with pytest.raises(GenerationError, match="decode step 1: logits contain NaN"):
         list(
-            generate_steps(
+            logit_steps(
                 session,
                 [[1, 2]],
                 max_new_tokens=4,
@@ -116,19 +117,21 @@ def test_sampling_is_refused_too_not_only_greedy() -> None:
         )
 
 
-def test_a_finished_row_with_bad_logits_does_not_stop_the_others() -> None:
-    """Row 0 samples eos at once; its later (ignored) logits are NaN, row 1 carries on."""
+def test_a_finished_row_leaves_the_batch_and_the_others_go_on() -> None:
+    """Row 0 samples eos from its prefill; it is never computed again and row 1 carries on alone;
+    the steps mark row 0 inactive from then on."""
+    batches = []
 
     def logits_for(call: int, ids: np.ndarray) -> np.ndarray:
+        batches.append(ids.shape[0])
         logits = np.zeros((ids.shape[0], ids.shape[1], IO.vocab_size), np.float32)
-        logits[0, :, 7] = 5.0  # eos for row 0
-        logits[1, :, 4] = 5.0
-        if call >= 1:
-            logits[0, -1, :] = np.nan
+        logits[:, :, 7 if call == 0 else 4] = 5.0  # call 0: row 0's prefill, which chooses eos
         return logits
 
     steps = run_loop(ScriptedSession(logits_for), [[1, 2], [3]], max_new_tokens=4, eos_ids=[7])
     assert [s.tokens.tolist() for s in steps] == [[7, 4], [0, 4], [0, 4], [0, 4]]
+    assert [s.active.tolist() for s in steps] == [[True, True]] + [[False, True]] * 3
+    assert batches == [1, 1, 1, 1, 1]  # two prefills, then three decode steps of row 1 alone
 
 
 @pytest.mark.parametrize(
@@ -142,7 +145,7 @@ def test_a_finished_row_with_bad_logits_does_not_stop_the_others() -> None:
 )
 def test_malformed_logits_are_refused_naming_the_step(bad: np.ndarray) -> None:
     session = ScriptedSession(lambda call, ids: bad)
-    with pytest.raises(GenerationError, match=r"^prefill \(step 0\): the session returned logits of shape"):
+    with pytest.raises(GenerationError, match=r"^prefill failed: the session returned logits of shape"):
         run_loop(session, [[1, 2]])
 
 

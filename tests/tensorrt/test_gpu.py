@@ -85,8 +85,8 @@ def test_chunked_prefill_on_the_engine_equals_one_prefill_on_onnxruntime(engine_
 
 
 def test_decode_is_faster_than_onnxruntime_on_the_cpu(engine_artifact: Path) -> None:
+    from kvforge.runners.core import logit_steps
     from kvforge.runners.decoding import batch_decoders
-    from kvforge.runners.generate import generate_steps
     from kvforge.runners.manifest import read_io, read_manifest
     from kvforge.runners.sampling import SamplingParams
     from kvforge.runners.session import OrtSession
@@ -95,7 +95,7 @@ def test_decode_is_faster_than_onnxruntime_on_the_cpu(engine_artifact: Path) -> 
     io = read_io(engine_artifact, read_manifest(engine_artifact))
 
     def tokens_per_second(session: object) -> float:
-        steps = generate_steps(
+        steps = logit_steps(
             session,  # type: ignore[arg-type]
             [[5, 6, 7, 8]] * 4,
             max_new_tokens=64,

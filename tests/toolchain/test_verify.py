@@ -90,14 +90,16 @@ def test_identical_sessions_pass_with_all_decode_steps() -> None:
     assert report.passed and report.decode_steps == 8 and report.first_diverging_step is None
 
 
-def test_each_side_prefills_once_and_decodes_from_the_prefill_it_compared() -> None:
-    """The compared prefill is the one decoding continues from: one step per new token after
-    it, on the eager side and on the compiled one."""
+def test_each_side_prefills_the_batch_once_then_generates_as_the_engine_does() -> None:
+    """The compared prefill is one call over the left-padded prompts; the decode is the engine
+    core's (each prompt prefilled alone, then one batch step per new token after the first), on
+    the eager side and on the compiled one."""
     reference, candidate = FakeSession(), FakeSession()
     report = check_parity(reference, candidate, max_positions=64, decode_steps=8)
     assert report.passed and report.decode_steps == 8
-    # the eighth token is chosen from the seventh step's logits: prefill + 7 decode steps
-    assert (reference.calls, candidate.calls) == (8, 8)
+    prompts = len(record_reference(FakeSession(), max_positions=64, decode_steps=8).prompts)
+    # the eighth token is chosen from the seventh decode step's logits
+    assert (reference.calls, candidate.calls) == (1 + prompts + 7, 1 + prompts + 7)
 
 
 def test_a_shifted_logit_is_reported_with_the_first_diverging_step() -> None:
@@ -208,8 +210,10 @@ def test_a_keep_graph_is_gated_on_every_position_and_on_the_last_alone() -> None
     report = check_parity(FakeSession(), candidate, max_positions=64, decode_steps=4)
     assert report.passed
     widest = max(len(p) for p in record_reference(FakeSession(), max_positions=64, decode_steps=4).prompts)
-    # the prefill asked for every position, then for the last as generation does; decode steps one each
-    assert candidate.kept == [widest, 1, 1, 1, 1]
+    # the prefill asked for every position, then for the last as generation does; then the engine
+    # core's prefill of each prompt and its decode steps, one position each
+    prompts = len(record_reference(FakeSession(), max_positions=64, decode_steps=4).prompts)
+    assert candidate.kept == [widest, 1] + [1] * prompts + [1, 1, 1]
     assert [e.name for e in report.prefill][0] == "logits" and report.prefill[-1].name == "logits (logits_to_keep 1)"
 
     broken = check_parity(FakeSession(), KeepSession(wrong_last=6.0), max_positions=64, decode_steps=4)
