@@ -356,6 +356,20 @@ class Cache(dict[str, Any]):
         return {name: self.device.to_host(tensor) for name, tensor in self.items()}
 
 
+def new_presents(io: DecoderIO, feeds: Mapping[str, np.ndarray], new: int) -> dict[str, np.ndarray]:
+    """Host arrays for the outputs of a step over `feeds` (host arrays) that are not written in
+    place, by present name: a window-bounded layer's present (its past and the `new` positions)
+    and each fixed-size state (small: a new array each step)."""
+    pairs = dict(zip(io.cache_names, io.cache_present_names))
+    arrays = {}
+    for past in bounded_names(io):
+        batch, heads, held, dim = feeds[past].shape
+        arrays[pairs[past]] = np.empty((batch, heads, held + new, dim), dtype=feeds[past].dtype)
+    for past in io.state_names:
+        arrays[pairs[past]] = np.empty_like(feeds[past])
+    return arrays
+
+
 def _positions(tensor: Any) -> int:
     return shape_of(tensor)[2]
 

@@ -16,7 +16,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from kvforge.runners.cache import HOST, Device, DeviceView, OrtDevice, bounded_names, full_names, in_place, on_host
+from kvforge.runners.cache import (
+    HOST,
+    Device,
+    DeviceView,
+    OrtDevice,
+    bounded_names,
+    full_names,
+    in_place,
+    new_presents,
+    on_host,
+)
 from kvforge.runners.contract import KEEP_INPUT, DecoderIO
 from kvforge.runners.cpus import usable_cpus
 from kvforge.runners.errors import ArtifactError
@@ -153,7 +163,6 @@ class OrtSession:
         # The cache lives where the session runs: host memory for the CPU provider, which reads it
         # in place; the device's own memory for any other (a device copies host memory it is given).
         self.device: Device = HOST if providers[0] == "CPUExecutionProvider" else OrtDevice("cuda", 0)
-        self._states = tuple(zip(io.state_names, io.state_present_names))
         # Layers bounded by a window take a new past every step and return a longer present
         # (`DecoderIO.layer_windows`); only the others' buffers are bound in place.
         pairs = dict(zip(io.past_names, io.present_names))
@@ -197,17 +206,13 @@ class OrtSession:
         logits = np.empty((ids.shape[0], self.io.logits_rows(feeds), self.io.vocab_size), dtype=self.io.logits_dtype)
         binding.bind_output("logits", "cpu", 0, logits.dtype, list(logits.shape), logits.ctypes.data)
         outputs = {present: feeds[past] for past, present in self._in_place}
-        for past, present in self._bounded:  # past + new positions, into a new array
+        for past, _ in self._bounded:
             held_inputs.append(np.ascontiguousarray(feeds[past]))
             binding.bind_cpu_input(past, held_inputs[-1])
-            batch, heads, held, dim = feeds[past].shape
-            array = np.empty((batch, heads, held + ids.shape[1], dim), dtype=feeds[past].dtype)
+        # a window-bounded layer's present (past + new positions) and the fixed-size states: new arrays
+        for present, array in new_presents(self.io, feeds, ids.shape[1]).items():
             binding.bind_output(present, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
             outputs[present] = array
-        # Fixed-size states are small and not written in place: each step returns new arrays.
-        for past, present in self._states:
-            outputs[present] = state = np.empty_like(feeds[past])
-            binding.bind_output(present, "cpu", 0, state.dtype, list(state.shape), state.ctypes.data)
         self._session.run_with_iobinding(binding)
         del held_inputs
         outputs["logits"] = logits  # a new array per step: the caller may keep it
