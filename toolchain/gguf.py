@@ -184,7 +184,9 @@ def _write_checkpoint(file: Path, out: Path) -> None:
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    _keep_only_the_files_tokens(out / "tokenizer.json", _token_count(file))
+    count = _token_count(file)
+    if any(token_id >= count for token_id in tokenizer.added_tokens_decoder):  # else tokenizer.json is not read back
+        _keep_only_the_files_tokens(out / "tokenizer.json", count)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 

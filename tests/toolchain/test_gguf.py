@@ -207,6 +207,12 @@ def test_the_checkpoint_is_what_transformers_loads_from_the_file(tiny_gguf: Path
     text = "def fibonacci(n):\n    return n  # héllo 🙂"
     assert ours(text)["input_ids"] == theirs(text)["input_ids"]
     assert ours.chat_template == theirs.chat_template and ours.all_special_tokens == theirs.all_special_tokens
+    # less the token GPT-2's defaults add past the file's vocabulary (an id past the embedding table)
+    vocabulary = ckpt.config["vocab_size"]
+    assert max(theirs.added_tokens_decoder) >= vocabulary
+    assert {i: str(t) for i, t in ours.added_tokens_decoder.items()} == {
+        i: str(t) for i, t in theirs.added_tokens_decoder.items() if i < vocabulary
+    }
 
 
 def test_the_files_fields_are_those_the_gguf_packages_reader_reads(tiny_gguf: Path) -> None:
