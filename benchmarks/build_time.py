@@ -64,9 +64,13 @@ def measure(tool: str, checkpoint: str, workdir: Path) -> dict[str, float]:
     load = os.getloadavg()[0]
     timed = ["/usr/bin/time", "-f", "TIME %e %M %U %S", *command(tool, checkpoint, out)]
     name, _, tree = tool.partition("@")
-    source = Path(tree) if tree else REPO
-    environment = dict(os.environ, PYTHONPATH=str(source_view(source, workdir))) if name == "kvforge" else None
-    done = subprocess.run(timed, capture_output=True, text=True, cwd=source, env=environment)
+    cwd, environment = REPO, None
+    if name == "kvforge" and tree:
+        # run from the view: `-m` puts the working directory first on sys.path, where another
+        # tree's own kvforge/ would be found first, its subpackages then this interpreter's
+        cwd = source_view(Path(tree), workdir)
+        environment = dict(os.environ, PYTHONPATH=str(cwd))
+    done = subprocess.run(timed, capture_output=True, text=True, cwd=cwd, env=environment)
     if done.returncode:
         raise SystemExit(f"{tool} failed:\n{done.stderr[-3000:]}")
     found = re.search(r"TIME (\S+) (\d+) (\S+) (\S+)", done.stderr)
