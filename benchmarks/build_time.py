@@ -1,11 +1,14 @@
 """A whole build's wall time and peak memory beside the peers' builders, in one run.
 
-    python benchmarks/build_time.py CHECKPOINT WORKDIR [--rounds 3] [--tools kvforge genai optimum]
-                                    [kvforge@SOURCE_TREE ...]
+    python benchmarks/build_time.py CHECKPOINT [CHECKPOINT ...] WORKDIR [--rounds 3]
+                                    [--tools kvforge genai optimum] [kvforge@SOURCE_TREE ...]
 
-Each round runs every tool once, one after the other (the order turns round by round, so
-no tool always runs first or last), each a fresh process under `/usr/bin/time`, each
-writing a fresh output directory under WORKDIR:
+Each round runs every tool once on every checkpoint, one build after the other (the order
+turns round by round, so no build always runs first or last), each a fresh process under
+`/usr/bin/time`, each writing a fresh output directory under WORKDIR. Several checkpoints
+compare the same model's builds from different files side by side (a GGUF file against the
+safetensors directory of its dequantized weights, say): the medians of each are given over
+the first checkpoint's, tool by tool.
 
 - kvforge: `python -m kvforge build CHECKPOINT -o OUT` (fp32, ort-cpu, the parity
   gate included), with this interpreter; its stage times are read off its last line;
@@ -20,8 +23,9 @@ The peers run from the environments `../shared/bench/setup_peers.sh` makes (unde
 KVF_EVAL_ROOT, default ~/.cache/kvf-eval), as `../shared/bench/peer_one.py` runs them.
 Prints one JSON line per build (wall seconds, CPU seconds (user + system, every thread of
 the process and its children), peak resident memory in GB, the load average when it
-started, kvforge's stages) and the medians per tool. On a machine other jobs share, the CPU
-seconds vary less between runs than the wall time.
+started, kvforge's stages and the share of `/usr/bin/time`'s wall that they add up to) and
+the medians per tool and checkpoint. On a machine other jobs share, the CPU seconds vary less
+between runs than the wall time.
 """
 
 from __future__ import annotations
@@ -60,9 +64,13 @@ def measure(tool: str, checkpoint: str, workdir: Path) -> dict[str, float]:
     load = os.getloadavg()[0]
     timed = ["/usr/bin/time", "-f", "TIME %e %M %U %S", *command(tool, checkpoint, out)]
     name, _, tree = tool.partition("@")
-    source = Path(tree) if tree else REPO
-    environment = dict(os.environ, PYTHONPATH=str(source_view(source, workdir))) if name == "kvforge" else None
-    done = subprocess.run(timed, capture_output=True, text=True, cwd=source, env=environment)
+    cwd, environment = REPO, None
+    if name == "kvforge" and tree:
+        # run from the view: `-m` puts the working directory first on sys.path, where another
+        # tree's own kvforge/ would be found first, its subpackages then this interpreter's
+        cwd = source_view(Path(tree), workdir)
+        environment = dict(os.environ, PYTHONPATH=str(cwd))
+    done = subprocess.run(timed, capture_output=True, text=True, cwd=cwd, env=environment)
     if done.returncode:
         raise SystemExit(f"{tool} failed:\n{done.stderr[-3000:]}")
     found = re.search(r"TIME (\S+) (\d+) (\S+) (\S+)", done.stderr)
@@ -76,7 +84,8 @@ def measure(tool: str, checkpoint: str, workdir: Path) -> dict[str, float]:
     }
     stages = re.search(r"built \S+ (?:in [\d.]+s )?\((.*)\)", done.stderr)  # "in N s" since the summary has it
     if stages is not None:
-        row |= {name: float(s) for name, s in re.findall(r"(\w+) ([\d.]+)s", stages.group(1))}
+        times = {name: float(s) for name, s in re.findall(r"(\w+) ([\d.]+)s", stages.group(1))}
+        row |= times | {"stages_share": round(sum(times.values()) / row["wall"], 3)}
     return row
 
 
@@ -98,30 +107,40 @@ def source_view(tree: Path, workdir: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint")
+    parser.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT")
     parser.add_argument("workdir", type=Path)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tools", nargs="+", default=["kvforge", "genai", "optimum"])
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    rows: dict[str, list[dict[str, float]]] = {tool: [] for tool in args.tools}
+    builds = [(tool, checkpoint) for checkpoint in args.checkpoints for tool in args.tools]
+    rows: dict[tuple[str, str], list[dict[str, float]]] = {build: [] for build in builds}
     for round_ in range(args.rounds):
-        shift = round_ % len(args.tools)
-        for tool in args.tools[shift:] + args.tools[:shift]:
-            row = measure(tool, args.checkpoint, args.workdir)
-            rows[tool].append(row)
-            print(json.dumps({"round": round_ + 1, "tool": tool} | row), flush=True)
+        shift = round_ % len(builds)
+        for tool, checkpoint in builds[shift:] + builds[:shift]:
+            row = measure(tool, checkpoint, args.workdir)
+            rows[tool, checkpoint].append(row)
+            print(json.dumps({"round": round_ + 1, "tool": tool, "checkpoint": checkpoint} | row), flush=True)
     print("medians:")
     medians = {
-        tool: {k: statistics.median(r[k] for r in measured) for k in measured[0]} for tool, measured in rows.items()
+        build: {k: statistics.median(r[k] for r in measured if k in r) for k in measured[0]}
+        for build, measured in rows.items()
     }
-    for tool, median in medians.items():
-        print(json.dumps({"tool": tool} | {k: round(v, 3) for k, v in median.items()}))
-    if "genai" in medians:  # the issue's measure: each tool's medians over onnxruntime-genai's builder's
-        base = medians["genai"]
-        for tool, median in medians.items():
-            ratios = {f"{k}_ratio": round(median[k] / base[k], 2) for k in ("wall", "cpu", "peak_gb")}
-            print(json.dumps({"tool": tool, "against": "genai"} | ratios))
+    for (tool, checkpoint), median in medians.items():
+        print(json.dumps({"tool": tool, "checkpoint": checkpoint} | {k: round(v, 3) for k, v in median.items()}))
+    first = args.checkpoints[0]
+    for tool, checkpoint in builds:  # the same tool's build of another file of the model, over the first's
+        if checkpoint != first:
+            base = medians[tool, first]
+            ratios = {f"{k}_ratio": round(medians[tool, checkpoint][k] / base[k], 2) for k in ("wall", "cpu")}
+            print(json.dumps({"tool": tool, "checkpoint": checkpoint, "against": first} | ratios))
+    for checkpoint in args.checkpoints:  # the issue's measure: each tool's medians over onnxruntime-genai's builder's
+        if ("genai", checkpoint) in medians:
+            base = medians["genai", checkpoint]
+            for tool in args.tools:
+                median = medians[tool, checkpoint]
+                ratios = {f"{k}_ratio": round(median[k] / base[k], 2) for k in ("wall", "cpu", "peak_gb")}
+                print(json.dumps({"tool": tool, "checkpoint": checkpoint, "against": "genai"} | ratios))
 
 
 if __name__ == "__main__":

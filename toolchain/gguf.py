@@ -5,13 +5,14 @@ of them quantized). Everything kvforge reads from one is read here:
 
 - `find` says whether a path names a GGUF file (the file itself, or a directory holding
   exactly one and no config.json);
-- `dequantize` reads the file through transformers' GGUF loader (`from_pretrained(...,
-  gguf_file=...)`), which parses it with the gguf package (a memory map and numpy arrays:
-  nothing in the file is executed) and dequantizes the weights to float32. The config, the
-  tokenizer and the weights are written to a directory as an ordinary checkpoint, which
-  `kvforge.toolchain.checkpoint.load` reads (into a scratch directory it keeps alive as long as
-  the `Checkpoint`), so the pipeline and its checks are those of every checkpoint; the
-  `Checkpoint` names the GGUF file as its only input (the manifest's sources);
+- `dequantize` writes the checkpoint the file holds into a directory as an ordinary one,
+  which `kvforge.toolchain.checkpoint.load` reads (into a scratch directory it keeps alive as
+  long as the `Checkpoint`), so the pipeline and its checks are those of every checkpoint; the
+  `Checkpoint` names the GGUF file as its only input (the manifest's sources). The config and
+  the tokenizer are transformers' own from the metadata (`AutoConfig`, `AutoTokenizer`), the
+  weights what its GGUF loader loads, float32, each tensor dequantized once in numpy by the
+  gguf package (a memory map and numpy arrays: nothing in the file is executed) without
+  building the model;
 - `tensors` gives the file's own tensors, still in their GGUF types, by Hugging Face name;
 - `quantized_weights` the quantized ones as records the build imports with their own codes
   (`kvforge.toolchain.gguf_import`), their rows in the order transformers' loader gives the weights;
@@ -21,9 +22,9 @@ of them quantized). Everything kvforge reads from one is read here:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
-import gc
 import json
 import logging
 from collections.abc import Iterable, Iterator, Mapping
@@ -67,8 +68,9 @@ def find(path: Path) -> Path | None:
 
 
 def dequantize(file: Path, out: Path) -> None:
-    """Write the checkpoint `file` holds into the directory `out`, dequantized to float32 (see the
-    module's docstring): what `kvforge.toolchain.checkpoint.load` then reads as any checkpoint.
+    """Write the checkpoint `file` holds into the directory `out`, its weights dequantized to
+    float32 (see the module's docstring): what `kvforge.toolchain.checkpoint.load` then reads as
+    any checkpoint.
 
     Raises CheckpointError naming the file when it is not a GGUF file, or when transformers
     cannot read it (an architecture its GGUF loader does not know, a truncated file)."""
@@ -81,37 +83,43 @@ def dequantize(file: Path, out: Path) -> None:
 
 @contextmanager
 def _transformers_reading(file: Path) -> Iterator[None]:
-    """transformers' GGUF loader, reading `file` through the reader the build holds (`_reader`:
-    it parses the file once for its config, once for its tokenizer and once for its weights
-    otherwise), with its own progress bars off: the stage reports it. Its GGUF reader draws its
-    bar with tqdm directly, past that switch, so that module's tqdm is handed `disable=True`
-    meanwhile (where the module has one)."""
+    """transformers' GGUF readers, reading `file` through the reader the build holds (`_reader`)
+    and its metadata parsed once (`AutoConfig` and `AutoTokenizer` each parse it otherwise,
+    every token of the vocabulary a Python call), with its progress bars off: the stage
+    reports it."""
     import gguf
-    from transformers import modeling_gguf_pytorch_utils as reader
+    from transformers import modeling_gguf_pytorch_utils as loader
     from transformers.utils import logging as transformers_logging
 
     package_reader, package_names = gguf.GGUFReader, gguf.get_tensor_name_map
+    package_metadata = loader.load_gguf_checkpoint
+    parsed: list[dict[str, Any]] = []
 
     def shared(path: Any, mode: str = "r") -> Any:
         same = mode == "r" and Path(path).absolute() == file
         return _reader(file) if same else package_reader(path, mode)  # type: ignore[arg-type]
 
+    def metadata(path: Any, return_tensors: bool = False, *args: Any, **kwargs: Any) -> Any:
+        if return_tensors or args or kwargs or Path(path).absolute() != file:
+            return package_metadata(path, return_tensors, *args, **kwargs)
+        if not parsed:
+            parsed.append(package_metadata(path, return_tensors=False))
+        # a caller may change the config it is given; the tokenizer's lists are only read
+        return {name: copy.deepcopy(part) if name == "config" else part for name, part in parsed[0].items()}
+
     shown = transformers_logging.is_progress_bar_enabled()
     transformers_logging.disable_progress_bar()
-    bar = getattr(reader, "tqdm", None)
-    if bar is not None:
-        reader.tqdm = functools.partial(bar, disable=True)
-    # transformers imports both from the package as it reads; it asks for the architecture's name
-    # table once per module of the model (a table of thousands of formatted names each time)
+    # transformers imports these from their modules as it reads; it asks for the architecture's
+    # name table once per module of the model (a table of thousands of formatted names each time)
     gguf.GGUFReader = shared  # type: ignore[misc,assignment]
     gguf.get_tensor_name_map = _name_table
+    loader.load_gguf_checkpoint = metadata  # type: ignore[assignment]
     try:
         yield
     finally:
         gguf.GGUFReader = package_reader  # type: ignore[misc]
         gguf.get_tensor_name_map = package_names
-        if bar is not None:
-            reader.tqdm = bar
+        loader.load_gguf_checkpoint = package_metadata
         if shown:
             transformers_logging.enable_progress_bar()
 
@@ -140,39 +148,95 @@ def _check_magic(file: Path) -> None:
 
 def _write_checkpoint(file: Path, out: Path) -> None:
     """config.json, generation_config.json, the tokenizer's files (its chat template included)
-    and model.safetensors (float32) of `file`, written into `out` by transformers' GGUF loader."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    and model.safetensors (float32) of `file`, written into `out`.
+
+    The config and the tokenizer are transformers' own from the file's metadata
+    (`AutoConfig` and `AutoTokenizer` given `gguf_file`); the weights are what its GGUF loader
+    loads, without building the model: each tensor dequantized once, in numpy, by the gguf
+    package, then put through transformers' tensor processor for the architecture (the llama
+    query and key rows back in their order, Gemma's norms less one) under the name its
+    GGUF-to-Hugging-Face table gives (`_hf_weights`)."""
+    from safetensors.numpy import save_file
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            file.parent, gguf_file=file.name, dtype=torch.float32, local_files_only=True
+        config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(
+            file.parent, gguf_file=file.name, config=config, local_files_only=True
         )
+        weights = _hf_weights(file, config)
     except ImportError as e:  # gguf and accelerate: optional dependencies of transformers
         raise CheckpointError(
             f"{file}: reading GGUF files needs a package that is not installed ({_first_line(e)}); "
             "install kvforge[build]"
         ) from e
+    except CheckpointError:
+        raise
     except Exception as e:  # transformers raises ValueError, KeyError, struct errors... for a file it cannot read
         raise CheckpointError(
             f"{file}: transformers' GGUF loader cannot read it ({type(e).__name__}: {_first_line(e)}); "
             "check that transformers supports its architecture, or convert the model to a checkpoint directory"
         ) from e
     # the weights are written dequantized: the checkpoint is an ordinary float32 one
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.config.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = "float32"
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    _keep_only_the_files_tokens(out / "tokenizer.json", _token_count(file))
-    state = model.state_dict()
-    if model.config.tie_word_embeddings:  # one tensor under two names: safetensors stores it once
-        state.pop("lm_head.weight", None)
-    save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
-    del model, state
-    gc.collect()
+    count = _token_count(file)
+    if any(token_id >= count for token_id in tokenizer.added_tokens_decoder):  # else tokenizer.json is not read back
+        _keep_only_the_files_tokens(out / "tokenizer.json", count)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _hf_weights(file: Path, config: Any) -> dict[str, np.ndarray]:
+    """The model's weights as transformers' GGUF loader loads them (`load_gguf_checkpoint` given
+    tensors), in float32 numpy arrays by Hugging Face name: every tensor of the file that names
+    one of the model's weights, dequantized and put through the architecture's tensor
+    processor. The names come from transformers' table over the model's modules, built on the
+    meta device (nothing allocated). A tied LM head is left out (the table holds it); a weight
+    of the model that the file does not give is an error naming it."""
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    reader = _reader(file)
+    parsed: dict[str, Any] = {"config": config.to_dict(), "tensors": {}}
+    processor = TENSOR_PROCESSORS.get(str(_field(reader, file, "general.architecture")), TensorProcessor)(
+        config=parsed["config"]
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    names = get_gguf_hf_weights_map(model, processor)
+    expected = set(model.state_dict())
+    del model
+    tensors: dict[str, np.ndarray] = parsed["tensors"]
+    for tensor in reader.tensors:
+        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        result = processor.process(
+            weights=weights, name=tensor.name, tensor_key_mapping=names, parsed_parameters=parsed
+        )
+        if result.name in names:
+            tensors[names[result.name]] = np.ascontiguousarray(result.weights, dtype=np.float32)
+    if config.tie_word_embeddings:  # one tensor under two names: safetensors stores it once
+        tensors.pop(LM_HEAD, None)
+        expected.discard(LM_HEAD)
+    for name, value in tensors.items():
+        if not isinstance(value, np.ndarray):  # a processor that set a torch tensor itself (MoE experts)
+            tensors[name] = np.ascontiguousarray(np.asarray(value), dtype=np.float32)
+    missing = sorted(expected - set(tensors))
+    if missing:
+        raise CheckpointError(
+            f"{file}: holds no tensor for {len(missing)} of the model's weights ({', '.join(missing[:4])}); "
+            "the file is incomplete, or its architecture's tensors are named in a way transformers does not map"
+        )
+    return {name: tensors[name] for name in expected & set(tensors)}
 
 
 def _token_count(file: Path) -> int:
@@ -340,19 +404,52 @@ def _parsed(file: str, size: int, mtime_ns: int) -> Any:
 def _fast_reader() -> type:
     """`gguf.GGUFReader`, its fields read from a plain array over the file's memory map: the
     package slices its `np.memmap` once per value, and a memmap slice runs Python code of
-    numpy's (a vocabulary of 49k tokens is a million slices; this parses SmolLM2's file in a
-    third of the time). The values and the tensors' data are the same views of the same map."""
+    numpy's (a vocabulary of 49k tokens is a million slices). An array of numbers or of strings
+    (the vocabulary, its scores and types, the merges) is walked in one loop rather than a call
+    of the package's per element. The fields are the package's: the same parts (views of the
+    same map), data indices and types."""
+    import struct
+
+    from gguf.constants import GGUFValueType
     from gguf.gguf_reader import GGUFReader  # the class itself, while transformers reads through `shared`
 
     class Reader(GGUFReader):  # type: ignore[misc]
-        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray[Any, Any]:
+        def _plain_view(self) -> np.ndarray[Any, Any]:
             plain = self.__dict__.get("_plain")
             if plain is None:
                 plain = self._plain = self.data.view(np.ndarray)
+            return plain  # type: ignore[no-any-return]
+
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray[Any, Any]:
             count = int(count)
-            array = plain[offset : offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+            array = self._plain_view()[offset : offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
             order = self.byte_order if override_order is None else override_order
-            return array.view(array.dtype.newbyteorder(order))
+            return array if order == "I" else array.view(array.dtype.newbyteorder(order))
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+            if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+                return super()._get_field_parts(orig_offs, raw_type)
+            plain = self._plain_view()
+            (item_type,) = struct.unpack_from("<I", plain.data, orig_offs)
+            item = GGUFValueType(item_type)
+            scalar = self.gguf_scalar_to_np.get(item)
+            if item != GGUFValueType.STRING and scalar is None:  # arrays of arrays: the package's own walk
+                return super()._get_field_parts(orig_offs, raw_type)
+            head = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
+            count = int(head[1][0])
+            offs = orig_offs + 12
+            if scalar is not None:
+                size = np.dtype(scalar).itemsize * count
+                values = list(plain[offs : offs + size].view(scalar).reshape(count, 1))
+                return 12 + size, head + values, list(range(2, 2 + count)), [GGUFValueType.ARRAY, item]
+            parts: list[np.ndarray[Any, Any]] = head
+            unpack, buffer = struct.Struct("<Q").unpack_from, plain.data
+            for _ in range(count):
+                (length,) = unpack(buffer, offs)
+                parts.append(plain[offs : offs + 8].view(np.uint64))
+                parts.append(plain[offs + 8 : offs + 8 + length])
+                offs += 8 + length
+            return offs - orig_offs, parts, list(range(3, 2 + 2 * count, 2)), [GGUFValueType.ARRAY, item]
 
     return Reader
 

@@ -184,6 +184,56 @@ def test_loading_dequantizes_into_a_checkpoint_whose_only_input_is_the_file(
     assert not scratch.exists()  # the dequantized copy goes with the checkpoint
 
 
+def test_the_checkpoint_is_what_transformers_loads_from_the_file(tiny_gguf: Path) -> None:
+    """The config, the tokenizer and the float32 weights transformers' own loader gives, bit for bit:
+    the build reads the file without building the model, one dequantization of each tensor."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    ckpt = checkpoints.load(tiny_gguf)
+    model = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name, dtype=torch.float32)
+    expected = model.state_dict()
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    loaded = ckpt.state_dict()
+    assert set(loaded) == set(expected)
+    for name, weight in expected.items():
+        assert loaded[name].dtype == torch.float32 and torch.equal(loaded[name], weight), name
+    skip = ("dtype", "transformers_version", "quantization_config", "_name_or_path")
+    config = AutoConfig.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name).to_dict()
+    written = AutoConfig.from_pretrained(ckpt.path).to_dict()
+    assert {k: v for k, v in written.items() if k not in skip} == {k: v for k, v in config.items() if k not in skip}
+    theirs = AutoTokenizer.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name)
+    ours = AutoTokenizer.from_pretrained(ckpt.path)
+    text = "def fibonacci(n):\n    return n  # héllo 🙂"
+    assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+    assert ours.chat_template == theirs.chat_template and ours.all_special_tokens == theirs.all_special_tokens
+    # less the token GPT-2's defaults add past the file's vocabulary (an id past the embedding table)
+    vocabulary = ckpt.config["vocab_size"]
+    assert max(theirs.added_tokens_decoder) >= vocabulary
+    assert {i: str(t) for i, t in ours.added_tokens_decoder.items()} == {
+        i: str(t) for i, t in theirs.added_tokens_decoder.items() if i < vocabulary
+    }
+
+
+def test_the_files_fields_are_those_the_gguf_packages_reader_reads(tiny_gguf: Path) -> None:
+    """The build's reader walks arrays (the vocabulary, its types, the merges) in one loop each:
+    every field's parts, data indices and types are still the package's own."""
+    ours, theirs = gguf_files._fast_reader()(tiny_gguf, "r"), gguf.GGUFReader(tiny_gguf)
+    assert list(ours.fields) == list(theirs.fields)
+    assert any(len(field.data) > 100 for field in ours.fields.values())  # the vocabulary's array is among them
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert (mine.offset, mine.data, mine.types, len(mine.parts)) == (
+            field.offset,
+            field.data,
+            field.types,
+            len(field.parts),
+        ), key
+        for a, b in zip(mine.parts, field.parts, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), key
+        assert mine.contents() == field.contents(), key
+
+
 @pytest.mark.slow
 def test_kvforge_build_of_a_gguf_file_generates_what_transformers_generates_from_it(
     tiny_gguf: Path, tiny_checkpoint: Callable[..., Path], tmp_path: Path
