@@ -1,5 +1,7 @@
-"""The server's prefix cache: shared prefixes hit, outputs equal the uncached server and a solo
-generation, the byte budget holds under distinct prompts, and bad budgets are refused."""
+"""The server's prefix cache: shared prefixes hit down to the token (a repeated prompt prefills
+only its last token, a prompt sharing part of a block restores that part), outputs equal the
+uncached server and a solo generation, the byte budget holds under distinct prompts, and bad
+budgets are refused."""
 
 from __future__ import annotations
 
@@ -74,7 +76,7 @@ def shared_prompts(engine: Engine) -> tuple[list[int], list[int], list[int]]:
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_p=0.95, seed=5)])
 def test_shared_prefix_hits_and_equals_uncached_and_solo(engine: Engine, sampling: dict[str, Any]) -> None:
-    prefix, first, second = shared_prompts(engine)
+    _, first, second = shared_prompts(engine)
     cached = cached_scheduler(engine, 1 << 26)
     plain = cached_scheduler(engine, None)
     try:
@@ -82,8 +84,11 @@ def test_shared_prefix_hits_and_equals_uncached_and_solo(engine: Engine, samplin
         without = run_in_turn(plain, engine, [first, second], 20, **sampling)
         metrics = cached.metrics
         assert metrics.prefix_cache_hits.get() == 1
-        # the second prompt shares the prefix's 4 full blocks (and not the fifth)
-        assert metrics.prefix_cache_hit_tokens.get() == 4 * BLOCK
+        # the second prompt shares the prefix's 4 full blocks and part of the first prompt's
+        # trailing partial block: all of them are restored
+        common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+        assert 4 * BLOCK + 5 <= common < 5 * BLOCK
+        assert metrics.prefix_cache_hit_tokens.get() == common
         assert metrics.prefix_cache_queries.get() == len(first) + len(second)
         assert plain.metrics.prefix_cache_hit_tokens.get() == 0
     finally:
@@ -93,17 +98,22 @@ def test_shared_prefix_hits_and_equals_uncached_and_solo(engine: Engine, samplin
     assert with_cache == [solo(engine, prompt, 20, **sampling)[0] for prompt in (first, second)]
 
 
-def test_prompts_differing_inside_the_first_block_miss(engine: Engine) -> None:
+def test_prompts_differing_from_their_first_id_miss_and_from_their_second_hit_one(engine: Engine) -> None:
     _, first, _ = shared_prompts(engine)
-    other = [first[0], (first[1] + 1) % engine.session.io.vocab_size, *first[2:]]
+    vocab = engine.session.io.vocab_size
+    other = [(first[0] + 1) % vocab, *first[1:]]
+    second = [first[0], (first[1] + 1) % vocab, *first[2:]]
     scheduler = cached_scheduler(engine, 1 << 26)
     try:
         texts = run_in_turn(scheduler, engine, [first, other], 12)
         assert scheduler.metrics.prefix_cache_hits.get() == 0
         assert scheduler.metrics.prefix_cache_hit_tokens.get() == 0
+        texts += run_in_turn(scheduler, engine, [second], 12)
+        assert scheduler.metrics.prefix_cache_hits.get() == 1
+        assert scheduler.metrics.prefix_cache_hit_tokens.get() == 1
     finally:
         scheduler.stop()
-    assert texts == [solo(engine, first, 12)[0], solo(engine, other, 12)[0]]
+    assert texts == [solo(engine, prompt, 12)[0] for prompt in (first, other, second)]
 
 
 def test_a_prompt_that_is_a_cached_prefix_still_prefills_its_last_token(engine: Engine) -> None:
@@ -112,18 +122,70 @@ def test_a_prompt_that_is_a_cached_prefix_still_prefills_its_last_token(engine: 
     scheduler = cached_scheduler(engine, 1 << 26)
     try:
         texts = run_in_turn(scheduler, engine, [first, exact, exact], 12)
-        # the last block is never taken: its last token must be prefilled to give logits
-        assert scheduler.metrics.prefix_cache_hit_tokens.get() == 2 * (2 * BLOCK)
+        # all but the last token is restored: its logits choose the first token
+        assert scheduler.metrics.prefix_cache_hit_tokens.get() == 2 * (3 * BLOCK - 1)
+        assert scheduler.metrics.prefix_cache_hits.get() == 2
     finally:
         scheduler.stop()
     assert texts[1:] == [solo(engine, exact, 12)[0]] * 2
 
 
-def test_a_small_budget_holds_under_distinct_prompts(engine: Engine) -> None:
+def block_bytes(engine: Engine, columns: int = BLOCK) -> int:
+    """Bytes of `columns` cached positions of every full-history layer."""
     io = engine.session.io
     names = [name for name in io.past_names if io.window_of(name) is None]
-    block_bytes = sum(int(np.prod(io.kv_shape(name, 1, BLOCK))) for name in names) * np.dtype(io.kv_dtype).itemsize
-    budget = 5 * block_bytes + block_bytes // 2  # five blocks and a half
+    return sum(int(np.prod(io.kv_shape(name, 1, columns))) for name in names) * np.dtype(io.kv_dtype).itemsize
+
+
+def test_a_repeated_prompt_restores_all_but_its_last_token(engine: Engine) -> None:
+    ids = engine.encode("".join(reversed(CORPUS)))
+    prompt = ids[: 4 * BLOCK + 6]  # four full blocks and a trailing partial one of 6 ids
+    extended = ids[: 5 * BLOCK + 3]
+    assert len(extended) == 5 * BLOCK + 3
+    scheduler = cached_scheduler(engine, 1 << 26)
+    cache = scheduler.prefix_cache
+    assert cache is not None
+    hit = scheduler.metrics.prefix_cache_hit_tokens.get
+    try:
+        first = run_in_turn(scheduler, engine, [prompt], 12)
+        assert len(cache) == 5 and cache.bytes == 4 * block_bytes(engine) + block_bytes(engine, 6)
+        again = run_in_turn(scheduler, engine, [prompt], 12)
+        assert hit() == len(prompt) - 1  # only the last token is prefilled
+        # an extension of it restores the whole of it, the partial block included
+        longer = run_in_turn(scheduler, engine, [extended], 12)
+        assert hit() == (len(prompt) - 1) + len(prompt)
+        # its full fifth block replaces the partial one it extends: five full blocks, one partial
+        assert len(cache) == 6 and cache.bytes == 5 * block_bytes(engine) + block_bytes(engine, 3)
+        # the shorter prompt again: served by the fifth block's first columns, nothing stored
+        shorter = run_in_turn(scheduler, engine, [prompt], 12)
+        assert hit() == (len(prompt) - 1) + len(prompt) + (len(prompt) - 1)
+        assert len(cache) == 6 and scheduler.metrics.prefix_cache_hits.get() == 3
+    finally:
+        scheduler.stop()
+    assert first == again == shorter == [solo(engine, prompt, 12)[0]]
+    assert longer == [solo(engine, extended, 12)[0]]
+
+
+def test_a_prompt_sharing_part_of_a_full_block_restores_that_part(engine: Engine) -> None:
+    ids = engine.encode("".join(CORPUS))
+    first = ids[: 6 * BLOCK]
+    assert len(first) == 6 * BLOCK
+    vocab = engine.session.io.vocab_size
+    diverging = [*first[: 2 * BLOCK + 9], (first[2 * BLOCK + 9] + 1) % vocab, *first[2 * BLOCK + 10 :]]
+    scheduler = cached_scheduler(engine, 1 << 26)
+    try:
+        texts = run_in_turn(scheduler, engine, [first, diverging], 10, temperature=0.0)
+        # two full blocks, then 9 of the third block's 16 columns
+        assert scheduler.metrics.prefix_cache_hit_tokens.get() == 2 * BLOCK + 9
+    finally:
+        scheduler.stop()
+    assert texts == [solo(engine, prompt, 10)[0] for prompt in (first, diverging)]
+
+
+def test_a_small_budget_holds_under_distinct_prompts(engine: Engine) -> None:
+    io = engine.session.io
+    block = block_bytes(engine)
+    budget = 5 * block + block // 2  # five blocks and a half
     scheduler = cached_scheduler(engine, budget)
     cache = scheduler.prefix_cache
     assert cache is not None
@@ -134,7 +196,7 @@ def test_a_small_budget_holds_under_distinct_prompts(engine: Engine) -> None:
             run_in_turn(scheduler, engine, [prompt], 3)
             assert cache.bytes <= budget
             assert scheduler.metrics.prefix_cache_bytes.value == cache.bytes
-        assert len(cache) == 5 and cache.bytes == 5 * block_bytes
+        assert len(cache) == 5 and cache.bytes == 5 * block
         assert scheduler.metrics.prefix_cache_evictions.get() == 6 * 3 - 5
         assert scheduler.metrics.prefix_cache_hits.get() == 0
         # the most recent prompt's blocks survived: it hits now, and its text is unchanged
