@@ -17,12 +17,15 @@ started and the loads alternate between them, --rounds times per concurrency; th
 gives each server's medians over the rounds and, for the second and later servers, the
 first one's figures relative to theirs (tokens/s ratio, TTFT ratio), and each server's CPU
 time per generated token (user + system, all its threads, from /proc on Linux): on a shared
-machine the wall-clock figures move with the other work, its CPU time much less. Every round
-sends the same prompts (the generator is seeded by the concurrency), so each server sees them
-cold in the first round and again in the later ones: the table gives the first round's time to
-first token (cold) and the median of the later rounds' (repeated) too. --llama-server BIN FILE
-adds llama.cpp's server on a GGUF file to the alternation (`-np` the largest concurrency, `-c
-8192`, `-t` the machine's cores), for the same loads on the file ARTIFACT was built from.
+machine the wall-clock figures move with the other work, its CPU time much less.
+
+Every round sends the same prompts (the generator is seeded by the concurrency), so each
+server sees them cold in the first round and again in the later ones: the table also gives
+the first round's time to first token ("round 1", cold) and the median of the later rounds'
+("later", repeated); with --fresh-prompts every round draws new prompts, so every round is
+cold. --llama-server BIN FILE adds llama.cpp's server on a GGUF file to the alternation (`-np`
+the largest concurrency, `-c 8192`, `-t` the machine's cores), for the same loads on the file
+ARTIFACT was built from.
 """
 
 from __future__ import annotations
@@ -81,8 +84,8 @@ def stream_one(url: str, body: dict[str, object], timeout: float) -> tuple[float
         conn.close()
 
 
-def load(url: str, model: str, concurrency: int, args: argparse.Namespace) -> tuple[Run, float]:
-    rng = random.Random(concurrency)
+def load(url: str, model: str, concurrency: int, args: argparse.Namespace, round_: int = 0) -> tuple[Run, float]:
+    rng = random.Random(concurrency + 1000 * round_ if args.fresh_prompts else concurrency)
 
     def client(index: int) -> Run:
         run = Run()
@@ -189,6 +192,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--kvforge", nargs="+", help="kvforge executables to compare, one server each")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per concurrency (--kvforge)")
+    parser.add_argument("--fresh-prompts", action="store_true", help="new prompts every round: every round cold")
     parser.add_argument(
         "--llama-server", nargs=2, metavar=("BINARY", "GGUF"), help="also llama.cpp's server on GGUF (--kvforge)"
     )
@@ -229,12 +233,13 @@ def compare(args: argparse.Namespace) -> None:
     servers = [start_server(args.artifact, args, kvforge) for kvforge in args.kvforge]
     names = [kvforge[-40:] for kvforge in args.kvforge]
     if args.llama_server:
-        servers.append(start_llama_server(*args.llama_server, args))
+        binary, gguf = args.llama_server
+        servers.append(start_llama_server(binary, gguf, args))
         names.append("llama-server")
     model = args.model or Path(args.artifact).resolve().name
     try:
         print(
-            f"{'server':<40} {'conc':>4} {'ttft p50':>9} {'cold':>8} {'repeat':>8} {'itl p50':>8} {'tok/s':>7} "
+            f"{'server':<40} {'conc':>4} {'ttft p50':>9} {'round 1':>8} {'later':>8} {'itl p50':>8} {'tok/s':>7} "
             f"{'cpu/tok':>8} {'tok/s x':>8} {'ttft x':>7}"
         )
         for concurrency in args.concurrency:
@@ -244,7 +249,7 @@ def compare(args: argparse.Namespace) -> None:
                 for index in order:
                     process, url, _ = servers[index]
                     cpu = cpu_seconds(process.pid)
-                    run, wall = load(url, model, concurrency, args)
+                    run, wall = load(url, model, concurrency, args, round_)
                     cpu = (cpu_seconds(process.pid) - cpu) / max(run.tokens, 1)
                     ttft, itl = percentile(run.ttft, 0.5), percentile(run.gaps, 0.5)
                     figures[index].append((ttft, itl, run.tokens / wall, cpu))
@@ -253,11 +258,11 @@ def compare(args: argparse.Namespace) -> None:
                 ratios = ""
                 if index:
                     ratios = f"{medians[0][2] / rate:>7.2f}x {ttft / medians[0][0]:>6.2f}x"
-                cold = figures[index][0][0]
-                repeat = statistics.median(f[0] for f in figures[index][1:]) if args.rounds > 1 else float("nan")
+                first = figures[index][0][0]
+                later = statistics.median(f[0] for f in figures[index][1:]) if args.rounds > 1 else float("nan")
                 print(
-                    f"{names[index]:<40} {concurrency:>4} {ttft * 1e3:>7.1f}ms {cold * 1e3:>6.1f}ms "
-                    f"{repeat * 1e3:>6.1f}ms {itl * 1e3:>6.1f}ms {rate:>7.1f} {cpu * 1e3:>6.2f}ms {ratios}"
+                    f"{names[index]:<40} {concurrency:>4} {ttft * 1e3:>7.1f}ms {first * 1e3:>6.1f}ms "
+                    f"{later * 1e3:>6.1f}ms {itl * 1e3:>6.1f}ms {rate:>7.1f} {cpu * 1e3:>6.2f}ms {ratios}"
                 )
             sys.stdout.flush()
     finally:
