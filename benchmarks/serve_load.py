@@ -56,8 +56,10 @@ class Run:
     tokens: int = 0
 
 
-def stream_one(url: str, body: dict[str, object], timeout: float) -> tuple[float, list[float], int]:
-    """One streamed completion: (time to first token, gaps between text events, tokens)."""
+def stream_one(url: str, body: dict[str, object], timeout: float) -> tuple[float | None, list[float], int]:
+    """One streamed completion: (time to first token, gaps between text events, tokens); no time
+    to first token when no event had text (tokens that decode to nothing, such as end-of-text
+    ids generated under ignore_eos)."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
     try:
@@ -79,7 +81,8 @@ def stream_one(url: str, body: dict[str, object], timeout: float) -> tuple[float
                 tokens = event["usage"]["completion_tokens"]
             if event.get("choices") and event["choices"][0]["text"]:
                 stamps.append(time.perf_counter())
-        return stamps[0] - began, [b - a for a, b in zip(stamps, stamps[1:])], tokens
+        first = stamps[0] - began if stamps else None
+        return first, [b - a for a, b in zip(stamps, stamps[1:])], tokens
     finally:
         conn.close()
 
@@ -101,7 +104,8 @@ def load(url: str, model: str, concurrency: int, args: argparse.Namespace, round
                 "stream_options": {"include_usage": True},
             }
             ttft, gaps, tokens = stream_one(url, body, args.timeout)
-            run.ttft.append(ttft)
+            if ttft is not None:
+                run.ttft.append(ttft)
             run.gaps.extend(gaps)
             run.tokens += tokens
         return run
