@@ -207,6 +207,30 @@ def test_a_small_budget_holds_under_distinct_prompts(engine: Engine) -> None:
     assert texts == [solo(engine, prompt + engine.encode(" x"), 8)[0]]
 
 
+def test_partial_blocks_are_weighed_by_their_columns_and_evicted_within_the_budget(engine: Engine) -> None:
+    column = block_bytes(engine, 1)
+    budget = 40 * column  # two prompts' blocks fit (16 + 5 columns each) with a partial one over
+    scheduler = cached_scheduler(engine, budget)
+    cache = scheduler.prefix_cache
+    assert cache is not None
+    io = engine.session.io
+    base = engine.encode(CORPUS[1] + CORPUS[2])[: BLOCK + 5]
+    try:
+        for index in range(4):  # distinct from their first id on: every prompt misses
+            prompt = [(base[0] + index + 1) % io.vocab_size, *base[1:]]
+            run_in_turn(scheduler, engine, [prompt], 3)
+            assert cache.bytes <= budget and scheduler.metrics.prefix_cache_bytes.value == cache.bytes
+        # the newest prompt's full and partial blocks and the one before's full block: 37 columns
+        assert len(cache) == 3 and cache.bytes == 37 * column
+        assert scheduler.metrics.prefix_cache_evictions.get() == 4 * 2 - 3
+        assert scheduler.metrics.prefix_cache_hits.get() == 0
+        texts = run_in_turn(scheduler, engine, [prompt], 8)
+        assert scheduler.metrics.prefix_cache_hit_tokens.get() == len(prompt) - 1
+    finally:
+        scheduler.stop()
+    assert texts == [solo(engine, prompt, 8)[0]]
+
+
 def test_unsupported_for_windows_and_states(engine: Engine) -> None:
     from dataclasses import replace
 
