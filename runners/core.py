@@ -248,7 +248,11 @@ class EngineCore:
         cache, start = self._sequence_cache(request)
         ids = np.asarray([request.ids], dtype=np.int64)
         mask = np.ones_like(ids)
-        chunks = prefill(self.session, ids, mask, cache, chunk=self.prefill_chunk, start=start)
+        if start < ids.shape[1]:
+            chunks = prefill(self.session, ids, mask, cache, chunk=self.prefill_chunk, start=start)
+        else:  # the prefix cache held the whole prompt and its last position's logits
+            assert self.prefix_cache is not None and self.prefix_cache.logits is not None
+            chunks = iter([(start, self.prefix_cache.logits, cache)])
         self._prefill = _Prefill(request, chunks, cache)
 
     def _drop_cancelled(self) -> None:
@@ -437,7 +441,7 @@ class EngineCore:
         token = int(tokens[0])
         finished = token < 0 or self._deliver(request, token, entries[0])
         if self.prefix_cache is not None:  # after the first token is out: its copies do not delay it
-            self.prefix_cache.store(request.ids, state.cache)
+            self.prefix_cache.store(request.ids, state.cache, logits[:, -1:, :])
         if not finished:
             self._join(request, state.cache, token)
 

@@ -6,12 +6,15 @@ key can match across artifacts. After a prefill, every full block of the prompt 
 its trailing partial block (its last ``len % 16`` ids) too, under the same chain: a block is a
 child of the key before it and holds 1 to 16 ids.
 
+The block a stored prompt ends with keeps that prompt's last logits too.
+
 A request walks its prompt's chain block by block while a full block's key is found; where the
 next full block is not found (or not needed whole), it takes the child of the last key found that
 shares the longest run of ids with what follows, and copies that many of its columns. So every
 cached position is restored, down to a prompt that repeats or extends one seen before, or shares
-only part of a block with it; only the rest is prefilled, always at least the prompt's last
-token, whose logits choose the first generated token. A stored partial block whose ids another
+only part of a block with it; only the rest is prefilled. A prompt restored whole, its last
+block's logits kept, needs no prefill (its first token is sampled from them); otherwise at least
+its last token is prefilled, whose logits choose the first generated token. A stored partial block whose ids another
 child of the same key extends is dropped (the longer child serves both).
 
 Blocks are evicted least recently used within a byte budget (a partial block weighs its columns);
@@ -69,12 +72,17 @@ def unsupported(io: DecoderIO) -> str | None:
 
 @dataclasses.dataclass
 class _Block:
-    """A cached block: the key before it, its 1 to 16 ids, and their KV by cache name."""
+    """A cached block: the key before it, its 1 to 16 ids, their KV by cache name, and where a
+    stored prompt ended with it, that prompt's last logits ([1, 1, vocab])."""
 
     parent: bytes
     ids: tuple[int, ...]
     kv: dict[str, Any]
-    size: int
+    logits: np.ndarray | None = None
+
+    @property
+    def size(self) -> int:
+        return sum(map(nbytes, self.kv.values())) + (0 if self.logits is None else self.logits.nbytes)
 
 
 def _key(parent: bytes, ids: Sequence[int]) -> bytes:
@@ -109,6 +117,7 @@ class PrefixCache:
         self._blocks: collections.OrderedDict[bytes, _Block] = collections.OrderedDict()
         # parent key -> first id -> the keys of its children starting with that id
         self._children: dict[bytes, dict[int, set[bytes]]] = {}
+        self.logits: np.ndarray | None = None  # the last `restore`'s, where it restored a whole prompt
 
     def _chain(self, ids: Sequence[int]) -> list[tuple[bytes, bytes, tuple[int, ...]]]:
         """(parent, key, ids) of each block of `ids`, the last one partial when len % 16."""
@@ -130,12 +139,15 @@ class PrefixCache:
         return best, most
 
     def restore(self, ids: Sequence[int], cache: Cache) -> int:
-        """Copy the longest cached prefix of `ids` (leaving at least one token) into columns
-        [0, n) of `cache`'s [1, heads, positions, dim] buffers, where it lives; returns n."""
-        limit, hit, parent = len(ids) - 1, 0, self.identity
+        """Copy the longest cached prefix of `ids` into columns [0, n) of `cache`'s [1, heads,
+        positions, dim] buffers, where it lives; returns n. n is the whole prompt only where the
+        prompt was stored whole before, its last logits with it (then `logits`); otherwise at
+        least the last token is left to prefill, whose logits choose the first token."""
+        hit, parent = 0, self.identity
         used: list[bytes] = []
-        while hit < limit:
-            wanted = ids[hit : min(hit + BLOCK, limit)]
+        self.logits = None
+        while hit < len(ids):
+            wanted = ids[hit : hit + BLOCK]
             key: bytes | None = _key(parent, wanted) if len(wanted) == BLOCK else None
             count = BLOCK
             if key not in self._blocks:
@@ -148,9 +160,13 @@ class PrefixCache:
                 write_columns(cache, name, kv, hit)
             used.append(key)
             hit += count
+            if hit == len(ids) and count == len(block.ids) and block.logits is not None:
+                self.logits = block.logits.copy()  # a copy: sampling may change what it is given
             if count < BLOCK:
                 break
             parent = key
+        if hit == len(ids) and self.logits is None:  # the last token is prefilled over what was written
+            hit -= 1
         for key in reversed(used):  # the prefix's first blocks the most recently used
             self._blocks.move_to_end(key)
         if hit:
@@ -159,28 +175,40 @@ class PrefixCache:
         self.metrics.prefix_cache_queries.inc(len(ids))
         return hit
 
-    def store(self, ids: Sequence[int], cache: Cache) -> None:
+    def store(self, ids: Sequence[int], cache: Cache, logits: np.ndarray | None = None) -> None:
         """Keep every block of a prefilled prompt (its KV in columns [0, len(ids)) of `cache`), its
-        last one partial when len % 16, copied where the cache lives."""
+        last one partial when len % 16, copied where the cache lives; with `logits` (its last
+        position's, [1, 1, vocab]) the last block keeps them, so the same prompt again needs no
+        prefill at all."""
         chain = self._chain(ids)
         for index in reversed(range(len(chain))):
             parent, key, chunk = chain[index]
-            kept = key if key in self._blocks else self._extending(parent, chunk)
-            if kept is not None:
-                self._blocks.move_to_end(kept)
+            final = None if logits is None or index < len(chain) - 1 else np.array(logits)
+            kept = self._blocks.get(key)
+            if kept is None:
+                longer = self._extending(parent, chunk)
+                if longer is not None:  # a longer block serves these ids (not the logits)
+                    self._blocks.move_to_end(longer)
+                    continue
+                kv = {name: columns(cache.device, cache[name], index * BLOCK, len(chunk)) for name in self.names}
+                block = _Block(parent, chunk, kv, final)
+            elif final is None or kept.logits is not None:
+                self._blocks.move_to_end(key)
                 continue
-            kv = {name: columns(cache.device, cache[name], index * BLOCK, len(chunk)) for name in self.names}
-            size = sum(map(nbytes, kv.values()))
-            if size > self.budget:
+            else:  # a block stored before gains the logits of a prompt that ends with it
+                block = _Block(parent, chunk, kept.kv, final)
+            if block.size > self.budget:
                 break
+            if kept is not None:
+                self._drop(key)
             for shorter in self._extended(parent, chunk):
                 self._drop(shorter)
-            while self.bytes + size > self.budget:
+            while self.bytes + block.size > self.budget:
                 self._drop(next(iter(self._blocks)))
                 self.metrics.prefix_cache_evictions.inc()
-            self._blocks[key] = _Block(parent, chunk, kv, size)
+            self._blocks[key] = block
             self._children.setdefault(parent, {}).setdefault(chunk[0], set()).add(key)
-            self.bytes += size
+            self.bytes += block.size
         self.metrics.prefix_cache_bytes.set(self.bytes)
 
     def _extending(self, parent: bytes, chunk: tuple[int, ...]) -> bytes | None:

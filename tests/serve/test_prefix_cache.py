@@ -116,18 +116,25 @@ def test_prompts_differing_from_their_first_id_miss_and_from_their_second_hit_on
     assert texts == [solo(engine, prompt, 12)[0] for prompt in (first, other, second)]
 
 
-def test_a_prompt_that_is_a_cached_prefix_still_prefills_its_last_token(engine: Engine) -> None:
+def test_a_cached_prefix_prefills_its_last_token_then_nothing_once_its_logits_are_kept(engine: Engine) -> None:
     _, first, _ = shared_prompts(engine)
     exact = first[: 3 * BLOCK]  # three full blocks, all cached by the first request
     scheduler = cached_scheduler(engine, 1 << 26)
     try:
         texts = run_in_turn(scheduler, engine, [first, exact, exact], 12)
-        # all but the last token is restored: its logits choose the first token
-        assert scheduler.metrics.prefix_cache_hit_tokens.get() == 2 * (3 * BLOCK - 1)
+        # the first time all but its last token is restored (that token's logits choose the first
+        # token, and were not kept: the first prompt went on); its third block then keeps them,
+        # and the second time the whole prompt is restored, with no prefill
+        assert scheduler.metrics.prefix_cache_hit_tokens.get() == (3 * BLOCK - 1) + 3 * BLOCK
         assert scheduler.metrics.prefix_cache_hits.get() == 2
     finally:
         scheduler.stop()
     assert texts[1:] == [solo(engine, exact, 12)[0]] * 2
+
+
+def logits_bytes(engine: Engine) -> int:
+    """Bytes of one position's logits, kept with a stored prompt's last block (fp32 on the tiny artifact)."""
+    return engine.session.io.vocab_size * np.dtype(np.float32).itemsize
 
 
 def block_bytes(engine: Engine, columns: int = BLOCK) -> int:
@@ -137,7 +144,7 @@ def block_bytes(engine: Engine, columns: int = BLOCK) -> int:
     return sum(int(np.prod(io.kv_shape(name, 1, columns))) for name in names) * np.dtype(io.kv_dtype).itemsize
 
 
-def test_a_repeated_prompt_restores_all_but_its_last_token(engine: Engine) -> None:
+def test_a_repeated_prompt_is_not_prefilled_and_an_extension_prefills_its_new_ids(engine: Engine) -> None:
     ids = engine.encode("".join(reversed(CORPUS)))
     prompt = ids[: 4 * BLOCK + 6]  # four full blocks and a trailing partial one of 6 ids
     extended = ids[: 5 * BLOCK + 3]
@@ -148,22 +155,38 @@ def test_a_repeated_prompt_restores_all_but_its_last_token(engine: Engine) -> No
     hit = scheduler.metrics.prefix_cache_hit_tokens.get
     try:
         first = run_in_turn(scheduler, engine, [prompt], 12)
-        assert len(cache) == 5 and cache.bytes == 4 * block_bytes(engine) + block_bytes(engine, 6)
+        kept = logits_bytes(engine)
+        assert len(cache) == 5 and cache.bytes == 4 * block_bytes(engine) + block_bytes(engine, 6) + kept
         again = run_in_turn(scheduler, engine, [prompt], 12)
-        assert hit() == len(prompt) - 1  # only the last token is prefilled
+        assert hit() == len(prompt)  # the whole prompt and its last logits: no prefill
         # an extension of it restores the whole of it, the partial block included
         longer = run_in_turn(scheduler, engine, [extended], 12)
-        assert hit() == (len(prompt) - 1) + len(prompt)
+        assert hit() == 2 * len(prompt)
         # its full fifth block replaces the partial one it extends: five full blocks, one partial
-        assert len(cache) == 6 and cache.bytes == 5 * block_bytes(engine) + block_bytes(engine, 3)
-        # the shorter prompt again: served by the fifth block's first columns, nothing stored
+        # (with the extension's logits)
+        assert len(cache) == 6 and cache.bytes == 5 * block_bytes(engine) + block_bytes(engine, 3) + kept
+        # the shorter prompt again: served by the fifth block's first columns (whose logits are
+        # not its own: its last token is prefilled), nothing stored
         shorter = run_in_turn(scheduler, engine, [prompt], 12)
-        assert hit() == (len(prompt) - 1) + len(prompt) + (len(prompt) - 1)
+        assert hit() == 2 * len(prompt) + (len(prompt) - 1)
         assert len(cache) == 6 and scheduler.metrics.prefix_cache_hits.get() == 3
     finally:
         scheduler.stop()
     assert first == again == shorter == [solo(engine, prompt, 12)[0]]
     assert longer == [solo(engine, extended, 12)[0]]
+
+
+def test_kept_logits_sample_as_a_prefill_would_every_time(engine: Engine) -> None:
+    prompt = engine.encode(CORPUS[3] + CORPUS[4])[: 2 * BLOCK + 3]
+    assert len(prompt) == 2 * BLOCK + 3
+    sampling = dict(temperature=0.9, top_p=0.95, seed=11)
+    scheduler = cached_scheduler(engine, 1 << 26)
+    try:  # seeded sampling from the kept logits gives a prefill's texts, each time
+        texts = run_in_turn(scheduler, engine, [prompt] * 3, 10, **sampling)
+        assert scheduler.metrics.prefix_cache_hit_tokens.get() == 2 * len(prompt)
+    finally:
+        scheduler.stop()
+    assert texts == [solo(engine, prompt, 10, **sampling)[0]] * 3
 
 
 def test_a_prompt_sharing_part_of_a_full_block_restores_that_part(engine: Engine) -> None:
@@ -196,7 +219,8 @@ def test_a_small_budget_holds_under_distinct_prompts(engine: Engine) -> None:
             run_in_turn(scheduler, engine, [prompt], 3)
             assert cache.bytes <= budget
             assert scheduler.metrics.prefix_cache_bytes.value == cache.bytes
-        assert len(cache) == 5 and cache.bytes == 5 * block
+        # five blocks and the logits of the newest prompt's last one
+        assert len(cache) == 5 and cache.bytes == 5 * block + logits_bytes(engine)
         assert scheduler.metrics.prefix_cache_evictions.get() == 6 * 3 - 5
         assert scheduler.metrics.prefix_cache_hits.get() == 0
         # the most recent prompt's blocks survived: it hits now, and its text is unchanged
@@ -208,8 +232,8 @@ def test_a_small_budget_holds_under_distinct_prompts(engine: Engine) -> None:
 
 
 def test_partial_blocks_are_weighed_by_their_columns_and_evicted_within_the_budget(engine: Engine) -> None:
-    column = block_bytes(engine, 1)
-    budget = 40 * column  # two prompts' blocks fit (16 + 5 columns each) with a partial one over
+    block, partial = block_bytes(engine), block_bytes(engine, 5) + logits_bytes(engine)
+    budget = 2 * block + partial  # a prompt's full block and partial one (with its logits), and a full one
     scheduler = cached_scheduler(engine, budget)
     cache = scheduler.prefix_cache
     assert cache is not None
@@ -220,12 +244,12 @@ def test_partial_blocks_are_weighed_by_their_columns_and_evicted_within_the_budg
             prompt = [(base[0] + index + 1) % io.vocab_size, *base[1:]]
             run_in_turn(scheduler, engine, [prompt], 3)
             assert cache.bytes <= budget and scheduler.metrics.prefix_cache_bytes.value == cache.bytes
-        # the newest prompt's full and partial blocks and the one before's full block: 37 columns
-        assert len(cache) == 3 and cache.bytes == 37 * column
+        # the newest prompt's full and partial blocks and the one before's full block
+        assert len(cache) == 3 and cache.bytes == budget
         assert scheduler.metrics.prefix_cache_evictions.get() == 4 * 2 - 3
         assert scheduler.metrics.prefix_cache_hits.get() == 0
         texts = run_in_turn(scheduler, engine, [prompt], 8)
-        assert scheduler.metrics.prefix_cache_hit_tokens.get() == len(prompt) - 1
+        assert scheduler.metrics.prefix_cache_hit_tokens.get() == len(prompt)
     finally:
         scheduler.stop()
     assert texts == [solo(engine, prompt, 8)[0]]
