@@ -17,8 +17,9 @@ over a non-empty cache only at batch 1) by the runner's own `prefill`, one chunk
 cache of its own (fixed-size states start from zero); its cache then joins the batch.
 
 With a prefix cache (`kvforge.runners.serve.prefix_cache`), a prefill first copies the longest cached
-prefix of its prompt into its buffer and prefills the rest; a finished prefill stores its
-prompt's blocks once its first token is out. Decode never sees the cache.
+prefix of its prompt into its buffer and prefills the rest (nothing where the cache held the whole
+prompt and its last logits); a finished prefill stores its prompt's blocks once its first token
+is out. Decode never sees the cache.
 
 With speculative decoding (`kvforge.runners.speculative`), each row's drafter proposes up to K tokens
 before the step. A batch of one row feeds its pending token and drafts in one call (a verify step:
