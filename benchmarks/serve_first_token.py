@@ -1,6 +1,6 @@
 """Where `kvforge serve`'s time to first token goes, stage by stage, with one client.
 
-    python benchmarks/serve_first_token.py ARTIFACT [--requests 30] [--prompt 64]
+    python benchmarks/serve_first_token.py ARTIFACT [--requests 30] [--prompt 64] [--repeated]
 
 Runs the server in this process (the HTTP side on its thread, the engine thread) and stamps
 each stage of a streamed completion as it passes: the client sends; the ASGI app receives
@@ -8,7 +8,9 @@ each stage of a streamed completion as it passes: the client sends; the ASGI app
 the engine thread takes it (queue wait); prefill ends; the first token is sampled; it is
 detokenized and put on the request's event queue; the event loop reads it; the client has its
 first text event. It prints each stage's median, p10 and p90 over the requests (the first one,
-a warm-up, left out). The stamps come from wrapping the functions at each seam, the engine
+a warm-up, left out). With --repeated the server has a prefix cache and each prompt is sent
+twice in a row; the figures are the second sends' (a prompt the server has seen, whose prefill
+is its last token). The stamps come from wrapping the functions at each seam, the engine
 thread's private ones among them, so a rename there breaks this script, not the server.
 """
 
@@ -21,13 +23,14 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvforge.runners.engine import Engine
 from kvforge.runners.serve import app
 from kvforge.runners.serve.metrics import Metrics
 from kvforge.runners.serve.scheduler import BatchScheduler
-from kvforge.runners.serve.server import HttpServer
+from kvforge.runners.serve.server import HttpServer, prefix_cache_for
 
 STAGES = (
     "client sent",
@@ -88,7 +91,14 @@ def instrument_http_side() -> None:
 
 def instrument_engine_side(scheduler: BatchScheduler) -> None:
     scheduler.submit = wrapped(scheduler.submit, after="queued")  # type: ignore[method-assign]
-    scheduler._admit = wrapped(scheduler._admit, before="engine takes it")  # type: ignore[method-assign]
+    admit = scheduler._admit
+
+    def take() -> None:
+        if scheduler._waiting:  # the loop calls it on every pass; only a taking call counts
+            stamp("engine takes it")
+        admit()
+
+    scheduler._admit = take  # type: ignore[method-assign]
     sample = wrapped(scheduler._sample_rows, before="prefill done", after="first token sampled")
     scheduler._sample_rows = sample  # type: ignore[method-assign]
 
@@ -113,14 +123,16 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=30)
     parser.add_argument("--prompt", type=int, default=64, help="prompt length in token ids")
     parser.add_argument("--vocab", type=int, default=256, help="prompt ids are drawn from [3, vocab)")
+    parser.add_argument("--repeated", action="store_true", help="time each prompt's second send (prefix cache on)")
     args = parser.parse_args()
     instrument_http_side()
     state = app.State(Metrics())
     server = HttpServer("127.0.0.1", 0, state)
     server.start()
     engine = Engine.load(args.artifact)
+    cache = prefix_cache_for(engine, Path(args.artifact), 1 << 30, state.metrics, print) if args.repeated else None
     scheduler = BatchScheduler.for_engine(
-        engine, max_num_seqs=8, max_queued=64, prefill_chunk=256, metrics=state.metrics, prefix_cache=None
+        engine, max_num_seqs=8, max_queued=64, prefill_chunk=256, metrics=state.metrics, prefix_cache=cache
     )
     instrument_engine_side(scheduler)
     scheduler.start()
@@ -129,10 +141,11 @@ def main() -> None:
     runs: list[dict[str, float]] = []
     try:
         for _ in range(args.requests + 1):
-            stamps.clear()
             prompt = [rng.randrange(3, args.vocab) for _ in range(args.prompt)]
             body = {"model": "model", "prompt": prompt, "max_tokens": 4, "ignore_eos": True, "stream": True}
-            first_text(server.url, {**body, "temperature": 0})
+            for _ in range(2 if args.repeated else 1):
+                stamps.clear()
+                first_text(server.url, {**body, "temperature": 0})
             runs.append(dict(stamps))
             time.sleep(0.05)
     finally:

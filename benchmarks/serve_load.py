@@ -3,6 +3,7 @@
     python benchmarks/serve_load.py ARTIFACT [--concurrency 1 4 8] [--requests 8] [--prompt 64] [--new 64]
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --model NAME ...
     python benchmarks/serve_load.py ARTIFACT --kvforge .venv/bin/kvforge OTHER/.venv/bin/kvforge --rounds 3
+    python benchmarks/serve_load.py ARTIFACT --kvforge .venv/bin/kvforge --llama-server BIN FILE.gguf --concurrency 1
 
 Starts `kvforge serve ARTIFACT` on a free loopback port (or uses --url), then for each
 concurrency C runs C clients, each sending --requests streamed completions one after the
@@ -17,6 +18,14 @@ gives each server's medians over the rounds and, for the second and later server
 first one's figures relative to theirs (tokens/s ratio, TTFT ratio), and each server's CPU
 time per generated token (user + system, all its threads, from /proc on Linux): on a shared
 machine the wall-clock figures move with the other work, its CPU time much less.
+
+Every round sends the same prompts (the generator is seeded by the concurrency), so each
+server sees them cold in the first round and again in the later ones: the table also gives
+the first round's time to first token ("round 1", cold) and the median of the later rounds'
+("later", repeated); with --fresh-prompts every round draws new prompts, so every round is
+cold. --llama-server BIN FILE adds llama.cpp's server on a GGUF file to the alternation (`-np`
+the largest concurrency, `-c 8192`, `-t` the machine's cores), for the same loads on the file
+ARTIFACT was built from.
 """
 
 from __future__ import annotations
@@ -28,11 +37,13 @@ import json
 import os
 import random
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -45,8 +56,10 @@ class Run:
     tokens: int = 0
 
 
-def stream_one(url: str, body: dict[str, object], timeout: float) -> tuple[float, list[float], int]:
-    """One streamed completion: (time to first token, gaps between text events, tokens)."""
+def stream_one(url: str, body: dict[str, object], timeout: float) -> tuple[float | None, list[float], int]:
+    """One streamed completion: (time to first token, gaps between text events, tokens); no time
+    to first token when no event had text (tokens that decode to nothing, such as end-of-text
+    ids generated under ignore_eos)."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
     try:
@@ -68,13 +81,14 @@ def stream_one(url: str, body: dict[str, object], timeout: float) -> tuple[float
                 tokens = event["usage"]["completion_tokens"]
             if event.get("choices") and event["choices"][0]["text"]:
                 stamps.append(time.perf_counter())
-        return stamps[0] - began, [b - a for a, b in zip(stamps, stamps[1:])], tokens
+        first = stamps[0] - began if stamps else None
+        return first, [b - a for a, b in zip(stamps, stamps[1:])], tokens
     finally:
         conn.close()
 
 
-def load(url: str, model: str, concurrency: int, args: argparse.Namespace) -> tuple[Run, float]:
-    rng = random.Random(concurrency)
+def load(url: str, model: str, concurrency: int, args: argparse.Namespace, round_: int = 0) -> tuple[Run, float]:
+    rng = random.Random(concurrency + 1000 * round_ if args.fresh_prompts else concurrency)
 
     def client(index: int) -> Run:
         run = Run()
@@ -90,7 +104,8 @@ def load(url: str, model: str, concurrency: int, args: argparse.Namespace) -> tu
                 "stream_options": {"include_usage": True},
             }
             ttft, gaps, tokens = stream_one(url, body, args.timeout)
-            run.ttft.append(ttft)
+            if ttft is not None:
+                run.ttft.append(ttft)
             run.gaps.extend(gaps)
             run.tokens += tokens
         return run
@@ -142,6 +157,31 @@ def start_server(
     raise SystemExit(f"kvforge serve was not ready in 120 s: {log.read_text()}")
 
 
+def start_llama_server(binary: str, gguf: str, args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """llama.cpp's server on GGUF at a free loopback port, once its /health answers."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
+    slots = str(max(args.concurrency))
+    command = [binary, "-m", gguf, "-np", slots, "-c", "8192", "-t", str(os.cpu_count()), "--port", str(port)]
+    with open(log, "wb") as err:
+        process = subprocess.Popen(command, stdout=err, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"llama-server exited: {log.read_text(errors='replace')[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return process, url, log
+        except OSError:
+            time.sleep(0.2)
+    process.kill()
+    raise SystemExit(f"llama-server was not ready in 120 s: {log.read_text(errors='replace')[-2000:]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact", nargs="?")
@@ -156,9 +196,15 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--kvforge", nargs="+", help="kvforge executables to compare, one server each")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per concurrency (--kvforge)")
+    parser.add_argument("--fresh-prompts", action="store_true", help="new prompts every round: every round cold")
+    parser.add_argument(
+        "--llama-server", nargs=2, metavar=("BINARY", "GGUF"), help="also llama.cpp's server on GGUF (--kvforge)"
+    )
     args = parser.parse_args()
     if not args.url and not args.artifact:
         parser.error("give ARTIFACT or --url")
+    if args.llama_server and not args.kvforge:
+        parser.error("--llama-server joins a --kvforge comparison: give --kvforge too")
     if args.kvforge:
         if not args.artifact:
             parser.error("--kvforge starts servers: give ARTIFACT")
@@ -186,13 +232,19 @@ def main() -> None:
 
 
 def compare(args: argparse.Namespace) -> None:
-    """One server per executable; each concurrency's loads alternate between them, round by round."""
+    """One server per executable (and llama-server); each concurrency's loads alternate between
+    them, round by round."""
     servers = [start_server(args.artifact, args, kvforge) for kvforge in args.kvforge]
+    names = [kvforge[-40:] for kvforge in args.kvforge]
+    if args.llama_server:
+        binary, gguf = args.llama_server
+        servers.append(start_llama_server(binary, gguf, args))
+        names.append("llama-server")
     model = args.model or Path(args.artifact).resolve().name
     try:
         print(
-            f"{'server':<40} {'conc':>4} {'ttft p50':>9} {'itl p50':>8} {'tok/s':>7} {'cpu/tok':>8} {'tok/s x':>8} "
-            f"{'ttft x':>7}"
+            f"{'server':<40} {'conc':>4} {'ttft p50':>9} {'round 1':>8} {'later':>8} {'itl p50':>8} {'tok/s':>7} "
+            f"{'cpu/tok':>8} {'tok/s x':>8} {'ttft x':>7}"
         )
         for concurrency in args.concurrency:
             figures: list[list[tuple[float, float, float, float]]] = [[] for _ in servers]
@@ -201,7 +253,7 @@ def compare(args: argparse.Namespace) -> None:
                 for index in order:
                     process, url, _ = servers[index]
                     cpu = cpu_seconds(process.pid)
-                    run, wall = load(url, model, concurrency, args)
+                    run, wall = load(url, model, concurrency, args, round_)
                     cpu = (cpu_seconds(process.pid) - cpu) / max(run.tokens, 1)
                     ttft, itl = percentile(run.ttft, 0.5), percentile(run.gaps, 0.5)
                     figures[index].append((ttft, itl, run.tokens / wall, cpu))
@@ -210,10 +262,11 @@ def compare(args: argparse.Namespace) -> None:
                 ratios = ""
                 if index:
                     ratios = f"{medians[0][2] / rate:>7.2f}x {ttft / medians[0][0]:>6.2f}x"
-                name = args.kvforge[index][-40:]
+                first = figures[index][0][0]
+                later = statistics.median(f[0] for f in figures[index][1:]) if args.rounds > 1 else float("nan")
                 print(
-                    f"{name:<40} {concurrency:>4} {ttft * 1e3:>7.1f}ms {itl * 1e3:>6.1f}ms {rate:>7.1f} "
-                    f"{cpu * 1e3:>6.2f}ms {ratios}"
+                    f"{names[index]:<40} {concurrency:>4} {ttft * 1e3:>7.1f}ms {first * 1e3:>6.1f}ms "
+                    f"{later * 1e3:>6.1f}ms {itl * 1e3:>6.1f}ms {rate:>7.1f} {cpu * 1e3:>6.2f}ms {ratios}"
                 )
             sys.stdout.flush()
     finally:

@@ -17,8 +17,9 @@ over a non-empty cache only at batch 1) by the runner's own `prefill`, one chunk
 cache of its own (fixed-size states start from zero); its cache then joins the batch.
 
 With a prefix cache (`kvforge.runners.serve.prefix_cache`), a prefill first copies the longest cached
-block prefix of its prompt into its buffer and prefills the rest; a finished prefill stores its
-prompt's full blocks. Decode never sees the cache.
+prefix of its prompt into its buffer and prefills the rest (nothing where the cache held the whole
+prompt and its last logits); a finished prefill stores its prompt's blocks once its first token
+is out. Decode never sees the cache.
 
 With speculative decoding (`kvforge.runners.speculative`), each row's drafter proposes up to K tokens
 before the step. A batch of one row feeds its pending token and drafts in one call (a verify step:
@@ -249,7 +250,11 @@ class EngineCore:
         cache, start = self._sequence_cache(request)
         ids = np.asarray([request.ids], dtype=np.int64)
         mask = np.ones_like(ids)
-        chunks = prefill(self.session, ids, mask, cache, chunk=self.prefill_chunk, start=start)
+        if start < ids.shape[1]:
+            chunks = prefill(self.session, ids, mask, cache, chunk=self.prefill_chunk, start=start)
+        else:  # the prefix cache held the whole prompt and its last position's logits
+            assert self.prefix_cache is not None and self.prefix_cache.logits is not None
+            chunks = iter([(start, self.prefix_cache.logits, cache)])
         self._prefill = _Prefill(request, chunks, cache)
 
     def _drop_cancelled(self) -> None:
@@ -443,11 +448,12 @@ class EngineCore:
             return
         self._prefill = None
         self.metrics.prompt_tokens.inc(len(request.ids))
-        if self.prefix_cache is not None:
-            self.prefix_cache.store(request.ids, state.cache)
         tokens, entries = self._sample_rows(logits[:, -1, :], [request])
         token = int(tokens[0])
-        if token >= 0 and not self._deliver(request, token, entries[0]):
+        finished = token < 0 or self._deliver(request, token, entries[0])
+        if self.prefix_cache is not None:  # after the first token is out: its copies do not delay it
+            self.prefix_cache.store(request.ids, state.cache, logits[:, -1:, :])
+        if not finished:
             self._join(request, state.cache, token)
 
     def _sequence_cache(self, request: Request) -> tuple[Cache, int]:
