@@ -1,5 +1,6 @@
 """What a quantized build stores, in rules that need numpy alone: which weights a 4-bit build's
-mix keeps at 8 bits, and the dtype imported scales are stored in. The quantization passes
+mix keeps at 8 bits, and the dtype scales are stored in (imported ones: `stored_scales`; those
+a float32 build chooses: `half_scales_fit`). The quantization passes
 (`kvforge.passes.quantize`, `.quantize_embedding`) apply them; `kvforge.toolchain.footprint`
 counts the bytes by them without loading onnx (`kvforge inspect`)."""
 
@@ -70,3 +71,34 @@ def stored_scales(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
         if np.array_equal(half.astype(np.float32), values):
             return half
     return values.astype(dtype)
+
+
+# The least scale a block's float16 scale may be (2^-16: float16's subnormals below 2^-14 still
+# hold 8 significant bits there), and the largest magnitude a weight may have for its block's
+# scale to stay finite in float16 (half its largest value)
+HALF_SCALE_LEAST = 2.0**-16
+HALF_WEIGHT_MOST = float(np.finfo(np.float16).max) / 2
+
+
+def half_scales_fit(weight: np.ndarray, block_size: int, bits: int) -> bool:
+    """Whether every block's scale of the [N, K] weight (blocks of `block_size` along K), whatever
+    scale the searches choose at `bits`, is a finite float16 of 8 significant bits at least: each
+    block that is not all zeros spans (its largest magnitude, or max - min where that is less)
+    at least 2^(bits + 1) * HALF_SCALE_LEAST, and no weight exceeds HALF_WEIGHT_MOST. A float32
+    build stores such a weight's scales as float16 (half their bytes), chosen as float16 values;
+    a weight that does not fit keeps float32 scales."""
+    n, k = weight.shape
+    pad = -k % block_size
+    least = 2.0 ** (bits + 1) * HALF_SCALE_LEAST
+    for start in range(0, n, 1024):  # float32 temporaries a chunk of rows at a time
+        rows = weight[start : start + 1024].astype(np.float32)
+        blocks = np.pad(rows, ((0, 0), (0, pad))).reshape(rows.shape[0], -1, block_size)
+        high, low = blocks.max(axis=-1), blocks.min(axis=-1)
+        largest = np.maximum(high, -low)
+        if not np.isfinite(largest).all() or largest.max(initial=0.0) > HALF_WEIGHT_MOST:
+            return False
+        extent = np.minimum(largest, high - low)
+        extent = np.where(high - low > 0, extent, largest)  # a block of one value: its magnitude
+        if ((extent > 0) & (extent < least)).any():
+            return False
+    return True

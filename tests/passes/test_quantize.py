@@ -21,7 +21,7 @@ from kvforge.passes.quantize import (
     quantize_free_min,
     stack_rows,
 )
-from kvforge.passes.storage import more_bits
+from kvforge.passes.storage import HALF_SCALE_LEAST, HALF_WEIGHT_MOST, half_scales_fit, more_bits
 from kvforge.passes.weight_layout import StackedRows
 from tests.passes.fusion_testing import op_count, ort_outputs
 
@@ -156,10 +156,48 @@ def test_both_representations_compute_x_times_the_dequantized_weight(
     assert "w" not in model.graph.initializers
     (got,) = ort_outputs(model, {"x": x})
     block = k if form == "dequantize_linear_channel" else 32  # per channel: one block of all K inputs
-    want = x @ quantize_blockwise(weight_nk, bits, block, symmetric).dequantize().T
+    half = np.float16 if form == "matmul_nbits" else None  # MatMulNBits' scales are float16 values
+    want = x @ quantize_blockwise(weight_nk, bits, block, symmetric, scale_dtype=half).dequantize().T
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
     assert np.abs(got - x @ weight_nk.T).max() > 1e-3  # and it is not the float product
     assert not quantize(model).modified  # nothing left to quantize: a second run changes nothing
+
+
+def test_half_scales_fit_bounds_every_block_s_scale() -> None:
+    """float16 holds a weight's scales unless a block that is not all zeros spans so little that
+    its scale would lose float16's precision, or a weight is too large for a finite scale."""
+    weight = RNG.standard_normal((4, 64)).astype(np.float32)
+    assert half_scales_fit(weight, 32, 4) and half_scales_fit(weight, 32, 8)
+    tiny = weight.copy()
+    tiny[1, 32:] *= 2**5.5 * HALF_SCALE_LEAST / np.abs(tiny[1, 32:]).max()  # spans 2^5.5 of the least
+    assert half_scales_fit(tiny, 32, 4) and not half_scales_fit(tiny, 32, 8)
+    tiny[1, 32:] = 0.0  # an all-zero block takes any scale
+    assert half_scales_fit(tiny, 32, 8)
+    huge = weight.copy()
+    huge[3, 5] = 2 * HALF_WEIGHT_MOST
+    assert not half_scales_fit(huge, 32, 4)
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_a_float32_build_stores_matmul_nbits_scales_as_float16_where_they_fit(fits: bool) -> None:
+    """Scales chosen as float16 values, stored as float16 and read through a Cast to float32; a
+    weight with a block too small for float16's scales keeps float32 scales, read directly."""
+    k, n = 64, 16
+    weight = RNG.standard_normal((n, k)).astype(np.float32)
+    if not fits:
+        weight[2, :32] *= 1e-7
+    model = projection_graph(k, n, weight)
+    QuantizeWeights(4, 32, True, "matmul_nbits")(model)
+    scales = model.graph.initializers["w.q4.scales"]
+    assert scales.dtype == (ir.DataType.FLOAT16 if fits else ir.DataType.FLOAT)
+    assert op_count(model, "Cast") == (1 if fits else 0)
+    x = RNG.standard_normal((2, 3, k)).astype(np.float32)
+    (got,) = ort_outputs(model, {"x": x})
+    q = quantize_blockwise(weight, 4, 32, True, scale_dtype=np.float16 if fits else None)
+    np.testing.assert_array_equal(scales.const_value.numpy(), q.scales)
+    np.testing.assert_allclose(got, x @ q.dequantize().T, atol=2e-4, rtol=1e-4)
+    if not fits:  # the small block keeps its own codes, not zeros
+        assert np.abs(q.dequantize()[2, :32] - weight[2, :32]).max() < 0.2 * np.abs(weight[2, :32]).max()
 
 
 def test_a_weight_read_twice_is_quantized_once() -> None:
@@ -281,7 +319,8 @@ def test_int8_picks_weights_to_quantize_at_8_bits_in_an_int4_build(
         bits = 8 if wide[name] else 4
         block = weight.shape[1] if bits == 8 and int8_form == "dequantize_linear_channel" else 32
         assert f"{name}.q{bits}" in model.graph.initializers
-        want = want @ quantize_blockwise(weight, bits, block, True).dequantize().T
+        half = np.float16 if (int8_form if bits == 8 else form) == "matmul_nbits" else None
+        want = want @ quantize_blockwise(weight, bits, block, True, scale_dtype=half).dequantize().T
     (got,) = ort_outputs(model, {"x": x})
     np.testing.assert_allclose(got, want, atol=2e-3, rtol=1e-4)
     if form == "matmul_nbits":
@@ -312,7 +351,7 @@ def test_a_weight_the_lm_head_shares_is_int8_for_every_reader() -> None:
     assert quantize.wider == ["w"] and sorted(model.graph.initializers) == ["w.q8", "w.q8.scales"]
     assert [n.attributes.get_int("bits") for n in model.graph if n.op_type == "MatMulNBits"] == [8, 8]
     x = RNG.standard_normal((2, 3, k)).astype(np.float32)
-    w8 = quantize_blockwise(weight, 8, 32, True).dequantize()
+    w8 = quantize_blockwise(weight, 8, 32, True, scale_dtype=np.float16).dequantize()
     (got,) = ort_outputs(model, {"x": x})
     np.testing.assert_allclose(got, x @ w8.T @ w8.T, atol=2e-3, rtol=1e-4)
 
@@ -574,7 +613,8 @@ def grid_blocks(n: int, k: int, dtype: type = np.float32) -> np.ndarray:
     codes = low + np.minimum(RNG.integers(0, 16, (n, blocks, 32)), span)
     codes = np.clip(codes, 0, 15)
     codes[..., 0], codes[..., 1] = low[..., 0], np.minimum(low + span, 15)[..., 0]  # the span is used
-    step = (RNG.random((n, blocks, 1)) * 0.02 + 0.005).astype(dtype).astype(np.float32)
+    # float16 steps, as GGUF's Q4_1 stores them (and a float32 build's MatMulNBits)
+    step = (RNG.random((n, blocks, 1)) * 0.02 + 0.005).astype(np.float16).astype(np.float32)
     minimum = (RNG.standard_normal((n, blocks, 1)) * 0.1).astype(dtype).astype(np.float32)
     weight = codes * step + minimum
     weight[0, 0] = minimum[0, 0]  # a block of one value
