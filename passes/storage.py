@@ -13,13 +13,15 @@ from collections.abc import Iterable
 import numpy as np
 
 # Mixes of a 4-bit build (`WeightQuantization.mix`): which weights stay at 8 bits, by name and
-# layer (`mixed_to_8_bits`). In the layers llama.cpp's Q4_K_M gives more bits (`more_bits`):
-# `attention` (the default) the attention's input projections, which cost 4 bits the most on the
-# 125M reference at the fewest bytes; `q4_k_m` also the down projection and the LM head, Q4_K_M's
-# own choice (with q and k, which the value projection is packed with), larger than Q4_K_M's file
-# at 8 bits; `none` every weight at 4 bits. docs/performance.md has the figures.
-MIXES = ("attention", "q4_k_m", "none")
-DEFAULT_MIX = "attention"  # a 4-bit build's without --mix
+# layer (`mixed_to_8_bits`). `attention`: the attention's input projections in the layers
+# llama.cpp's Q4_K_M gives more bits (`more_bits`), which cost 4 bits the most on the 125M
+# reference at the fewest bytes; `attention_down` (the default) also the feed-forward down
+# projection of every layer, the next most (with float16 scales, within Q4_K_M's bytes);
+# `q4_k_m` Q4_K_M's own choice: in its layers the attention's input projections (q and k too:
+# the value projection is packed with them) and the down projection, and the LM head, larger
+# than Q4_K_M's file at 8 bits; `none` every weight at 4 bits. docs/performance.md has the figures.
+MIXES = ("attention_down", "attention", "q4_k_m", "none")
+DEFAULT_MIX = "attention_down"  # a 4-bit build's without --mix
 # Graph weight names (packed projections are named after the pack) of the attention's input
 # projections (the value projection is packed with the query and key: its MatMul is theirs) and
 # of the feed-forward down projection, as the families name them
@@ -51,7 +53,11 @@ def mixed_to_8_bits(mix: str, name: str, layers: int) -> bool:
     """Whether `mix` keeps the weight `name` of a model of `layers` layers at 8 bits (the LM head
     aside: `q4_k_m` keeps it at 8 bits too, `mixed_head`)."""
     layer = layer_index(name)
-    if mix == "none" or layer is None or not more_bits(layer, layers):
+    if mix == "none" or layer is None:
+        return False
+    if mix == "attention_down" and any(fnmatch.fnmatchcase(name, pattern) for pattern in _FEED_FORWARD_DOWN):
+        return True
+    if not more_bits(layer, layers):
         return False
     patterns = _ATTENTION_INPUT + (_FEED_FORWARD_DOWN if mix == "q4_k_m" else ())
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)

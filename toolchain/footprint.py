@@ -317,7 +317,7 @@ def _quantized_total(
     params: Mapping[str, TensorMeta], spec: DecoderSpec, layout: QuantLayout, compute_bytes: int
 ) -> int:
     layers = layer_count(params)
-    wider = replace(layout, bits=8) if layout.bits == 4 else layout
+    wider = replace(layout, bits=8, free_min=False) if layout.bits == 4 else layout  # free minimums are 4-bit
     head = wider if mixed_head(layout.mix) else layout
     total = 0
     for name, (_, shape) in params.items():

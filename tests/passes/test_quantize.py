@@ -385,30 +385,39 @@ def layer_chain(k: int, names: list[str]) -> ir.Model:
     return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]))
 
 
-MIXED_AT_8 = {"attention": ("self_attn.qkv_proj",), "q4_k_m": ("self_attn.qkv_proj", "mlp.down_proj"), "none": ()}
+MIXED_AT_8 = {
+    "attention": ("self_attn.qkv_proj",),
+    "attention_down": ("self_attn.qkv_proj",),
+    "q4_k_m": ("self_attn.qkv_proj", "mlp.down_proj"),
+    "none": (),
+}
 
 
-@pytest.mark.parametrize("mix", ["attention", "q4_k_m", "none"])
+@pytest.mark.parametrize("mix", ["attention_down", "attention", "q4_k_m", "none"])
 @pytest.mark.parametrize(
     "form, int8_form", [("matmul_nbits", "matmul_nbits"), ("dequantize_linear", "dequantize_linear_channel")]
 )
 def test_a_mix_keeps_its_weights_at_8_bits_in_the_layers_more_bits_picks(mix: str, form: str, int8_form: str) -> None:
     """Eight layers: `more_bits` picks layers 0, 3, 6 and 7. `attention` keeps their packed q/k/v
-    at 8 bits, `q4_k_m` also their down projections and the LM head, `none` nothing; every other
-    weight (and the same weights in the other layers) goes to 4 bits."""
+    at 8 bits, `attention_down` also every layer's down projection, `q4_k_m` their down projections
+    and the LM head, `none` nothing; every other weight goes to 4 bits."""
     parts = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
     names = [f"model.layers.{i}.{part}.weight" for i in range(8) for part in parts] + ["lm_head.weight"]
     model = layer_chain(32, names)
     quantize = QuantizeWeights(4, 32, True, form, int8_form=int8_form, mix=mix)
     quantize(model)
     wide = [f"model.layers.{i}.{part}.weight" for i in (0, 3, 6, 7) for part in MIXED_AT_8[mix]]
+    if mix == "attention_down":
+        wide += [f"model.layers.{i}.mlp.down_proj.weight" for i in range(8)]
     assert sorted(quantize.wider) == sorted(wide + (["lm_head.weight"] if mix == "q4_k_m" else []))
     for name in names:
         assert f"{name}.q{8 if name in quantize.wider else 4}" in model.graph.initializers
 
 
-def test_an_int4_recipe_mixes_attention_unless_told_and_records_it() -> None:
-    assert WeightQuantization(4).mixed == "attention" and WeightQuantization(4).to_dict()["mix"] == "attention"
+def test_an_int4_recipe_mixes_attention_and_down_unless_told_and_records_it() -> None:
+    default = WeightQuantization(4)
+    assert default.mixed == "attention_down" and default.to_dict()["mix"] == "attention_down"
+    assert WeightQuantization(4, mix="attention").to_dict()["mix"] == "attention"
     assert WeightQuantization(4, mix="q4_k_m").to_dict()["mix"] == "q4_k_m"
     assert "mix" not in WeightQuantization(4, mix="none").to_dict()  # a plain recipe keeps its bytes
     assert WeightQuantization(8).mixed == "none" and "mix" not in WeightQuantization(8).to_dict()
@@ -416,7 +425,7 @@ def test_an_int4_recipe_mixes_attention_unless_told_and_records_it() -> None:
         WeightQuantization(8, mix="q4_k_m")
     with pytest.raises(ValueError, match="unknown mix"):
         WeightQuantization(4, mix="q5_k_m")
-    assert WeightQuantization(4).make_pass("matmul_nbits", int8_form="matmul_nbits").mix == "attention"
+    assert WeightQuantization(4).make_pass("matmul_nbits", int8_form="matmul_nbits").mix == "attention_down"
 
 
 def test_the_8b_benchmarks_int4_grid_is_what_int4_reproduces_exactly() -> None:

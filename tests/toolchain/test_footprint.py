@@ -189,13 +189,18 @@ def test_precisions_of_a_small_llama_by_hand(tmp_path: Path) -> None:
         "fp16": 2 * 563,
         # tied: the lookup and the head each hold the table's quantized codes
         "int8": 2 * quantized_bytes((10, 40), QuantLayout(8)) + 204 + 160 + 12,
-        "int4": 2 * quantized_bytes((10, 40), QuantLayout(4)) + 108 + 160 + 12,
+        # the default mix keeps the down projection at 8 bits
+        "int4": 2 * quantized_bytes((10, 40), QuantLayout(4)) + 204 + 160 + 12,
     }
-    # a recipe's own layout: the default one is the table's figure; a free minimum adds a float
-    # per block (the table's 2 × 10 rows × 2 blocks, the projection's 3 × 2), 4 bytes each
-    assert quantized_weight_bytes(checkpoint, spec, QuantLayout(4)) == fp.weight_bytes_at["int4"]
-    free_min = quantized_weight_bytes(checkpoint, spec, QuantLayout(4, free_min=True))
-    assert free_min == fp.weight_bytes_at["int4"] + (2 * 10 * 2 + 3 * 2) * 4
+    # a recipe's own layout: the default mix's is the table's figure; a free minimum adds a float
+    # per 4-bit block (the table's 2 × 10 rows × 2 blocks; with no mix the projection's 3 × 2
+    # too), 4 bytes each
+    assert quantized_weight_bytes(checkpoint, spec, QuantLayout(4, mix="attention_down")) == fp.weight_bytes_at["int4"]
+    free_min = quantized_weight_bytes(checkpoint, spec, QuantLayout(4, free_min=True, mix="attention_down"))
+    assert free_min == fp.weight_bytes_at["int4"] + 2 * 10 * 2 * 4
+    plain = quantized_weight_bytes(checkpoint, spec, QuantLayout(4))
+    assert plain == fp.weight_bytes_at["int4"] - 204 + 108
+    assert quantized_weight_bytes(checkpoint, spec, QuantLayout(4, free_min=True)) == plain + (2 * 10 * 2 + 3 * 2) * 4
 
 
 def test_the_head_is_quantized_tied_or_not(tmp_path: Path) -> None:
