@@ -84,6 +84,14 @@ def stored_scales(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
 # scale to stay finite in float16 (half its largest value)
 HALF_SCALE_LEAST = 2.0**-16
 HALF_WEIGHT_MOST = float(np.finfo(np.float16).max) / 2
+# A weight of at most this many scales keeps them in float32: the build's constant folding
+# (`kvforge.passes.pipeline.FOLD_LIMIT_ELEMENTS`) would fold their Cast into float32 anyway
+HALF_SCALES_FOLDED = 1024
+
+
+def half_scales_counted(count: int) -> bool:
+    """Whether a weight of `count` block scales stores them as float16 (where they fit)."""
+    return count > HALF_SCALES_FOLDED
 
 
 def half_scales_fit(weight: np.ndarray, block_size: int, bits: int) -> bool:
@@ -92,9 +100,11 @@ def half_scales_fit(weight: np.ndarray, block_size: int, bits: int) -> bool:
     block that is not all zeros spans (its largest magnitude, or max - min where that is less)
     at least 2^(bits + 1) * HALF_SCALE_LEAST, and no weight exceeds HALF_WEIGHT_MOST. A float32
     build stores such a weight's scales as float16 (half their bytes), chosen as float16 values;
-    a weight that does not fit keeps float32 scales."""
+    a weight that does not fit, or of too few scales (`half_scales_counted`), keeps float32 scales."""
     n, k = weight.shape
     pad = -k % block_size
+    if not half_scales_counted(n * -(-k // block_size)):
+        return False
     least = 2.0 ** (bits + 1) * HALF_SCALE_LEAST
     for start in range(0, n, 1024):  # float32 temporaries a chunk of rows at a time
         rows = weight[start : start + 1024].astype(np.float32)

@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvforge.passes.storage import DEFAULT_MIX, layer_count, mixed_head, mixed_to_8_bits, stored_scales
+from kvforge.passes.storage import (
+    DEFAULT_MIX,
+    half_scales_counted,
+    layer_count,
+    mixed_head,
+    mixed_to_8_bits,
+    stored_scales,
+)
 from kvforge.runners.contract import DecoderIO
 from kvforge.runners.errors import CheckpointError, GenerationError, KvforgeError
 from kvforge.toolchain.checkpoint import Checkpoint
@@ -84,8 +91,9 @@ class Footprint:
     matmul weight and the token-embedding table ([vocab, hidden], blocks along hidden) is
     cut along its input dimension into blocks of 32 (the last block padded to 32, as
     MatMulNBits stores it) holding 8- or 4-bit codes plus one fp16 scale per block
-    (`SCALE_BYTES`; a weight whose scales do not fit fp16, and the matmul weights of the `onnx`
-    target's DequantizeLinear, keep fp32: a little more than counted) (int4:
+    (`SCALE_BYTES`; a weight of at most 1024 scales keeps fp32, as counted; a weight whose scales
+    do not fit fp16, and the matmul weights of the `onnx` target's DequantizeLinear, keep fp32: a
+    little more than counted) (int4:
     the weights the default mix picks at 8 bits, `kvforge.passes.storage.DEFAULT_MIX`); an
     output head tied to the embeddings holds a copy of the table's codes of its own (the
     table is counted twice); norms, biases and learned position tables stay fp32. The `onnx`
@@ -249,6 +257,9 @@ class QuantLayout:
     zero_points: bool = False
     free_min: bool = False
     mix: str = "none"
+    # a matmul weight's scale (the table's is SCALE_BYTES): 4 where a target's DequantizeLinear
+    # reads float32 scales (`onnx`, `tensorrt` in a float32 graph)
+    scale_bytes: int = SCALE_BYTES
 
 
 def quantized_weight_bytes(
@@ -324,7 +335,7 @@ def _quantized_total(
         if len(shape) != 2 or name.endswith(POSITION_EMBEDDINGS):
             total += compute_bytes * math.prod(shape)
         elif name.endswith(TOKEN_EMBEDDINGS):
-            total += quantized_bytes((shape[0], shape[1]), layout, compute_bytes)
+            total += quantized_bytes((shape[0], shape[1]), layout, compute_bytes, SCALE_BYTES)
             if spec.tied_embeddings:  # the tied head's codes of its own
                 total += quantized_bytes((shape[0], shape[1]), head, compute_bytes)
         else:
@@ -342,14 +353,18 @@ def _out_in(name: str, shape: tuple[int, ...], spec: DecoderSpec) -> tuple[int, 
 
 
 def quantized_bytes(
-    out_in: tuple[int, int], layout: QuantLayout, compute_bytes: int = COMPUTE_BYTES, scale_bytes: int = SCALE_BYTES
+    out_in: tuple[int, int], layout: QuantLayout, compute_bytes: int = COMPUTE_BYTES, scale_bytes: int | None = None
 ) -> int:
     """Bytes of an [out, in] weight stored as `layout`: per row, its blocks' codes and scales
-    (one each, of `scale_bytes`), and their zero points (packed, a row's rounded up to a byte)
-    or float minimums (in the compute dtype)."""
+    (one each, of `scale_bytes`, default the layout's; in the compute dtype for a weight of too
+    few scales to store them as fp16, `half_scales_counted`), and their zero points (packed, a
+    row's rounded up to a byte) or float minimums (in the compute dtype)."""
     out_features, in_features = out_in
     blocks = math.ceil(in_features / layout.block)
-    row = blocks * (layout.block * layout.bits // 8 + scale_bytes)
+    scale = layout.scale_bytes if scale_bytes is None else scale_bytes
+    if not half_scales_counted(out_features * blocks):
+        scale = max(scale, compute_bytes)
+    row = blocks * (layout.block * layout.bits // 8 + scale)
     if layout.zero_points:
         row += math.ceil(blocks * layout.bits / 8)
     if layout.free_min:

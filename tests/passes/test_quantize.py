@@ -11,6 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import kvforge.passes.quantize as quantize_module
+import kvforge.passes.storage as storage
 from kvforge.passes.quantize import (
     LM_HEAD,
     ImportQuantizedWeights,
@@ -24,6 +25,15 @@ from kvforge.passes.quantize import (
 from kvforge.passes.storage import HALF_SCALE_LEAST, HALF_WEIGHT_MOST, half_scales_fit, more_bits
 from kvforge.passes.weight_layout import StackedRows
 from tests.passes.fusion_testing import op_count, ort_outputs
+
+
+@pytest.fixture(autouse=True)
+def _half_scales_of_small_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These weights are so small that a build keeps their scales in float32 (its constant
+    folding would widen their Cast anyway: `HALF_SCALES_FOLDED`); here they take the float16
+    path of larger weights."""
+    monkeypatch.setattr(storage, "HALF_SCALES_FOLDED", 0)
+
 
 RNG = np.random.default_rng(0)
 CASES = [(bits, symmetric) for bits in (4, 8) for symmetric in (True, False)]
@@ -198,6 +208,17 @@ def test_a_float32_build_stores_matmul_nbits_scales_as_float16_where_they_fit(fi
     np.testing.assert_allclose(got, x @ q.dequantize().T, atol=2e-4, rtol=1e-4)
     if not fits:  # the small block keeps its own codes, not zeros
         assert np.abs(q.dequantize()[2, :32] - weight[2, :32]).max() < 0.2 * np.abs(weight[2, :32]).max()
+
+
+def test_a_weight_of_few_scales_keeps_them_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At most HALF_SCALES_FOLDED scales stay float32, with no Cast: the build's constant folding
+    would turn such a Cast into a float32 initializer anyway."""
+    monkeypatch.setattr(storage, "HALF_SCALES_FOLDED", 1024)
+    for n, want in ((1024, ir.DataType.FLOAT), (1056, ir.DataType.FLOAT16)):  # 1024 and 1056 scales of 32
+        model = projection_graph(32, n, RNG.standard_normal((n, 32)).astype(np.float32))
+        QuantizeWeights(4, 32, True, "matmul_nbits")(model)
+        assert model.graph.initializers["w.q4.scales"].dtype == want
+        assert op_count(model, "Cast") == (1 if want == ir.DataType.FLOAT16 else 0)
 
 
 def test_a_weight_read_twice_is_quantized_once() -> None:

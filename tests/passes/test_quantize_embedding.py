@@ -12,9 +12,19 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+import kvforge.passes.storage as storage
 from kvforge.passes.quantize import LM_HEAD, QuantizedWeight, QuantizeWeights, quantize_blockwise
 from kvforge.passes.quantize_embedding import EMBEDDINGS, QuantizeEmbedding
 from tests.passes.fusion_testing import op_count, ort_outputs
+
+
+@pytest.fixture(autouse=True)
+def _half_scales_of_small_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These weights are so small that a build keeps their scales in float32 (its constant
+    folding would widen their Cast anyway: `HALF_SCALES_FOLDED`); here they take the float16
+    path of larger weights."""
+    monkeypatch.setattr(storage, "HALF_SCALES_FOLDED", 0)
+
 
 RNG = np.random.default_rng(0)
 VOCAB = 40

@@ -153,23 +153,27 @@ def write_synthetic(directory: Path, model_type: str, tensors: dict[str, torch.T
 
 
 def test_block_quantized_bytes_of_one_matrix() -> None:
-    # [3 out, 40 in]: 40 inputs need two blocks of 32 (the second padded), so 6 blocks.
-    # int4: 6 blocks × (32 × 4 bits = 16 bytes + a 2-byte fp16 scale) = 108 bytes.
-    # int8: 6 blocks × (32 bytes + 2) = 204 bytes.
-    assert quantized_bytes((3, 40), QuantLayout(4)) == 108
-    assert quantized_bytes((3, 40), QuantLayout(8)) == 204
-    assert quantized_bytes((1, 32), QuantLayout(4)) == 18  # exactly one block, no padding
-    assert quantized_bytes((2, 33), QuantLayout(8)) == 2 * 2 * 34
-    # fp32 scales (a weight whose scales do not fit fp16): 4 bytes each
-    assert quantized_bytes((3, 40), QuantLayout(4), scale_bytes=4) == 120
-    # blocks of 64: one per row of 40, 32 bytes of int4 codes + a 2-byte scale
-    assert quantized_bytes((3, 40), QuantLayout(4, block=64)) == 3 * 34
+    # [3 out, 40 in]: 40 inputs need two blocks of 32 (the second padded), so 6 blocks; so few
+    # scales are fp32 (the build's constant folding would widen their Cast anyway).
+    # int4: 6 blocks × (32 × 4 bits = 16 bytes + a 4-byte fp32 scale) = 120 bytes.
+    # int8: 6 blocks × (32 bytes + 4) = 216 bytes.
+    assert quantized_bytes((3, 40), QuantLayout(4)) == 120
+    assert quantized_bytes((3, 40), QuantLayout(8)) == 216
+    assert quantized_bytes((1, 32), QuantLayout(4)) == 20  # exactly one block, no padding
+    assert quantized_bytes((2, 33), QuantLayout(8)) == 2 * 2 * 36
+    # blocks of 64: one per row of 40, 32 bytes of int4 codes + a 4-byte scale
+    assert quantized_bytes((3, 40), QuantLayout(4, block=64)) == 3 * 36
     # --asymmetric: a 4-bit zero point per block, a row's two packed in one byte
-    assert quantized_bytes((3, 40), QuantLayout(4, zero_points=True)) == 108 + 3
-    assert quantized_bytes((3, 40), QuantLayout(8, zero_points=True)) == 204 + 6
+    assert quantized_bytes((3, 40), QuantLayout(4, zero_points=True)) == 120 + 3
+    assert quantized_bytes((3, 40), QuantLayout(8, zero_points=True)) == 216 + 6
     # --free-min: a float minimum per block beside its scale, in the compute dtype
-    assert quantized_bytes((3, 40), QuantLayout(4, free_min=True)) == 108 + 6 * 4
+    assert quantized_bytes((3, 40), QuantLayout(4, free_min=True)) == 120 + 6 * 4
     assert quantized_bytes((3, 40), QuantLayout(4, free_min=True), compute_bytes=2) == 6 * (16 + 2 + 2)
+    # more than 1024 scales: fp16, 2 bytes each (fp32 where the layout says so: DequantizeLinear)
+    assert quantized_bytes((1025, 32), QuantLayout(4)) == 1025 * (16 + 2)
+    assert quantized_bytes((1024, 32), QuantLayout(4)) == 1024 * (16 + 4)
+    assert quantized_bytes((1025, 64), QuantLayout(8)) == 1025 * 2 * (32 + 2)
+    assert quantized_bytes((1025, 32), QuantLayout(4, scale_bytes=4)) == 1025 * (16 + 4)
 
 
 def test_precisions_of_a_small_llama_by_hand(tmp_path: Path) -> None:
@@ -188,9 +192,9 @@ def test_precisions_of_a_small_llama_by_hand(tmp_path: Path) -> None:
         "fp32": 4 * 563,
         "fp16": 2 * 563,
         # tied: the lookup and the head each hold the table's quantized codes
-        "int8": 2 * quantized_bytes((10, 40), QuantLayout(8)) + 204 + 160 + 12,
+        "int8": 2 * quantized_bytes((10, 40), QuantLayout(8)) + 216 + 160 + 12,
         # the default mix keeps the down projection at 8 bits
-        "int4": 2 * quantized_bytes((10, 40), QuantLayout(4)) + 204 + 160 + 12,
+        "int4": 2 * quantized_bytes((10, 40), QuantLayout(4)) + 216 + 160 + 12,
     }
     # a recipe's own layout: the default mix's is the table's figure; a free minimum adds a float
     # per 4-bit block (the table's 2 × 10 rows × 2 blocks; with no mix the projection's 3 × 2
@@ -199,7 +203,7 @@ def test_precisions_of_a_small_llama_by_hand(tmp_path: Path) -> None:
     free_min = quantized_weight_bytes(checkpoint, spec, QuantLayout(4, free_min=True, mix="attention_down"))
     assert free_min == fp.weight_bytes_at["int4"] + 2 * 10 * 2 * 4
     plain = quantized_weight_bytes(checkpoint, spec, QuantLayout(4))
-    assert plain == fp.weight_bytes_at["int4"] - 204 + 108
+    assert plain == fp.weight_bytes_at["int4"] - 216 + 120
     assert quantized_weight_bytes(checkpoint, spec, QuantLayout(4, free_min=True)) == plain + (2 * 10 * 2 + 3 * 2) * 4
 
 
@@ -225,7 +229,7 @@ def test_gpt2_conv1d_weights_are_input_first(tmp_path: Path) -> None:
     directory = write_synthetic(tmp_path / "m", "gpt2", tensors)
     fp = footprint(*load_with_spec(directory), batch=1, seq=1)
     # gpt2 ties its head to wte: a quantized [10 out, 40 in] table for each
-    assert fp.weight_bytes_at["int4"] == 2 * quantized_bytes((10, 40), QuantLayout(4)) + 64 * 40 * 4 + 108
+    assert fp.weight_bytes_at["int4"] == 2 * quantized_bytes((10, 40), QuantLayout(4)) + 64 * 40 * 4 + 120
 
 
 def test_unknown_stored_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
