@@ -49,7 +49,15 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from kvforge.passes.storage import DEFAULT_MIX, MIXES, layer_count, mixed_head, mixed_to_8_bits, stored_scales
+from kvforge.passes.storage import (
+    DEFAULT_MIX,
+    MIXES,
+    half_scales_fit,
+    layer_count,
+    mixed_head,
+    mixed_to_8_bits,
+    stored_scales,
+)
 
 BITS = (4, 8)
 BLOCK_SIZES = (32, 64, 128)
@@ -117,7 +125,7 @@ class QuantizedWeight:
     """A [N, K] weight (out, in features) in blocks of `block_size` along K."""
 
     codes: np.ndarray  # [N, K]: int8 signed codes (symmetric) or uint8 0 .. 2^bits - 1 (asymmetric)
-    scales: np.ndarray  # [N, ⌈K / block⌉], the weight's float dtype
+    scales: np.ndarray  # [N, ⌈K / block⌉], the weight's float dtype or float16 (`half_scales_fit`)
     zero_points: np.ndarray | None  # [N, ⌈K / block⌉] uint8 in 0 .. 2^bits - 1; None when symmetric
     bits: int
     block_size: int
@@ -158,10 +166,16 @@ class QuantizedWeight:
 
 
 def quantize_blockwise(
-    weight: np.ndarray, bits: int, block_size: int, symmetric: bool, rows_per_chunk: int = 1024
+    weight: np.ndarray,
+    bits: int,
+    block_size: int,
+    symmetric: bool,
+    rows_per_chunk: int = 1024,
+    scale_dtype: np.dtype | None = None,
 ) -> QuantizedWeight:
     """Round-to-nearest block-wise quantization of a [N, K] weight; a last block shorter than
-    `block_size` is quantized as if filled up with zeros.
+    `block_size` is quantized as if filled up with zeros. The scales are chosen as values of
+    `scale_dtype` (default: the weight's) and stored in it.
 
     Rows are quantized `rows_per_chunk` at a time, so the float32 temporaries stay small next
     to the weight however large it is (an LM head of 150k rows), the chunks spread over the
@@ -172,6 +186,7 @@ def quantize_blockwise(
     n, k = weight.shape
     pad = -k % block_size
     count = (k + pad) // block_size
+    stored = weight.dtype if scale_dtype is None else np.dtype(scale_dtype)
     codes = np.empty((n, k), np.int8 if symmetric else np.uint8)
     scales = np.empty((n, count), np.float32)
     zero_points = None if symmetric else np.empty((n, count), np.uint8)
@@ -183,15 +198,15 @@ def quantize_blockwise(
             chunk_weight = np.pad(chunk_weight, ((0, 0), (0, pad)))
         blocks = chunk_weight.reshape(-1, count, block_size)
         if symmetric:
-            scale, chunk = _symmetric(blocks, bits, weight.dtype)
+            scale, chunk = _symmetric(blocks, bits, stored)
         else:
-            scale, zero, chunk = _asymmetric(blocks, bits, weight.dtype)
+            scale, zero, chunk = _asymmetric(blocks, bits, stored)
             zero_points[rows] = zero  # type: ignore[index]
         codes[rows] = chunk.reshape(-1, k + pad)[:, :k]
         scales[rows] = scale
 
     _run_chunks(quantize_rows, range(0, n, rows_per_chunk))
-    return QuantizedWeight(codes, scales.astype(weight.dtype), zero_points, bits, block_size)
+    return QuantizedWeight(codes, scales.astype(stored), zero_points, bits, block_size)
 
 
 # Threads that quantize a weight's chunks; 0: one per usable CPU.
@@ -588,14 +603,23 @@ class QuantizeWeights(InPlacePass):
             self.calibrated.append(weight.name or "")
             self.counts["calibrated"] += 1
         block = k if per_channel else self.block_size if chosen is None else chosen.block_size
+        # a float32 graph's MatMulNBits reads float16 scales through a Cast that onnxruntime folds
+        # at load: half the scale bytes, chosen as float16 values (`half_scales_fit`)
+        half = (
+            form == "matmul_nbits"
+            and kernel.dtype == np.float32
+            and calibrated is None
+            and half_scales_fit(kernel, block, bits)
+        )
+        scale_dtype = np.dtype(np.float16) if half else kernel.dtype
         if self.free_min and bits == 4 and k % block == 0:
             # a calibrated weight's values lie on its grid, which the search finds again
-            q = quantize_free_min(kernel, block)
+            q = quantize_free_min(kernel, block, dtype=scale_dtype)
             self.counts["free_min"] += 1
         elif calibrated is not None:
             q = quantize_with_scales(kernel, calibrated, bits, self.block_size)
         else:
-            q = quantize_blockwise(kernel, bits, block, self.symmetric)
+            q = quantize_blockwise(kernel, bits, block, self.symmetric, scale_dtype=scale_dtype)
         base = f"{weight.name}.q{bits}"
         if base in graph.initializers:  # the same weight, already quantized as read the other way
             base += ".t"
@@ -612,7 +636,10 @@ class QuantizeWeights(InPlacePass):
             tensors = [codes, scale, zero_point]
         if q.mins is not None:
             self._mins[base] = register_mins(graph, base, q.mins, kernel.dtype)
-        return tuple(register_quantized(graph, base, tensors))
+        registered = register_quantized(graph, base, tensors)
+        if half:
+            registered[1] = read_as(graph, registered[1], ir.DataType.FLOAT)
+        return tuple(registered)
 
     def _calibrated_scales(self, weight: ir.Value, n: int, k: int) -> np.ndarray | None:
         """The calibrated scales of the [N, K] weight (a packed weight's: its parts', stacked), or

@@ -1,7 +1,8 @@
 """Weight-only quantization of the token-embedding table: the lookup reads block-wise codes.
 
 The table `[V, H]` is quantized exactly as an LM head reading it is (`quantize_blockwise`,
-blocks of `block_size` along H, the same rounding and scales in the table's dtype), and the
+blocks of `block_size` along H, the same rounding, scales float16 where the table is float32
+and they fit, `half_scales_fit`, else in the table's dtype), and the
 `Gather` that looks token ids up in it reads the codes in the form the target takes:
 
 - `gather_block_quantized` (onnxruntime targets): com.microsoft `GatherBlockQuantized`, which
@@ -89,6 +90,7 @@ from kvforge.passes.quantize import (
     replace_node,
     stored_scales,
 )
+from kvforge.passes.storage import half_scales_fit
 
 EMBEDDING_FORMS = ("gather_block_quantized", "gather_dequantize_linear")
 EMBEDDINGS = "embeddings"  # in `keep`: every token-embedding table, whatever its name
@@ -227,10 +229,15 @@ class QuantizeEmbedding(QuantizeWeights):
         tensor = table.const_value
         assert tensor is not None
         ranked = all(gather.inputs[1].shape is not None for gather in gathers)  # type: ignore[union-attr]
+        # float16 scales where the table is float32 and they fit (`half_scales_fit`), as the LM
+        # head's: every form reads the scales through a Cast folded at load
+        rows = tensor.numpy()
+        half = record is None and rows.dtype == np.float32 and half_scales_fit(rows, self.block_size, self.bits)
+        scale_dtype = np.dtype(np.float16) if half else rows.dtype
         if record is None and self.free_min and ranked and tensor.shape.numpy()[1] % self.block_size == 0:
-            q = quantize_free_min(tensor.numpy(), self.block_size)
+            q = quantize_free_min(rows, self.block_size, dtype=scale_dtype)
         elif record is None:
-            q = quantize_blockwise(tensor.numpy(), self.bits, self.block_size, self.symmetric)
+            q = quantize_blockwise(rows, self.bits, self.block_size, self.symmetric, scale_dtype=scale_dtype)
         else:
             q = replace(record, scales=stored_scales(record.scales, tensor.dtype.numpy()))
         name = _free_name(graph, f"{table.name}.q{q.bits}")

@@ -1,5 +1,6 @@
 """What a quantized build stores, in rules that need numpy alone: which weights a 4-bit build's
-mix keeps at 8 bits, and the dtype imported scales are stored in. The quantization passes
+mix keeps at 8 bits, and the dtype scales are stored in (imported ones: `stored_scales`; those
+a float32 build chooses: `half_scales_fit`). The quantization passes
 (`kvforge.passes.quantize`, `.quantize_embedding`) apply them; `kvforge.toolchain.footprint`
 counts the bytes by them without loading onnx (`kvforge inspect`)."""
 
@@ -12,13 +13,15 @@ from collections.abc import Iterable
 import numpy as np
 
 # Mixes of a 4-bit build (`WeightQuantization.mix`): which weights stay at 8 bits, by name and
-# layer (`mixed_to_8_bits`). In the layers llama.cpp's Q4_K_M gives more bits (`more_bits`):
-# `attention` (the default) the attention's input projections, which cost 4 bits the most on the
-# 125M reference at the fewest bytes; `q4_k_m` also the down projection and the LM head, Q4_K_M's
-# own choice (with q and k, which the value projection is packed with), larger than Q4_K_M's file
-# at 8 bits; `none` every weight at 4 bits. docs/performance.md has the figures.
-MIXES = ("attention", "q4_k_m", "none")
-DEFAULT_MIX = "attention"  # a 4-bit build's without --mix
+# layer (`mixed_to_8_bits`). `attention`: the attention's input projections in the layers
+# llama.cpp's Q4_K_M gives more bits (`more_bits`), which cost 4 bits the most on the 125M
+# reference at the fewest bytes; `attention_down` (the default) also the feed-forward down
+# projection of every layer, the next most (with float16 scales, within Q4_K_M's bytes);
+# `q4_k_m` Q4_K_M's own choice: in its layers the attention's input projections (q and k too:
+# the value projection is packed with them) and the down projection, and the LM head, larger
+# than Q4_K_M's file at 8 bits; `none` every weight at 4 bits. docs/performance.md has the figures.
+MIXES = ("attention_down", "attention", "q4_k_m", "none")
+DEFAULT_MIX = "attention_down"  # a 4-bit build's without --mix
 # Graph weight names (packed projections are named after the pack) of the attention's input
 # projections (the value projection is packed with the query and key: its MatMul is theirs) and
 # of the feed-forward down projection, as the families name them
@@ -50,7 +53,11 @@ def mixed_to_8_bits(mix: str, name: str, layers: int) -> bool:
     """Whether `mix` keeps the weight `name` of a model of `layers` layers at 8 bits (the LM head
     aside: `q4_k_m` keeps it at 8 bits too, `mixed_head`)."""
     layer = layer_index(name)
-    if mix == "none" or layer is None or not more_bits(layer, layers):
+    if mix == "none" or layer is None:
+        return False
+    if mix == "attention_down" and any(fnmatch.fnmatchcase(name, pattern) for pattern in _FEED_FORWARD_DOWN):
+        return True
+    if not more_bits(layer, layers):
         return False
     patterns = _ATTENTION_INPUT + (_FEED_FORWARD_DOWN if mix == "q4_k_m" else ())
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
@@ -70,3 +77,44 @@ def stored_scales(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
         if np.array_equal(half.astype(np.float32), values):
             return half
     return values.astype(dtype)
+
+
+# The least scale a block's float16 scale may be (2^-16: float16's subnormals below 2^-14 still
+# hold 8 significant bits there), and the largest magnitude a weight may have for its block's
+# scale to stay finite in float16 (half its largest value)
+HALF_SCALE_LEAST = 2.0**-16
+HALF_WEIGHT_MOST = float(np.finfo(np.float16).max) / 2
+# A weight of at most this many scales keeps them in float32: the build's constant folding
+# (`kvforge.passes.pipeline.FOLD_LIMIT_ELEMENTS`) would fold their Cast into float32 anyway
+HALF_SCALES_FOLDED = 1024
+
+
+def half_scales_counted(count: int) -> bool:
+    """Whether a weight of `count` block scales stores them as float16 (where they fit)."""
+    return count > HALF_SCALES_FOLDED
+
+
+def half_scales_fit(weight: np.ndarray, block_size: int, bits: int) -> bool:
+    """Whether every block's scale of the [N, K] weight (blocks of `block_size` along K), whatever
+    scale the searches choose at `bits`, is a finite float16 of 8 significant bits at least: each
+    block that is not all zeros spans (its largest magnitude, or max - min where that is less)
+    at least 2^(bits + 1) * HALF_SCALE_LEAST, and no weight exceeds HALF_WEIGHT_MOST. A float32
+    build stores such a weight's scales as float16 (half their bytes), chosen as float16 values;
+    a weight that does not fit, or of too few scales (`half_scales_counted`), keeps float32 scales."""
+    n, k = weight.shape
+    pad = -k % block_size
+    if not half_scales_counted(n * -(-k // block_size)):
+        return False
+    least = 2.0 ** (bits + 1) * HALF_SCALE_LEAST
+    for start in range(0, n, 1024):  # float32 temporaries a chunk of rows at a time
+        rows = weight[start : start + 1024].astype(np.float32)
+        blocks = np.pad(rows, ((0, 0), (0, pad))).reshape(rows.shape[0], -1, block_size)
+        high, low = blocks.max(axis=-1), blocks.min(axis=-1)
+        largest = np.maximum(high, -low)
+        if not np.isfinite(largest).all() or largest.max(initial=0.0) > HALF_WEIGHT_MOST:
+            return False
+        extent = np.minimum(largest, high - low)
+        extent = np.where(high - low > 0, extent, largest)  # a block of one value: its magnitude
+        if ((extent > 0) & (extent < least)).any():
+            return False
+    return True

@@ -578,8 +578,15 @@ def _check_fits(ckpt: checkpoints.Checkpoint, spec: DecoderSpec, options: BuildO
     quant = options.weights
     layout = None
     if quant is not None:
+        # MatMulNBits reads float16 scales; a DequantizeLinear target, the compute dtype's
+        nbits = options.target.quantization_form(quant.bits) == "matmul_nbits"
         layout = QuantLayout(
-            quant.bits, quant.block_size, zero_points=not quant.symmetric, free_min=quant.free_min, mix=quant.mixed
+            quant.bits,
+            quant.block_size,
+            zero_points=not quant.symmetric,
+            free_min=quant.free_min,
+            mix=quant.mixed,
+            scale_bytes=2 if nbits else compute_bytes,
         )
     # the checkpoint's own quantized weights, where the target imports them, as the import writes them
     imported = None

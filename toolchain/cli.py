@@ -20,6 +20,7 @@ from typing import Any
 
 import click
 
+from kvforge.passes.storage import MIXES
 from kvforge.passes.targets import DEFAULT_TARGET, TARGETS
 from kvforge.runners.cli import (
     _RUNTIME_HELP,
@@ -213,12 +214,13 @@ def _calibration(choice: str | None, quantization: Any) -> Any:
 )
 @click.option(
     "--mix",
-    type=click.Choice(["attention", "q4_k_m", "none"]),
+    type=click.Choice(list(MIXES)),
     default=None,
-    help="With --weights int4: which weights stay at int8 besides --int8's, in the layers llama.cpp's Q4_K_M gives "
-    "more bits (the first and last eighth and every third layer between). attention (the default): the "
-    "attention's q/k/v projections; q4_k_m: also the down projection, and the LM head (Q4_K_M's choice, more "
-    "bytes); none: every weight at int4.",
+    help="With --weights int4: which weights stay at int8 besides --int8's. attention: the attention's q/k/v "
+    "projections in the layers llama.cpp's Q4_K_M gives more bits (the first and last eighth and every third "
+    "layer between); attention_down (the default): also every layer's down projection; q4_k_m: Q4_K_M's choice, "
+    "q/k/v and the down projection in those layers and the LM head (more bytes than Q4_K_M); none: every "
+    "weight at int4.",
 )
 @click.option(
     "--device-memory",

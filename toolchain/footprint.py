@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvforge.passes.storage import DEFAULT_MIX, layer_count, mixed_head, mixed_to_8_bits, stored_scales
+from kvforge.passes.storage import (
+    DEFAULT_MIX,
+    half_scales_counted,
+    layer_count,
+    mixed_head,
+    mixed_to_8_bits,
+    stored_scales,
+)
 from kvforge.runners.contract import DecoderIO
 from kvforge.runners.errors import CheckpointError, GenerationError, KvforgeError
 from kvforge.toolchain.checkpoint import Checkpoint
@@ -38,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 QUANT_BLOCK = 32  # weights per quantization block, along the input (reduction) dimension (--block-size)
 COMPUTE_BYTES = 4  # fp32 compute (the default): scales and the weights that stay unquantized are fp32
+# a block's scale: float16 in either compute dtype (a float32 graph reads them through a Cast
+# folded at load: `kvforge.passes.storage.half_scales_fit`)
+SCALE_BYTES = 2
 WEIGHT_PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
 # the cache's precisions: bytes per element. "int8" is `--kv-dtype int8`'s cache of codes (its
 # per-channel scales are constants, a few kB, counted with nothing); a layer's fixed-size state
@@ -80,7 +90,10 @@ class Footprint:
     stores on the default target, ort-cpu (symmetric, block 32, fp32 compute): each 2-D
     matmul weight and the token-embedding table ([vocab, hidden], blocks along hidden) is
     cut along its input dimension into blocks of 32 (the last block padded to 32, as
-    MatMulNBits stores it) holding 8- or 4-bit codes plus one fp32 scale per block (int4:
+    MatMulNBits stores it) holding 8- or 4-bit codes plus one fp16 scale per block
+    (`SCALE_BYTES`; a weight of at most 1024 scales keeps fp32, as counted; a weight whose scales
+    do not fit fp16, and the matmul weights of the `onnx` target's DequantizeLinear, keep fp32: a
+    little more than counted) (int4:
     the weights the default mix picks at 8 bits, `kvforge.passes.storage.DEFAULT_MIX`); an
     output head tied to the embeddings holds a copy of the table's codes of its own (the
     table is counted twice); norms, biases and learned position tables stay fp32. The `onnx`
@@ -234,7 +247,7 @@ def _stored_bytes(name: str, meta: TensorMeta, checkpoint: Checkpoint) -> int:
 @dataclass(frozen=True)
 class QuantLayout:
     """How a quantized build stores each matmul weight, as far as its bytes go: codes of
-    `bits` in blocks of `block` inputs, a scale per block in the compute dtype, and per block
+    `bits` in blocks of `block` inputs, a float16 scale per block (`SCALE_BYTES`), and per block
     an integer zero point (`--asymmetric`: packed at `bits`) or a float minimum (`--free-min`:
     the compute dtype). A 4-bit build's `mix` (`kvforge.passes.storage.MIXES`) keeps the weights
     it picks at 8 bits. `--keep` and `--int8` patterns are not counted."""
@@ -244,6 +257,9 @@ class QuantLayout:
     zero_points: bool = False
     free_min: bool = False
     mix: str = "none"
+    # a matmul weight's scale (the table's is SCALE_BYTES): 4 where a target's DequantizeLinear
+    # reads float32 scales (`onnx`, `tensorrt` in a float32 graph)
+    scale_bytes: int = SCALE_BYTES
 
 
 def quantized_weight_bytes(
@@ -312,14 +328,14 @@ def _quantized_total(
     params: Mapping[str, TensorMeta], spec: DecoderSpec, layout: QuantLayout, compute_bytes: int
 ) -> int:
     layers = layer_count(params)
-    wider = replace(layout, bits=8) if layout.bits == 4 else layout
+    wider = replace(layout, bits=8, free_min=False) if layout.bits == 4 else layout  # free minimums are 4-bit
     head = wider if mixed_head(layout.mix) else layout
     total = 0
     for name, (_, shape) in params.items():
         if len(shape) != 2 or name.endswith(POSITION_EMBEDDINGS):
             total += compute_bytes * math.prod(shape)
         elif name.endswith(TOKEN_EMBEDDINGS):
-            total += quantized_bytes((shape[0], shape[1]), layout, compute_bytes)
+            total += quantized_bytes((shape[0], shape[1]), layout, compute_bytes, SCALE_BYTES)
             if spec.tied_embeddings:  # the tied head's codes of its own
                 total += quantized_bytes((shape[0], shape[1]), head, compute_bytes)
         else:
@@ -336,13 +352,19 @@ def _out_in(name: str, shape: tuple[int, ...], spec: DecoderSpec) -> tuple[int, 
     return rows, cols
 
 
-def quantized_bytes(out_in: tuple[int, int], layout: QuantLayout, compute_bytes: int = COMPUTE_BYTES) -> int:
+def quantized_bytes(
+    out_in: tuple[int, int], layout: QuantLayout, compute_bytes: int = COMPUTE_BYTES, scale_bytes: int | None = None
+) -> int:
     """Bytes of an [out, in] weight stored as `layout`: per row, its blocks' codes and scales
-    (one each in the compute dtype), and their zero points (packed, a row's rounded up to a
-    byte) or float minimums."""
+    (one each, of `scale_bytes`, default the layout's; in the compute dtype for a weight of too
+    few scales to store them as fp16, `half_scales_counted`), and their zero points (packed, a
+    row's rounded up to a byte) or float minimums (in the compute dtype)."""
     out_features, in_features = out_in
     blocks = math.ceil(in_features / layout.block)
-    row = blocks * (layout.block * layout.bits // 8 + compute_bytes)
+    scale = layout.scale_bytes if scale_bytes is None else scale_bytes
+    if not half_scales_counted(out_features * blocks):
+        scale = max(scale, compute_bytes)
+    row = blocks * (layout.block * layout.bits // 8 + scale)
     if layout.zero_points:
         row += math.ceil(blocks * layout.bits / 8)
     if layout.free_min:
@@ -400,7 +422,7 @@ def _kind_label(kind: str, windows: tuple[int | None, ...]) -> str:
 
 
 def _precision_label(precision: str) -> str:
-    return precision if precision not in _BITS else f"{precision} (block {QUANT_BLOCK}, fp32 scales and rest)"
+    return precision if precision not in _BITS else f"{precision} (block {QUANT_BLOCK}, fp16 scales, fp32 rest)"
 
 
 def _size_row(label: str, nbytes: int) -> str:

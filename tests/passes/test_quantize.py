@@ -11,6 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import kvforge.passes.quantize as quantize_module
+import kvforge.passes.storage as storage
 from kvforge.passes.quantize import (
     LM_HEAD,
     ImportQuantizedWeights,
@@ -21,9 +22,18 @@ from kvforge.passes.quantize import (
     quantize_free_min,
     stack_rows,
 )
-from kvforge.passes.storage import more_bits
+from kvforge.passes.storage import HALF_SCALE_LEAST, HALF_WEIGHT_MOST, half_scales_fit, more_bits
 from kvforge.passes.weight_layout import StackedRows
 from tests.passes.fusion_testing import op_count, ort_outputs
+
+
+@pytest.fixture(autouse=True)
+def _half_scales_of_small_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These weights are so small that a build keeps their scales in float32 (its constant
+    folding would widen their Cast anyway: `HALF_SCALES_FOLDED`); here they take the float16
+    path of larger weights."""
+    monkeypatch.setattr(storage, "HALF_SCALES_FOLDED", 0)
+
 
 RNG = np.random.default_rng(0)
 CASES = [(bits, symmetric) for bits in (4, 8) for symmetric in (True, False)]
@@ -156,10 +166,59 @@ def test_both_representations_compute_x_times_the_dequantized_weight(
     assert "w" not in model.graph.initializers
     (got,) = ort_outputs(model, {"x": x})
     block = k if form == "dequantize_linear_channel" else 32  # per channel: one block of all K inputs
-    want = x @ quantize_blockwise(weight_nk, bits, block, symmetric).dequantize().T
+    half = np.float16 if form == "matmul_nbits" else None  # MatMulNBits' scales are float16 values
+    want = x @ quantize_blockwise(weight_nk, bits, block, symmetric, scale_dtype=half).dequantize().T
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
     assert np.abs(got - x @ weight_nk.T).max() > 1e-3  # and it is not the float product
     assert not quantize(model).modified  # nothing left to quantize: a second run changes nothing
+
+
+def test_half_scales_fit_bounds_every_block_s_scale() -> None:
+    """float16 holds a weight's scales unless a block that is not all zeros spans so little that
+    its scale would lose float16's precision, or a weight is too large for a finite scale."""
+    weight = RNG.standard_normal((4, 64)).astype(np.float32)
+    assert half_scales_fit(weight, 32, 4) and half_scales_fit(weight, 32, 8)
+    tiny = weight.copy()
+    tiny[1, 32:] *= 2**5.5 * HALF_SCALE_LEAST / np.abs(tiny[1, 32:]).max()  # spans 2^5.5 of the least
+    assert half_scales_fit(tiny, 32, 4) and not half_scales_fit(tiny, 32, 8)
+    tiny[1, 32:] = 0.0  # an all-zero block takes any scale
+    assert half_scales_fit(tiny, 32, 8)
+    huge = weight.copy()
+    huge[3, 5] = 2 * HALF_WEIGHT_MOST
+    assert not half_scales_fit(huge, 32, 4)
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_a_float32_build_stores_matmul_nbits_scales_as_float16_where_they_fit(fits: bool) -> None:
+    """Scales chosen as float16 values, stored as float16 and read through a Cast to float32; a
+    weight with a block too small for float16's scales keeps float32 scales, read directly."""
+    k, n = 64, 16
+    weight = RNG.standard_normal((n, k)).astype(np.float32)
+    if not fits:
+        weight[2, :32] *= 1e-7
+    model = projection_graph(k, n, weight)
+    QuantizeWeights(4, 32, True, "matmul_nbits")(model)
+    scales = model.graph.initializers["w.q4.scales"]
+    assert scales.dtype == (ir.DataType.FLOAT16 if fits else ir.DataType.FLOAT)
+    assert op_count(model, "Cast") == (1 if fits else 0)
+    x = RNG.standard_normal((2, 3, k)).astype(np.float32)
+    (got,) = ort_outputs(model, {"x": x})
+    q = quantize_blockwise(weight, 4, 32, True, scale_dtype=np.float16 if fits else None)
+    np.testing.assert_array_equal(scales.const_value.numpy(), q.scales)
+    np.testing.assert_allclose(got, x @ q.dequantize().T, atol=2e-4, rtol=1e-4)
+    if not fits:  # the small block keeps its own codes, not zeros
+        assert np.abs(q.dequantize()[2, :32] - weight[2, :32]).max() < 0.2 * np.abs(weight[2, :32]).max()
+
+
+def test_a_weight_of_few_scales_keeps_them_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At most HALF_SCALES_FOLDED scales stay float32, with no Cast: the build's constant folding
+    would turn such a Cast into a float32 initializer anyway."""
+    monkeypatch.setattr(storage, "HALF_SCALES_FOLDED", 1024)
+    for n, want in ((1024, ir.DataType.FLOAT), (1056, ir.DataType.FLOAT16)):  # 1024 and 1056 scales of 32
+        model = projection_graph(32, n, RNG.standard_normal((n, 32)).astype(np.float32))
+        QuantizeWeights(4, 32, True, "matmul_nbits")(model)
+        assert model.graph.initializers["w.q4.scales"].dtype == want
+        assert op_count(model, "Cast") == (1 if want == ir.DataType.FLOAT16 else 0)
 
 
 def test_a_weight_read_twice_is_quantized_once() -> None:
@@ -281,7 +340,8 @@ def test_int8_picks_weights_to_quantize_at_8_bits_in_an_int4_build(
         bits = 8 if wide[name] else 4
         block = weight.shape[1] if bits == 8 and int8_form == "dequantize_linear_channel" else 32
         assert f"{name}.q{bits}" in model.graph.initializers
-        want = want @ quantize_blockwise(weight, bits, block, True).dequantize().T
+        half = np.float16 if (int8_form if bits == 8 else form) == "matmul_nbits" else None
+        want = want @ quantize_blockwise(weight, bits, block, True, scale_dtype=half).dequantize().T
     (got,) = ort_outputs(model, {"x": x})
     np.testing.assert_allclose(got, want, atol=2e-3, rtol=1e-4)
     if form == "matmul_nbits":
@@ -312,7 +372,7 @@ def test_a_weight_the_lm_head_shares_is_int8_for_every_reader() -> None:
     assert quantize.wider == ["w"] and sorted(model.graph.initializers) == ["w.q8", "w.q8.scales"]
     assert [n.attributes.get_int("bits") for n in model.graph if n.op_type == "MatMulNBits"] == [8, 8]
     x = RNG.standard_normal((2, 3, k)).astype(np.float32)
-    w8 = quantize_blockwise(weight, 8, 32, True).dequantize()
+    w8 = quantize_blockwise(weight, 8, 32, True, scale_dtype=np.float16).dequantize()
     (got,) = ort_outputs(model, {"x": x})
     np.testing.assert_allclose(got, x @ w8.T @ w8.T, atol=2e-3, rtol=1e-4)
 
@@ -346,30 +406,39 @@ def layer_chain(k: int, names: list[str]) -> ir.Model:
     return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]))
 
 
-MIXED_AT_8 = {"attention": ("self_attn.qkv_proj",), "q4_k_m": ("self_attn.qkv_proj", "mlp.down_proj"), "none": ()}
+MIXED_AT_8 = {
+    "attention": ("self_attn.qkv_proj",),
+    "attention_down": ("self_attn.qkv_proj",),
+    "q4_k_m": ("self_attn.qkv_proj", "mlp.down_proj"),
+    "none": (),
+}
 
 
-@pytest.mark.parametrize("mix", ["attention", "q4_k_m", "none"])
+@pytest.mark.parametrize("mix", ["attention_down", "attention", "q4_k_m", "none"])
 @pytest.mark.parametrize(
     "form, int8_form", [("matmul_nbits", "matmul_nbits"), ("dequantize_linear", "dequantize_linear_channel")]
 )
 def test_a_mix_keeps_its_weights_at_8_bits_in_the_layers_more_bits_picks(mix: str, form: str, int8_form: str) -> None:
     """Eight layers: `more_bits` picks layers 0, 3, 6 and 7. `attention` keeps their packed q/k/v
-    at 8 bits, `q4_k_m` also their down projections and the LM head, `none` nothing; every other
-    weight (and the same weights in the other layers) goes to 4 bits."""
+    at 8 bits, `attention_down` also every layer's down projection, `q4_k_m` their down projections
+    and the LM head, `none` nothing; every other weight goes to 4 bits."""
     parts = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
     names = [f"model.layers.{i}.{part}.weight" for i in range(8) for part in parts] + ["lm_head.weight"]
     model = layer_chain(32, names)
     quantize = QuantizeWeights(4, 32, True, form, int8_form=int8_form, mix=mix)
     quantize(model)
     wide = [f"model.layers.{i}.{part}.weight" for i in (0, 3, 6, 7) for part in MIXED_AT_8[mix]]
+    if mix == "attention_down":
+        wide += [f"model.layers.{i}.mlp.down_proj.weight" for i in range(8)]
     assert sorted(quantize.wider) == sorted(wide + (["lm_head.weight"] if mix == "q4_k_m" else []))
     for name in names:
         assert f"{name}.q{8 if name in quantize.wider else 4}" in model.graph.initializers
 
 
-def test_an_int4_recipe_mixes_attention_unless_told_and_records_it() -> None:
-    assert WeightQuantization(4).mixed == "attention" and WeightQuantization(4).to_dict()["mix"] == "attention"
+def test_an_int4_recipe_mixes_attention_and_down_unless_told_and_records_it() -> None:
+    default = WeightQuantization(4)
+    assert default.mixed == "attention_down" and default.to_dict()["mix"] == "attention_down"
+    assert WeightQuantization(4, mix="attention").to_dict()["mix"] == "attention"
     assert WeightQuantization(4, mix="q4_k_m").to_dict()["mix"] == "q4_k_m"
     assert "mix" not in WeightQuantization(4, mix="none").to_dict()  # a plain recipe keeps its bytes
     assert WeightQuantization(8).mixed == "none" and "mix" not in WeightQuantization(8).to_dict()
@@ -377,7 +446,7 @@ def test_an_int4_recipe_mixes_attention_unless_told_and_records_it() -> None:
         WeightQuantization(8, mix="q4_k_m")
     with pytest.raises(ValueError, match="unknown mix"):
         WeightQuantization(4, mix="q5_k_m")
-    assert WeightQuantization(4).make_pass("matmul_nbits", int8_form="matmul_nbits").mix == "attention"
+    assert WeightQuantization(4).make_pass("matmul_nbits", int8_form="matmul_nbits").mix == "attention_down"
 
 
 def test_the_8b_benchmarks_int4_grid_is_what_int4_reproduces_exactly() -> None:
@@ -574,7 +643,8 @@ def grid_blocks(n: int, k: int, dtype: type = np.float32) -> np.ndarray:
     codes = low + np.minimum(RNG.integers(0, 16, (n, blocks, 32)), span)
     codes = np.clip(codes, 0, 15)
     codes[..., 0], codes[..., 1] = low[..., 0], np.minimum(low + span, 15)[..., 0]  # the span is used
-    step = (RNG.random((n, blocks, 1)) * 0.02 + 0.005).astype(dtype).astype(np.float32)
+    # float16 steps, as GGUF's Q4_1 stores them (and a float32 build's MatMulNBits)
+    step = (RNG.random((n, blocks, 1)) * 0.02 + 0.005).astype(np.float16).astype(np.float32)
     minimum = (RNG.standard_normal((n, blocks, 1)) * 0.1).astype(dtype).astype(np.float32)
     weight = codes * step + minimum
     weight[0, 0] = minimum[0, 0]  # a block of one value

@@ -12,9 +12,19 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+import kvforge.passes.storage as storage
 from kvforge.passes.quantize import LM_HEAD, QuantizedWeight, QuantizeWeights, quantize_blockwise
 from kvforge.passes.quantize_embedding import EMBEDDINGS, QuantizeEmbedding
 from tests.passes.fusion_testing import op_count, ort_outputs
+
+
+@pytest.fixture(autouse=True)
+def _half_scales_of_small_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These weights are so small that a build keeps their scales in float32 (its constant
+    folding would widen their Cast anyway: `HALF_SCALES_FOLDED`); here they take the float16
+    path of larger weights."""
+    monkeypatch.setattr(storage, "HALF_SCALES_FOLDED", 0)
+
 
 RNG = np.random.default_rng(0)
 VOCAB = 40
@@ -73,8 +83,10 @@ def test_the_lookup_reads_the_dequantized_table(form: str, bits: int, symmetric:
         assert op_count(model, "Slice") == (1 if hidden % block else 0)
     else:
         assert op_count(model, "DequantizeLinear") == 1
+    # float16 scales (a float32 table's, read through a Cast), chosen as float16 values
+    assert model.graph.initializers[f"embed.weight.q{bits}.scales"].dtype == ir.DataType.FLOAT16
     (got,) = ort_outputs(model, {"input_ids": IDS})
-    want = quantize_blockwise(weights, bits, block, symmetric).dequantize()[IDS]
+    want = quantize_blockwise(weights, bits, block, symmetric, scale_dtype=np.float16).dequantize()[IDS]
     assert got.shape == (2, 3, hidden) and got.dtype == np.float32
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
     assert np.abs(got - weights[IDS]).max() > 1e-4  # and it is not the float table
@@ -108,13 +120,15 @@ def test_a_tied_table_gets_codes_of_its_own_beside_the_heads(bits: int, symmetri
     suffixes = ["", ".scales"] + ([] if symmetric else [".zero_points"])
     assert "embed.weight" not in model.graph.initializers
     for suffix in suffixes:
-        assert nodes_reading(model, head + suffix) == ["MatMulNBits"]
-        assert nodes_reading(model, own + suffix) == ["GatherBlockQuantized"]
+        # float16 scales, each read through a Cast of its own (folded when onnxruntime loads the model)
+        scales = suffix == ".scales"
+        assert nodes_reading(model, head + suffix) == ["Cast" if scales else "MatMulNBits"]
+        assert nodes_reading(model, own + suffix) == ["Cast" if scales else "GatherBlockQuantized"]
         head_bytes = model.graph.initializers[head + suffix].const_value.numpy()
         own_bytes = model.graph.initializers[own + suffix].const_value.numpy()
         np.testing.assert_array_equal(own_bytes, head_bytes.reshape(own_bytes.shape))
     logits, hidden = ort_outputs(model, {"input_ids": IDS})
-    dequantized = quantize_blockwise(weights, bits, 32, symmetric).dequantize()
+    dequantized = quantize_blockwise(weights, bits, 32, symmetric, scale_dtype=np.float16).dequantize()
     np.testing.assert_allclose(hidden, dequantized[IDS], atol=1e-6, rtol=1e-6)
     np.testing.assert_allclose(logits, -hidden @ dequantized.T, atol=1e-3, rtol=1e-3)
     assert not quantize(model).modified

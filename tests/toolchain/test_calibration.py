@@ -211,8 +211,9 @@ def test_a_calibrated_build_records_its_text_and_rounding_to_nearest_does_not(
 
 
 def test_the_weights_a_mix_keeps_at_8_bits_are_not_calibrated(tiny: Callable[[], torch.nn.Module]) -> None:
-    """The default mix keeps q/k/v of the layers `more_bits` picks at 8 bits: calibration leaves
-    them (their codes are rounded to nearest at 8 bits) and calibrates every other projection."""
+    """The default mix keeps q/k/v of the layers `more_bits` picks and every down projection at 8
+    bits: calibration leaves them (their codes are rounded to nearest at 8 bits) and calibrates
+    every other projection."""
     from kvforge.passes.storage import more_bits
 
     model = tiny()
@@ -220,6 +221,7 @@ def test_the_weights_a_mix_keeps_at_8_bits_are_not_calibrated(tiny: Callable[[],
     mixed = set(calibration._candidates(model, INT4).values())
     layers = model.config.num_hidden_layers
     picked = {f"model.layers.{i}.self_attn.{p}_proj" for i in range(layers) if more_bits(i, layers) for p in "qkv"}
+    picked |= {f"model.layers.{i}.mlp.down_proj" for i in range(layers)}
     assert picked and picked <= everything
     assert mixed == everything - picked
 

@@ -153,7 +153,8 @@ def write_synthetic(directory: Path, model_type: str, tensors: dict[str, torch.T
 
 
 def test_block_quantized_bytes_of_one_matrix() -> None:
-    # [3 out, 40 in]: 40 inputs need two blocks of 32 (the second padded), so 6 blocks.
+    # [3 out, 40 in]: 40 inputs need two blocks of 32 (the second padded), so 6 blocks; so few
+    # scales are fp32 (the build's constant folding would widen their Cast anyway).
     # int4: 6 blocks × (32 × 4 bits = 16 bytes + a 4-byte fp32 scale) = 120 bytes.
     # int8: 6 blocks × (32 bytes + 4) = 216 bytes.
     assert quantized_bytes((3, 40), QuantLayout(4)) == 120
@@ -168,6 +169,11 @@ def test_block_quantized_bytes_of_one_matrix() -> None:
     # --free-min: a float minimum per block beside its scale, in the compute dtype
     assert quantized_bytes((3, 40), QuantLayout(4, free_min=True)) == 120 + 6 * 4
     assert quantized_bytes((3, 40), QuantLayout(4, free_min=True), compute_bytes=2) == 6 * (16 + 2 + 2)
+    # more than 1024 scales: fp16, 2 bytes each (fp32 where the layout says so: DequantizeLinear)
+    assert quantized_bytes((1025, 32), QuantLayout(4)) == 1025 * (16 + 2)
+    assert quantized_bytes((1024, 32), QuantLayout(4)) == 1024 * (16 + 4)
+    assert quantized_bytes((1025, 64), QuantLayout(8)) == 1025 * 2 * (32 + 2)
+    assert quantized_bytes((1025, 32), QuantLayout(4, scale_bytes=4)) == 1025 * (16 + 4)
 
 
 def test_precisions_of_a_small_llama_by_hand(tmp_path: Path) -> None:
@@ -187,13 +193,18 @@ def test_precisions_of_a_small_llama_by_hand(tmp_path: Path) -> None:
         "fp16": 2 * 563,
         # tied: the lookup and the head each hold the table's quantized codes
         "int8": 2 * quantized_bytes((10, 40), QuantLayout(8)) + 216 + 160 + 12,
-        "int4": 2 * quantized_bytes((10, 40), QuantLayout(4)) + 120 + 160 + 12,
+        # the default mix keeps the down projection at 8 bits
+        "int4": 2 * quantized_bytes((10, 40), QuantLayout(4)) + 216 + 160 + 12,
     }
-    # a recipe's own layout: the default one is the table's figure; a free minimum adds a float
-    # per block (the table's 2 × 10 rows × 2 blocks, the projection's 3 × 2), 4 bytes each
-    assert quantized_weight_bytes(checkpoint, spec, QuantLayout(4)) == fp.weight_bytes_at["int4"]
-    free_min = quantized_weight_bytes(checkpoint, spec, QuantLayout(4, free_min=True))
-    assert free_min == fp.weight_bytes_at["int4"] + (2 * 10 * 2 + 3 * 2) * 4
+    # a recipe's own layout: the default mix's is the table's figure; a free minimum adds a float
+    # per 4-bit block (the table's 2 × 10 rows × 2 blocks; with no mix the projection's 3 × 2
+    # too), 4 bytes each
+    assert quantized_weight_bytes(checkpoint, spec, QuantLayout(4, mix="attention_down")) == fp.weight_bytes_at["int4"]
+    free_min = quantized_weight_bytes(checkpoint, spec, QuantLayout(4, free_min=True, mix="attention_down"))
+    assert free_min == fp.weight_bytes_at["int4"] + 2 * 10 * 2 * 4
+    plain = quantized_weight_bytes(checkpoint, spec, QuantLayout(4))
+    assert plain == fp.weight_bytes_at["int4"] - 216 + 120
+    assert quantized_weight_bytes(checkpoint, spec, QuantLayout(4, free_min=True)) == plain + (2 * 10 * 2 + 3 * 2) * 4
 
 
 def test_the_head_is_quantized_tied_or_not(tmp_path: Path) -> None:
