@@ -134,12 +134,20 @@ def test_build_json_carries_paths_hashes_gate_figures_and_stage_times(
     assert result.stderr.count("kvforge.toolchain.build: load...") == 1 and "kvforge: load" not in result.stderr
 
 
+def sigint_as_at_a_terminal() -> None:
+    """In a child before it runs: Ctrl-C's default action, as a command typed at a terminal has it.
+    A test run in the background of a shell without job control ignores SIGINT, and an ignored
+    SIGINT is inherited (Python then installs no KeyboardInterrupt at all)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_exits_130_with_one_line_and_publishes_nothing(
     tmp_path: Path, tiny_checkpoint: Callable[..., Path]
 ) -> None:
     out = tmp_path / "out"
     build = subprocess.Popen(
         [sys.executable, "-m", "kvforge", "build", str(tiny_checkpoint("llama")), "-o", str(out)],
+        preexec_fn=sigint_as_at_a_terminal,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -244,7 +252,9 @@ class Terminal:
 
     def __init__(self, argv: list[str]) -> None:
         self.master, slave = pty.openpty()
-        self.process = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+        self.process = subprocess.Popen(
+            argv, stdin=slave, stdout=slave, stderr=slave, close_fds=True, preexec_fn=sigint_as_at_a_terminal
+        )
         os.close(slave)
         self.seen = b""
 
