@@ -108,11 +108,10 @@ def check_length(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_posi
 
 def check_logits(logits: Any, rows: int, vocab_size: int) -> None:
     """Refuse logits that are not [rows, positions, vocab] floats: an artifact that does not match its manifest."""
-    array = np.asarray(logits) if on_host(logits) else None
-    shape = tuple(array.shape) if array is not None else tuple(shape_of(logits))
-    floats = array is None or np.issubdtype(array.dtype, np.floating)
+    shape = shape_of(logits)
+    floats = not on_host(logits) or np.issubdtype(logits.dtype, np.floating)
     if len(shape) != 3 or shape[0] != rows or shape[1] == 0 or shape[2] != vocab_size or not floats:
-        dtype = "" if array is None else f" and dtype {array.dtype}"
+        dtype = f" and dtype {logits.dtype}" if on_host(logits) else ""
         raise GenerationError(
             f"the session returned logits of shape {shape}{dtype}, expected [{rows}, positions, {vocab_size}] floats; "
             "the artifact does not match its manifest, rebuild it"

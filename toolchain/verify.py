@@ -169,7 +169,7 @@ class ReferenceRun:
 
 def record_reference(reference: Session, *, max_positions: int, decode_steps: int = 8, seed: int = 0) -> ReferenceRun:
     prompts = _prompts(reference.io.vocab_size, seed)
-    logits, cache = _prefill(reference, prompts, decode_steps)
+    logits, cache = _prefill(reference, prompts)
     # a copy: nothing the session runs next may write into what the comparison reads
     run = ReferenceRun(prompts, logits, {name: array.copy() for name, array in cache.host().items()}, [])
     try:
@@ -193,10 +193,10 @@ def compare_with_reference(
     tol = TOLERANCES[dtype] if tolerance is None else Tolerance(tolerance)
     report = ParityReport(dtype, tol)
     new_tokens = max(len(reference.steps), 1)
-    prefilled = _prefill(candidate, reference.prompts, new_tokens, every_position=True)
+    prefilled = _prefill(candidate, reference.prompts, every_position=True)
     report.prefill = list(_prefill_errors(reference, candidate.io, (prefilled[0], prefilled[1].host()), tol))
     if candidate.io.keeps_logits:  # and as generation prefills: logits_to_keep 1, the last position
-        last, _ = _prefill(candidate, reference.prompts, new_tokens)
+        last, _ = _prefill(candidate, reference.prompts)
         report.prefill.append(
             compare("logits (logits_to_keep 1)", reference.prefill_logits[:, -1:], last, tol, rows=True)
         )
@@ -205,14 +205,12 @@ def compare_with_reference(
     return report
 
 
-def _prefill(
-    session: Session, prompts: list[list[int]], new_tokens: int, every_position: bool = False
-) -> tuple[np.ndarray, Cache]:
-    """The gate's prompts in one step, left-padded into one batch, into a cache with room for
-    `new_tokens` more: what the prefill comparison reads. `every_position`: the logits of every
-    position where the graph takes `logits_to_keep` (what a verify step reads)."""
+def _prefill(session: Session, prompts: list[list[int]], every_position: bool = False) -> tuple[np.ndarray, Cache]:
+    """The gate's prompts in one step, left-padded into one batch, into a cache of their width:
+    what the prefill comparison reads (the decode is the engine core's, `_greedy`). `every_position`:
+    the logits of every position where the graph takes `logits_to_keep` (what a verify step reads)."""
     ids, mask = left_pad(prompts, pad_id=0)
-    cache = empty_cache(session.io, len(prompts), ids.shape[1] + new_tokens, device_of(session))
+    cache = empty_cache(session.io, len(prompts), ids.shape[1], device_of(session))
     return forward(session, ids, mask, cache, every_position=every_position)
 
 
