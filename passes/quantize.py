@@ -1085,13 +1085,15 @@ class MinTerms:
     (`QuantizedWeight.mins`): x @ W^T = sum over blocks b of (x_b @ codes_b^T) * scale_b +
     sum(x_b) * min_b, so::
 
-        x ──> MatMulNBits(codes, scales) ──────────────────> Add ──> y
-         └──> MatMul(block indicator [K, K / block]) ─> MatMul(mins) ─┘
+        x ──> MatMulNBits(codes, scales) ─────────────────────────────> Add ──> y
+         └──> Reshape([..., K / block, block]) ─> ReduceSum ─> MatMul(mins) ─┘
 
-    two float MatMuls, the first summing each block of inputs (a constant of ones and zeros,
-    one per K and block size; it takes inputs of any rank, as a Reshape into blocks would not),
-    the second 1/block the size of the weight. The block sums are made once per input and
-    shared by every weight that reads it. One per pass run."""
+    a float MatMul 1/block the size of the weight after the block sums. The block sums are made
+    once per input and shared by every weight that reads it, by a Reshape into blocks and a
+    ReduceSum (K work per row); an input of unknown rank is summed by a MatMul with a block
+    indicator [K, K / block] instead (a constant of ones and zeros, K² / block work per row: 3%
+    of a 64-token prefill's kernel time on the 125M reference's Q4_K_M import, against under 1%
+    for the ReduceSum). One per pass run."""
 
     def __init__(self) -> None:
         self._block_sums: dict[tuple[str, int], ir.Value] = {}
@@ -1114,15 +1116,28 @@ class MinTerms:
         if key in self._block_sums:
             return self._block_sums[key]
         assert dtype is not None and k % block_size == 0
-        name = f"kvforge.block_sum.{k}_{block_size}.{dtype.name.lower()}"
-        if name not in graph.initializers:
+        name = f"kvforge.block_sum.{k}_{block_size}"
+        if x.shape is not None:  # rank known: Reshape into blocks (0 keeps a leading axis), ReduceSum
+            blocks = [0] * (len(x.shape) - 1) + [k // block_size, block_size]
+            shape = register_once(graph, f"{name}.rank{len(x.shape)}", np.array(blocks, np.int64))
+            axes = register_once(graph, f"{name}.axes", np.array([-1], np.int64))
+            split = ir.node("Reshape", [x, shape])
+            total = ir.node("ReduceSum", [split.outputs[0], axes], attributes={"keepdims": 0})
+            graph.insert_before(node, split)
+        else:
             indicator = np.zeros((k, k // block_size), dtype.numpy())
             indicator[np.arange(k), np.arange(k) // block_size] = 1
-            register_initializer(graph, name, indicator).meta[FLOAT_TERM] = True
-        total = ir.node("MatMul", [x, graph.initializers[name]])
+            total = ir.node("MatMul", [x, register_once(graph, f"{name}.{dtype.name.lower()}", indicator)])
         graph.insert_before(node, total)
         self._block_sums[key] = total.outputs[0]
         return total.outputs[0]
+
+
+def register_once(graph: ir.Graph, name: str, data: np.ndarray) -> ir.Value:
+    """The constant `name` (registered with `data` the first time), marked so that no quantizer rounds it."""
+    if name not in graph.initializers:
+        register_initializer(graph, name, data).meta[FLOAT_TERM] = True
+    return graph.initializers[name]
 
 
 def stack_rows(records: Sequence[QuantizedWeight]) -> QuantizedWeight | None:

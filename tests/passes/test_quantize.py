@@ -542,10 +542,11 @@ def test_codes_stored_in_another_input_order_read_the_activations_in_that_order(
     np.testing.assert_allclose(got, x @ weight.T, atol=2e-5, rtol=1e-5)
 
 
-def block_sums(model: ir.Model) -> int:
-    """How many MatMuls sum blocks of an input (`MinTerms`: B the block indicator)."""
+def block_sums(model: ir.Model, op: str = "ReduceSum") -> int:
+    """How many nodes sum blocks of an input (`MinTerms`): a ReduceSum over the input reshaped
+    into blocks, or (`op` "MatMul", for an input of unknown rank) a MatMul by the block indicator."""
     return sum(
-        node.op_type == "MatMul" and (node.inputs[1].name or "").startswith("kvforge.block_sum.")  # type: ignore[union-attr]
+        node.op_type == op and (node.inputs[1].name or "").startswith("kvforge.block_sum.")  # type: ignore[union-attr]
         for node in model.graph
     )
 
@@ -565,17 +566,28 @@ def with_mins(n: int, k: int, bits: int) -> QuantizedWeight:
 
 @pytest.mark.parametrize("form, op", [("matmul_nbits", "MatMulNBits"), ("dequantize_linear", "DequantizeLinear")])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_a_min_per_block_is_added_through_the_block_sums_of_the_input(form: str, op: str, bits: int) -> None:
+@pytest.mark.parametrize("rank_known", [True, False])
+def test_a_min_per_block_is_added_through_the_block_sums_of_the_input(
+    form: str, op: str, bits: int, rank_known: bool
+) -> None:
     k, n = 96, 16
     q = with_mins(n, k, bits)
     weight = q.dequantize()
     blocks = (q.codes.astype(np.float32) * np.repeat(q.scales, 32, axis=1)).reshape(n, -1, 32)
     assert np.array_equal(weight.reshape(n, -1, 32), blocks + q.mins[..., None])  # type: ignore[index]
     model = projection_graph(k, n, weight)
+    if not rank_known:  # the MatMul reads an input whose rank the graph does not give
+        matmul = next(node for node in model.graph if node.op_type == "MatMul")
+        unknown = ir.node("Identity", [matmul.inputs[0]])
+        unknown.outputs[0].type = matmul.inputs[0].type
+        model.graph.insert_before(matmul, unknown)
+        matmul.replace_input_with(0, unknown.outputs[0])
     imports = ImportQuantizedWeights({"w": q}, form)
     assert imports(model).modified and imports.counts == {"imported": 1}
     assert op_count(model, op, "com.microsoft" if op == "MatMulNBits" else "") == 1
-    assert block_sums(model) == 1 and imports.imported_forms["w"]["mins"] is True
+    summed = block_sums(model, "ReduceSum" if rank_known else "MatMul")
+    assert summed == 1 and block_sums(model, "MatMul" if rank_known else "ReduceSum") == 0
+    assert imports.imported_forms["w"]["mins"] is True
     assert model.graph.initializers[f"w.q{bits}.mins"].const_value.shape == (k // 32, n)  # type: ignore[union-attr]
     x = RNG.standard_normal((2, 3, k)).astype(np.float32)
     (got,) = ort_outputs(model, {"x": x})
