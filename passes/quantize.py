@@ -51,11 +51,13 @@ from onnx_ir.passes import InPlacePass, PassResult
 
 from kvforge.passes.storage import (
     DEFAULT_MIX,
+    INT8_ACTIVATION_BLOCK,
     MIXES,
     half_scales_fit,
     layer_count,
     mixed_head,
     mixed_to_8_bits,
+    regroups,
     stored_scales,
 )
 
@@ -867,14 +869,17 @@ def holds_block(block_size: int) -> bool:
 
 class ImportQuantizedWeights(InPlacePass):
     """Write the MatMuls whose weights a checkpoint ships quantized with the checkpoint's own
-    codes, scales and zero points, never quantizing them again.
+    codes, scales and zero points, never quantizing them again but to blocks that int8
+    activations read faster (below).
 
     `imported` maps a weight's name (as the graph names its initializer: the checkpoint's) to
     its record, [N, K] in blocks along K, as `QuantizedWeight` holds any weight. A weight the
     packing passes made of several (`StackedRows` of q/k/v, gate/up) is the parts' records
     stacked along N, when each part is imported with the same bits, block and zero-point kind.
-    Codes and zero points reach MatMulNBits (or DequantizeLinear) unchanged; scales (and min
-    terms) are stored as float16 where the graph computes in float32 and they are float16
+    Codes and zero points reach MatMulNBits (or DequantizeLinear) unchanged, but at accuracy
+    level 4 (int8 activations, a build judged by distributions) 8-bit codes in blocks of 16 (Q6_K)
+    are rounded again in blocks of 32 (`regrouped`, listed as `regrouped` in `imported_forms`);
+    scales (and min terms) are stored as float16 where the graph computes in float32 and they are float16
     values (`stored_scales`: a GGUF file's own), read through a Cast, else cast to the graph's
     float dtype. `imported_forms` says what each weight got, `counts` how many.
     Weights not in `imported` are left for `QuantizeWeights` (or stay float).
@@ -910,7 +915,7 @@ class ImportQuantizedWeights(InPlacePass):
                 record = self._record(weight, transposed=key[1])
                 if record is None:
                     continue
-                q, sources = record
+                q, sources, moved = record
                 if q.mins is not None and q.codes.shape[1] % q.block_size:
                     self.counts["skipped"] += 1  # K not whole blocks: no block sums
                     continue
@@ -953,6 +958,8 @@ class ImportQuantizedWeights(InPlacePass):
                     self.imported_forms[name]["input_order"] = True
                 if q.mins is not None:
                     self.imported_forms[name]["mins"] = True
+                if moved:
+                    self.imported_forms[name]["regrouped"] = moved
             inputs, q, mins = done[key]
             self._replace(graph, node, inputs, q, mins)
             self.counts["imported"] += 1
@@ -962,13 +969,17 @@ class ImportQuantizedWeights(InPlacePass):
             model.opset_imports.setdefault(_MS_DOMAIN, 1)
         return PassResult(model, modified=bool(done))
 
-    def _record(self, weight: ir.Value, transposed: bool) -> tuple[QuantizedWeight, list[str]] | None:
-        """The [N, K] record of the weight the MatMul reads, and the checkpoint weights it is made of."""
+    def _record(self, weight: ir.Value, transposed: bool) -> tuple[QuantizedWeight, list[str], list[str]] | None:
+        """The [N, K] record of the weight the MatMul reads, the checkpoint weights it is made of,
+        and those of them `regrouped` for accuracy level 4."""
         name = weight.name or ""
         tensor = weight.const_value
         # a packed weight (passes/pack_matmul.py) is its parts, when every one of them is imported alike
         sources = [name] if name in self._imported else list(getattr(tensor, "sources", ()))
         records = [self._imported[source] for source in sources if source in self._imported]
+        regrouping = self.accuracy_level == 4 and self.form == "matmul_nbits"  # int8 activations' fast blocks
+        moved = [source for source, r in zip(sources, records) if regrouping and regroups(r)]
+        records = [regrouped(r) if regrouping else r for r in records]
         q = stack_rows(records) if records and len(records) == len(sources) else None
         if q is None:
             return None
@@ -976,7 +987,7 @@ class ImportQuantizedWeights(InPlacePass):
         n, k = (rows, cols) if transposed else (cols, rows)
         if q.codes.shape != (n, k):
             raise ValueError(f"{name}: pre-quantized codes are {list(q.codes.shape)}, the graph reads [{n}, {k}]")
-        return q, sources
+        return q, sources, moved
 
     def _replace(
         self, graph: ir.Graph, node: ir.Node, inputs: tuple[ir.Value, ...], q: QuantizedWeight, mins: ir.Value | None
@@ -1138,6 +1149,26 @@ def register_once(graph: ir.Graph, name: str, data: np.ndarray) -> ir.Value:
     if name not in graph.initializers:
         register_initializer(graph, name, data).meta[FLOAT_TERM] = True
     return graph.initializers[name]
+
+
+def regrouped(q: QuantizedWeight, block: int = INT8_ACTIVATION_BLOCK) -> QuantizedWeight:
+    """`q` as the int8-activation kernel reads it fastest: where `regroups` says so, its weights
+    rounded again to 8-bit codes in blocks of `block`, each block's scale a float16 value (the
+    symmetric 8-bit search), so each weight moves by at most half the new block's step, about
+    1/254 of the block's largest magnitude (a Q6_K block's own step is 1/31 of its 16 values'
+    largest); else `q` itself. A chunk of rows at a time: the float weights of a large LM head
+    never exist whole."""
+    if not regroups(q, block):
+        return q
+    n, k = q.codes.shape
+    codes = np.empty((n, k), np.int8)
+    scales = np.empty((n, k // block), np.float32)
+    for start in range(0, n, 1024):
+        rows = slice(start, min(start + 1024, n))
+        part = replace(q, codes=q.codes[rows], scales=q.scales[rows], factors=None)
+        step, values = _symmetric(part.dequantize().reshape(-1, k // block, block), 8, np.dtype(np.float16))
+        scales[rows], codes[rows] = step, values.reshape(-1, k)
+    return QuantizedWeight(codes, scales, None, 8, block)
 
 
 def stack_rows(records: Sequence[QuantizedWeight]) -> QuantizedWeight | None:

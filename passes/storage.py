@@ -1,6 +1,7 @@
 """What a quantized build stores, in rules that need numpy alone: which weights a 4-bit build's
 mix keeps at 8 bits, and the dtype scales are stored in (imported ones: `stored_scales`; those
-a float32 build chooses: `half_scales_fit`). The quantization passes
+a float32 build chooses: `half_scales_fit`), and which imported records int8 activations read
+in larger blocks (`regroups`). The quantization passes
 (`kvforge.passes.quantize`, `.quantize_embedding`) apply them; `kvforge.toolchain.footprint`
 counts the bytes by them without loading onnx (`kvforge inspect`)."""
 
@@ -9,8 +10,12 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvforge.passes.quantize import QuantizedWeight
 
 # Mixes of a 4-bit build (`WeightQuantization.mix`): which weights stay at 8 bits, by name and
 # layer (`mixed_to_8_bits`). `attention`: the attention's input projections in the layers
@@ -118,3 +123,15 @@ def half_scales_fit(weight: np.ndarray, block_size: int, bits: int) -> bool:
         if ((extent > 0) & (extent < least)).any():
             return False
     return True
+
+
+# The block MatMulNBits' int8-activation kernel (accuracy level 4) reads 8-bit codes in: with a
+# float32 scale and a block sum per block, blocks of 16 cost 12 bits per weight, blocks of 32 10
+INT8_ACTIVATION_BLOCK = 32
+
+
+def regroups(q: QuantizedWeight, block: int = INT8_ACTIVATION_BLOCK) -> bool:
+    """Whether `regrouped` requantizes `q`: 8-bit symmetric codes in blocks smaller than `block`
+    that divide it (GGUF's Q6_K, blocks of 16), K whole blocks of `block`, no other terms."""
+    small = q.block_size < block and block % q.block_size == 0 and q.codes.shape[1] % block == 0
+    return q.bits == 8 and small and q.zero_points is None and q.mins is None and q.input_order is None

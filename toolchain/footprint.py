@@ -17,10 +17,12 @@ import numpy as np
 
 from kvforge.passes.storage import (
     DEFAULT_MIX,
+    INT8_ACTIVATION_BLOCK,
     half_scales_counted,
     layer_count,
     mixed_head,
     mixed_to_8_bits,
+    regroups,
     stored_scales,
 )
 from kvforge.runners.contract import DecoderIO
@@ -292,10 +294,14 @@ def imported_weight_bytes(
 
 
 def record_bytes(q: QuantizedWeight, compute_bytes: int = COMPUTE_BYTES) -> int:
-    """Bytes of a pre-quantized record as MatMulNBits holds it: codes in whole blocks, packed zero
-    points, and scales and min terms as `ImportQuantizedWeights` stores them (float16 where they
-    are float16 values in a float32 graph, or the k-quant factors they are multiplied out of)."""
+    """Bytes of a pre-quantized record as MatMulNBits holds it in the default build (accuracy
+    level 4): codes in whole blocks, packed zero points, and scales and min terms as
+    `ImportQuantizedWeights` stores them (float16 where they are float16 values in a float32
+    graph, or the k-quant factors they are multiplied out of; a record it `regrouped`, 8-bit
+    codes and a float16 scale per block of 32)."""
     n, k = q.codes.shape
+    if regroups(q):
+        return n * k + n * (k // INT8_ACTIVATION_BLOCK) * 2
     blocks = math.ceil(k / q.block_size)
     total = n * blocks * q.block_size * q.bits // 8
     if q.zero_points is not None:

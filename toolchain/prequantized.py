@@ -262,7 +262,8 @@ def manifest_entry(
                 {k: v for k, v in form.items() if k != "from"} | ({"graph_weight": weight} if weight != name else {})
                 for weight, form in placed[name]
             ]
-            weights[name] = stored | forms[0] | {"exact": True} | ({"also": forms[1:]} if forms[1:] else {})
+            exact = imported.exact and not any(name in form.get("regrouped", ()) for form in forms)
+            weights[name] = stored | forms[0] | {"exact": exact} | ({"also": forms[1:]} if forms[1:] else {})
             continue
         if imported.exact:
             why = "the graph reads it in no MatMul the import writes (or the target keeps imported weights float)"

@@ -134,7 +134,8 @@ def test_k_quant_scales_are_stored_as_their_factors_and_multiplied_out_to_the_sa
     assert imported is not None and imported.record.factors is not None
     q = imported.record
     model = projection_graph(K, N, q.dequantize())
-    ImportQuantizedWeights({"w": q}, accuracy_level=4)(model)
+    level = 0 if qtype == T.Q6_K else 4  # at level 4 a Q6_K is regrouped (test below)
+    ImportQuantizedWeights({"w": q}, accuracy_level=level)(model)
     floats = [v for v in model.graph.initializers.values() if v.dtype == ir.DataType.FLOAT]
     stored = [v for v in floats if not (v.name or "").startswith("kvforge.block_sum")]  # the min term's ones
     assert sum(v.const_value.nbytes for v in stored) <= 4  # the min terms' offset: no float32 scales
@@ -156,6 +157,45 @@ def test_k_quant_scales_are_stored_as_their_factors_and_multiplied_out_to_the_sa
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())  # int8 activations
 
 
+def test_a_q6_k_weight_is_regrouped_in_blocks_of_32_for_int8_activations_and_kept_for_float_ones() -> None:
+    """At accuracy level 4, 8-bit codes in blocks of 16 (a Q6_K's) are rounded again in blocks of
+    32 with a float16 scale each: every weight within half its new step of the file's; at level 0
+    (the float gate's build) the file's codes and blocks stay."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from kvforge.passes.quantize import regrouped
+    from kvforge.passes.storage import regroups
+
+    q = decode(blocks_of(T.Q6_K), T.Q6_K, (N, K)).record  # type: ignore[union-attr]
+    assert (q.bits, q.block_size) == (8, 16) and regroups(q)
+    moved = regrouped(q)
+    assert (moved.bits, moved.block_size, moved.factors) == (8, 32, None)
+    np.testing.assert_array_equal(moved.scales.astype(np.float16).astype(np.float32), moved.scales)
+    step = np.repeat(moved.scales, 32, axis=1)
+    error = np.abs(moved.dequantize() - q.dequantize())
+    assert (error <= step / 2 * (1 + 1e-6)).all() and error.max() > 0
+    assert np.abs(moved.codes).max() >= 127  # each block's largest magnitude takes the widest code
+    for other in (T.Q8_0, T.Q4_K):  # blocks of 32 already, or 4-bit codes with min terms: as they are
+        record = decode(blocks_of(other), other, (N, K)).record  # type: ignore[union-attr]
+        assert not regroups(record) and regrouped(record) is record
+    x = RNG.standard_normal((2, 3, K)).astype(np.float32)
+    for level, block in ((4, 32), (0, 16)):
+        model = projection_graph(K, N, q.dequantize())
+        imports = ImportQuantizedWeights({"w": q}, accuracy_level=level)
+        imports(model)
+        (kernel,) = [node for node in model.graph if node.op_type == "MatMulNBits"]
+        assert kernel.attributes["block_size"].as_int() == block
+        assert imports.imported_forms["w"].get("regrouped") == (["w"] if level == 4 else None)
+        # onnxruntime's optimizations on: they fold the scales' Cast, which MatMulNBits' int8 path
+        # must see as a constant when it packs the weight
+        session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+        (got,) = session.run(None, {"x": x})
+        want = x @ (moved if level == 4 else q).dequantize().T
+        tolerance = 2e-2 if level == 4 else 1e-5  # int8 activations
+        np.testing.assert_allclose(got, want, rtol=0, atol=tolerance * np.abs(want).max())
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K, T.Q4_K])
 def test_the_footprint_counts_a_record_as_the_import_writes_it(qtype: GGMLQuantizationType) -> None:
     """`record_bytes` (what `kvforge inspect` and `--device-memory` count for an imported weight) is
@@ -171,3 +211,27 @@ def test_the_footprint_counts_a_record_as_the_import_writes_it(qtype: GGMLQuanti
     constants = ("kvforge.block_sum", ".scales.shape", ".mins.offset")
     written = [v for name, v in model.graph.initializers.items() if not any(c in name for c in constants)]
     assert record_bytes(q) == sum(v.const_value.nbytes for v in written)
+
+
+def test_the_manifest_lists_a_regrouped_part_of_a_packed_weight_as_not_exact_and_the_others_as_exact() -> None:
+    """A Q4_K_M file's q (Q4_K) and v (Q6_K) packed into one weight, imported at level 4: the
+    pass lists v as regrouped, and the manifest marks v not exact and q exact."""
+    import onnx_ir as ir
+
+    from kvforge.passes.weight_layout import StackedRows
+    from kvforge.toolchain.prequantized import manifest_entry
+
+    found = {"q": decode(blocks_of(T.Q4_K), T.Q4_K, (N, K)), "v": decode(blocks_of(T.Q6_K), T.Q6_K, (N, K))}
+    assert all(imported is not None and imported.exact for imported in found.values())
+    q, v = (found[name].record for name in ("q", "v"))  # type: ignore[union-attr]
+    model = projection_graph(K, 2 * N, np.concatenate([q.dequantize(), v.dequantize()]), name="qv")
+    model.graph.initializers["qv"].const_value = StackedRows(
+        [q.dequantize(), v.dequantize()], ir.DataType.FLOAT, "qv", ["q", "v"]
+    )
+    imports = ImportQuantizedWeights({"q": q, "v": v}, accuracy_level=4)
+    assert imports(model).modified
+    form = imports.imported_forms["qv"]
+    assert (form["bits"], form["block_size"], form["regrouped"], form["mins"]) == (8, 32, ["v"], True)
+    weights = manifest_entry({"method": "gguf"}, found, imports.imported_forms, requantized=True)["weights"]  # type: ignore[arg-type]
+    assert (weights["q"]["exact"], weights["v"]["exact"]) == (True, False)
+    assert weights["v"]["regrouped"] == ["v"]
