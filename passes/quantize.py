@@ -72,9 +72,11 @@ LM_HEAD = "lm_head"  # in `keep`: the projection that produces the logits, whate
 _MS_DOMAIN = "com.microsoft"
 _Tensor = ir.TensorProtocol
 FLOAT_TERM = "kvforge.float_term"  # Value.meta key of the initializers a later quantizer must leave in float
-# Value.meta key of an imported weight's codes (MatMulNBits' B): the checkpoint's record they hold,
-# which a lookup of the same record reads too (a tied table: `kvforge.passes.quantize_embedding`)
+# Value.meta keys of an imported weight's codes (MatMulNBits' B): the record they hold, and the
+# checkpoint's record it was made from (itself, or the one `regrouped` rounded again), which a
+# lookup of the same record reads the codes for (a tied table: `kvforge.passes.quantize_embedding`)
 IMPORTED_RECORD = "kvforge.imported_record"
+IMPORTED_SOURCE = "kvforge.imported_source"
 
 
 @dataclass(frozen=True, order=True)
@@ -921,7 +923,7 @@ class ImportQuantizedWeights(InPlacePass):
                     continue
                 tensor = weight.const_value
                 assert tensor is not None
-                codes_of = q  # the checkpoint's own record (`IMPORTED_RECORD`), before its scales are cast
+                codes_of = q  # the record the codes hold (`IMPORTED_RECORD`), before its scales are cast
                 q = replace(q, scales=stored_scales(q.scales, tensor.dtype.numpy()))
                 base = f"{name}.q{q.bits}" + (".t" if f"{name}.q{q.bits}" in graph.initializers else "")
                 if self.form == "matmul_nbits":
@@ -933,6 +935,7 @@ class ImportQuantizedWeights(InPlacePass):
                     parts[1] = None  # the scales are multiplied out of their factors
                 registered = register_quantized(graph, base, parts)
                 registered[0].meta[IMPORTED_RECORD] = codes_of
+                registered[0].meta[IMPORTED_SOURCE] = self._imported.get(name, codes_of)
                 mins = None
                 if factored:
                     assert q.factors is not None

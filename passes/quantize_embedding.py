@@ -75,6 +75,7 @@ from kvforge.passes.quantize import (
     BITS,
     BLOCK_SIZES,
     IMPORTED_RECORD,
+    IMPORTED_SOURCE,
     LM_HEAD,
     QuantizedWeight,
     QuantizeWeights,
@@ -238,10 +239,12 @@ class QuantizeEmbedding(QuantizeWeights):
             q = quantize_free_min(rows, self.block_size, dtype=scale_dtype)
         elif record is None:
             q = quantize_blockwise(rows, self.bits, self.block_size, self.symmetric, scale_dtype=scale_dtype)
-        else:
-            q = replace(record, scales=stored_scales(record.scales, tensor.dtype.numpy()))
+        held = None if record is None or self.form != "gather_block_quantized" else _head_reading(graph, record)
+        head = None if held is None else held[0]
+        if record is not None:  # the codes the head holds where it holds them (regrouped, perhaps)
+            q = record if held is None else held[1]
+            q = replace(q, scales=stored_scales(q.scales, tensor.dtype.numpy()))
         name = _free_name(graph, f"{table.name}.q{q.bits}")
-        head = None if record is None or self.form != "gather_block_quantized" else _head_reading(graph, record)
         if record is not None:
             # the names the checkpoint gives this very record (a table tied to the LM head has two)
             sources = sorted(n for n, r in self._imported.items() if r is record)
@@ -368,17 +371,19 @@ def _add_mins(
     return joined_rows.outputs[0]
 
 
-def _head_reading(graph: ir.Graph, record: QuantizedWeight) -> ir.Node | None:
-    """The MatMulNBits that holds `record`'s own codes (`IMPORTED_RECORD`: the LM head tied to an
-    imported table), with the scales it reads; None where no such node is in the graph."""
+def _head_reading(graph: ir.Graph, record: QuantizedWeight) -> tuple[ir.Node, QuantizedWeight] | None:
+    """The MatMulNBits that holds codes made from `record` (`IMPORTED_SOURCE`: the LM head tied to
+    an imported table), with the scales it reads, and the record those codes hold (`record`, or
+    the one the import `regrouped` it to); None where no such node is in the graph."""
     for node in graph:
         if node.op_type != "MatMulNBits" or node.domain != _MS_DOMAIN or len(node.inputs) != 3:
             continue
         codes = node.inputs[1]
-        if codes is not None and codes.meta.get(IMPORTED_RECORD) is record:
-            same = node.attributes.get_int("bits") == record.bits
-            if same and node.attributes.get_int("block_size") == record.block_size:
-                return node
+        if codes is not None and codes.meta.get(IMPORTED_SOURCE) is record:
+            held: QuantizedWeight = codes.meta[IMPORTED_RECORD]
+            same = node.attributes.get_int("bits") == held.bits
+            if same and node.attributes.get_int("block_size") == held.block_size:
+                return node, held
     return None
 
 
