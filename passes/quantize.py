@@ -51,13 +51,12 @@ from onnx_ir.passes import InPlacePass, PassResult
 
 from kvforge.passes.storage import (
     DEFAULT_MIX,
-    INT8_ACTIVATION_BLOCK,
     MIXES,
     half_scales_fit,
     layer_count,
     mixed_head,
     mixed_to_8_bits,
-    regroups,
+    regroup_block,
     stored_scales,
 )
 
@@ -879,8 +878,9 @@ class ImportQuantizedWeights(InPlacePass):
     packing passes made of several (`StackedRows` of q/k/v, gate/up) is the parts' records
     stacked along N, when each part is imported with the same bits, block and zero-point kind.
     Codes and zero points reach MatMulNBits (or DequantizeLinear) unchanged, but at accuracy
-    level 4 (int8 activations, a build judged by distributions) 8-bit codes in blocks of 16 (Q6_K)
-    are rounded again in blocks of 32 (`regrouped`, listed as `regrouped` in `imported_forms`);
+    level 4 (int8 activations, a build judged by distributions) 8-bit codes are rounded again in
+    the blocks that kernel reads faster (`regrouped`: Q6_K's blocks of 16 in blocks of 32, the LM
+    head's in blocks of 128; listed as `regrouped` in `imported_forms`);
     scales (and min terms) are stored as float16 where the graph computes in float32 and they are float16
     values (`stored_scales`: a GGUF file's own), read through a Cast, else cast to the graph's
     float dtype. `imported_forms` says what each weight got, `counts` how many.
@@ -910,11 +910,12 @@ class ImportQuantizedWeights(InPlacePass):
         self._min_terms = MinTerms()
         graph = model.graph
         done: dict[tuple[str, bool], tuple[tuple[ir.Value, ...], QuantizedWeight, ir.Value | None]] = {}
+        head = _lm_head(graph)
         for node, weight, transpose in constant_matmuls(graph):
             name = weight.name or ""
             key = (name, transpose is not None)
             if key not in done:
-                record = self._record(weight, transposed=key[1])
+                record = self._record(weight, transposed=key[1], head=node is head)
                 if record is None:
                     continue
                 q, sources, moved = record
@@ -972,17 +973,19 @@ class ImportQuantizedWeights(InPlacePass):
             model.opset_imports.setdefault(_MS_DOMAIN, 1)
         return PassResult(model, modified=bool(done))
 
-    def _record(self, weight: ir.Value, transposed: bool) -> tuple[QuantizedWeight, list[str], list[str]] | None:
-        """The [N, K] record of the weight the MatMul reads, the checkpoint weights it is made of,
-        and those of them `regrouped` for accuracy level 4."""
+    def _record(
+        self, weight: ir.Value, transposed: bool, head: bool
+    ) -> tuple[QuantizedWeight, list[str], list[str]] | None:
+        """The [N, K] record of the weight the MatMul reads (`head`: the LM head's), the checkpoint
+        weights it is made of, and those of them `regrouped` for accuracy level 4."""
         name = weight.name or ""
         tensor = weight.const_value
         # a packed weight (passes/pack_matmul.py) is its parts, when every one of them is imported alike
         sources = [name] if name in self._imported else list(getattr(tensor, "sources", ()))
         records = [self._imported[source] for source in sources if source in self._imported]
         regrouping = self.accuracy_level == 4 and self.form == "matmul_nbits"  # int8 activations' fast blocks
-        moved = [source for source, r in zip(sources, records) if regrouping and regroups(r)]
-        records = [regrouped(r) if regrouping else r for r in records]
+        moved = [source for source, r in zip(sources, records) if regrouping and regroup_block(r, head)]
+        records = [regrouped(r, head) if regrouping else r for r in records]
         q = stack_rows(records) if records and len(records) == len(sources) else None
         if q is None:
             return None
@@ -1154,14 +1157,15 @@ def register_once(graph: ir.Graph, name: str, data: np.ndarray) -> ir.Value:
     return graph.initializers[name]
 
 
-def regrouped(q: QuantizedWeight, block: int = INT8_ACTIVATION_BLOCK) -> QuantizedWeight:
-    """`q` as the int8-activation kernel reads it fastest: where `regroups` says so, its weights
-    rounded again to 8-bit codes in blocks of `block`, each block's scale a float16 value (the
-    symmetric 8-bit search), so each weight moves by at most half the new block's step, about
-    1/254 of the block's largest magnitude (a Q6_K block's own step is 1/31 of its 16 values'
-    largest); else `q` itself. A chunk of rows at a time: the float weights of a large LM head
-    never exist whole."""
-    if not regroups(q, block):
+def regrouped(q: QuantizedWeight, head: bool = False) -> QuantizedWeight:
+    """`q` as the int8-activation kernel reads it fastest: where `regroup_block` gives a block,
+    its weights rounded again to 8-bit codes in blocks of that size, each block's scale a
+    float16 value (the symmetric 8-bit search), so each weight moves by at most half the new
+    block's step, 1/254 of the block's largest magnitude (a Q6_K block's own step is 1/31 of
+    its 16 values' largest); else `q` itself. A chunk of rows at a time: the float weights of a
+    large LM head never exist whole."""
+    block = regroup_block(q, head)
+    if block is None:
         return q
     n, k = q.codes.shape
     codes = np.empty((n, k), np.int8)

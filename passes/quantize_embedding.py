@@ -257,6 +257,8 @@ class QuantizeEmbedding(QuantizeWeights):
             }
             if head is not None:
                 self.imported_forms[name]["codes_of"] = head.inputs[1].name  # type: ignore[union-attr]
+            if held is not None and held[1] is not record:  # the head's import rounded them again
+                self.imported_forms[name]["regrouped"] = sources
         if head is not None:
             model.opset_imports.setdefault(_MS_DOMAIN, 1)
             for gather in gathers:

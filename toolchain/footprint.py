@@ -17,12 +17,11 @@ import numpy as np
 
 from kvforge.passes.storage import (
     DEFAULT_MIX,
-    INT8_ACTIVATION_BLOCK,
     half_scales_counted,
     layer_count,
     mixed_head,
     mixed_to_8_bits,
-    regroups,
+    regroup_block,
     stored_scales,
 )
 from kvforge.runners.contract import DecoderIO
@@ -286,22 +285,24 @@ def imported_weight_bytes(
     records = {name: found.record for name, found in checkpoint.quantized_weights().items() if found.exact}
     params = _float_parameters(checkpoint, parameter_metadata(checkpoint, spec))
     distinct = {id(q): q for q in records.values()}
-    total = sum(record_bytes(q, compute_bytes) for q in distinct.values())
+    heads = {id(q) for name, q in records.items() if _is_head(name)}  # a tied table: the head's record
+    total = sum(record_bytes(q, compute_bytes, id(q) in heads) for q in distinct.values())
     left = {name: meta for name, meta in params.items() if name not in records}
     if rest is None:
         return total + sum(compute_bytes * math.prod(shape) for _, shape in left.values())
     return total + _quantized_total(left, spec, rest, compute_bytes)
 
 
-def record_bytes(q: QuantizedWeight, compute_bytes: int = COMPUTE_BYTES) -> int:
+def record_bytes(q: QuantizedWeight, compute_bytes: int = COMPUTE_BYTES, head: bool = False) -> int:
     """Bytes of a pre-quantized record as MatMulNBits holds it in the default build (accuracy
     level 4): codes in whole blocks, packed zero points, and scales and min terms as
     `ImportQuantizedWeights` stores them (float16 where they are float16 values in a float32
-    graph, or the k-quant factors they are multiplied out of; a record it `regrouped`, 8-bit
-    codes and a float16 scale per block of 32)."""
+    graph, or the k-quant factors they are multiplied out of; a record it `regrouped`, `head`
+    the LM head's, 8-bit codes and a float16 scale per block)."""
     n, k = q.codes.shape
-    if regroups(q):
-        return n * k + n * (k // INT8_ACTIVATION_BLOCK) * 2
+    block = regroup_block(q, head)
+    if block is not None:
+        return n * k + n * (k // block) * 2
     blocks = math.ceil(k / q.block_size)
     total = n * blocks * q.block_size * q.bits // 8
     if q.zero_points is not None:

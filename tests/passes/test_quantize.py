@@ -125,15 +125,18 @@ def test_the_searched_int4_scales_beat_round_to_nearest_of_the_largest_magnitude
     assert np.square(searched).mean() < np.square(plain).mean()
 
 
-def projection_graph(k: int, n: int, weight: np.ndarray, transposed: bool = True, name: str = "w") -> ir.Model:
-    """y = x @ W: W stored [N, K] and read through Transpose as exported, or stored [K, N]."""
+def projection_graph(
+    k: int, n: int, weight: np.ndarray, transposed: bool = True, name: str = "w", output: str = "logits"
+) -> ir.Model:
+    """y = x @ W: W stored [N, K] and read through Transpose as exported, or stored [K, N]; the
+    output named `output` (`logits`: the MatMul is the graph's LM head)."""
     nodes = [helper.make_node("Transpose", [name], ["wt"], perm=[1, 0])] if transposed else []
-    nodes.append(helper.make_node("MatMul", ["x", "wt" if transposed else name], ["logits"]))
+    nodes.append(helper.make_node("MatMul", ["x", "wt" if transposed else name], [output]))
     graph = helper.make_graph(
         nodes,
         "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, k])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [2, 3, n])],
+        [helper.make_tensor_value_info(output, TensorProto.FLOAT, [2, 3, n])],
         [onnx.numpy_helper.from_array(weight, name)],
     )
     return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]))

@@ -299,21 +299,22 @@ def optimized_outputs(model: ir.Model, feeds: dict[str, np.ndarray]) -> list[np.
 
 @pytest.mark.parametrize(
     "hidden, block",
-    [(64, 32), (80, 32), (64, 16), (80, 16)],  # whole blocks (a GGUF file's), a padded last one; a Q6_K's 16
+    # whole blocks (a GGUF file's), a padded last one; a Q6_K's 16; a head regrouped in blocks of 128
+    [(64, 32), (80, 32), (64, 16), (80, 16), (128, 32)],
 )
 def test_an_imported_table_tied_to_the_head_is_looked_up_in_the_heads_codes(hidden: int, block: int) -> None:
     """A checkpoint's table that the LM head reads too (a GGUF file without an output matrix) is
     written once: the lookup reads the head's MatMulNBits codes and scales as they are, the scales
     float16 in the file (the file's own: each a float16 value) and float32 where the kernels
     read them; the rows are the record's floats exactly, or, where the head's import `regrouped`
-    the record's blocks of 16 into blocks of 32 (int8 activations), the regrouped record's."""
+    the record in larger blocks (int8 activations), the regrouped record's."""
     from kvforge.passes.quantize import ImportQuantizedWeights, regrouped
 
     blocks = -(-hidden // block)
     scales = (RNG.random((VOCAB, blocks)) * 0.01 + 1e-3).astype(np.float16).astype(np.float32)
     record = QuantizedWeight(RNG.integers(-127, 128, (VOCAB, hidden)).astype(np.int8), scales, None, 8, block)
-    held = regrouped(record)
-    assert (held is not record) == (block == 16 and hidden % 32 == 0)
+    held = regrouped(record, head=True)
+    assert held.block_size == {(64, 16): 32, (128, 32): 128}.get((hidden, block), block)
     weights = held.dequantize()
     model = lookup_graph(weights, tied_head=True)
     imported = {"embed.weight": record, LM_HEAD: record}
@@ -324,6 +325,7 @@ def test_an_imported_table_tied_to_the_head_is_looked_up_in_the_heads_codes(hidd
     (forms,) = lookup.imported_forms.values()
     assert forms["codes_of"] == "embed.weight.q8" and forms["from"] == sorted(imported)
     assert forms["block_size"] == held.block_size
+    assert forms.get("regrouped") == (None if held is record else sorted(imported))
     codes = [v for v in model.graph.initializers.values() if v.dtype == ir.DataType.UINT8]
     assert [v.name for v in codes] == ["embed.weight.q8"]
     assert nodes_reading(model, "embed.weight.q8") == ["GatherBlockQuantized", "MatMulNBits"]

@@ -157,31 +157,34 @@ def test_k_quant_scales_are_stored_as_their_factors_and_multiplied_out_to_the_sa
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())  # int8 activations
 
 
-def test_a_q6_k_weight_is_regrouped_in_blocks_of_32_for_int8_activations_and_kept_for_float_ones() -> None:
+def test_8_bit_codes_are_regrouped_in_the_blocks_int8_activations_read_fastest_and_kept_for_float_ones() -> None:
     """At accuracy level 4, 8-bit codes in blocks of 16 (a Q6_K's) are rounded again in blocks of
-    32 with a float16 scale each: every weight within half its new step of the file's; at level 0
-    (the float gate's build) the file's codes and blocks stay."""
+    32 with a float16 scale each, the LM head's 8-bit codes in blocks of 128: every weight within
+    half its new step of the file's; at level 0 (the float gate's build) the file's codes and
+    blocks stay."""
     import onnx_ir as ir
     import onnxruntime as ort
 
     from kvforge.passes.quantize import regrouped
-    from kvforge.passes.storage import regroups
+    from kvforge.passes.storage import regroup_block
 
     q = decode(blocks_of(T.Q6_K), T.Q6_K, (N, K)).record  # type: ignore[union-attr]
-    assert (q.bits, q.block_size) == (8, 16) and regroups(q)
-    moved = regrouped(q)
-    assert (moved.bits, moved.block_size, moved.factors) == (8, 32, None)
-    np.testing.assert_array_equal(moved.scales.astype(np.float16).astype(np.float32), moved.scales)
-    step = np.repeat(moved.scales, 32, axis=1)
-    error = np.abs(moved.dequantize() - q.dequantize())
-    assert (error <= step / 2 * (1 + 1e-6)).all() and error.max() > 0
-    assert np.abs(moved.codes).max() >= 127  # each block's largest magnitude takes the widest code
-    for other in (T.Q8_0, T.Q4_K):  # blocks of 32 already, or 4-bit codes with min terms: as they are
-        record = decode(blocks_of(other), other, (N, K)).record  # type: ignore[union-attr]
-        assert not regroups(record) and regrouped(record) is record
+    q8 = decode(blocks_of(T.Q8_0), T.Q8_0, (N, K)).record  # type: ignore[union-attr]
+    q4k = decode(blocks_of(T.Q4_K), T.Q4_K, (N, K)).record  # type: ignore[union-attr]
+    assert (q.bits, q.block_size, q8.block_size) == (8, 16, 32)
+    assert [regroup_block(r, head) for head in (False, True) for r in (q, q8, q4k)] == [32, None, None, 128, 128, None]
+    assert regrouped(q8) is q8 and regrouped(q4k, head=True) is q4k  # as they are
+    for record, head, block in ((q, False, 32), (q, True, 128), (q8, True, 128)):
+        moved = regrouped(record, head)
+        assert (moved.bits, moved.block_size, moved.factors) == (8, block, None)
+        np.testing.assert_array_equal(moved.scales.astype(np.float16).astype(np.float32), moved.scales)
+        step = np.repeat(moved.scales, block, axis=1)
+        error = np.abs(moved.dequantize() - record.dequantize())
+        assert (error <= step / 2 * (1 + 1e-6)).all() and error.max() > 0
+        assert np.abs(moved.codes).max() >= 127  # each block's largest magnitude takes the widest code
     x = RNG.standard_normal((2, 3, K)).astype(np.float32)
-    for level, block in ((4, 32), (0, 16)):
-        model = projection_graph(K, N, q.dequantize())
+    for level, output, block in ((4, "y", 32), (4, "logits", 128), (0, "logits", 16)):
+        model = projection_graph(K, N, q.dequantize(), output=output)  # "logits": the LM head
         imports = ImportQuantizedWeights({"w": q}, accuracy_level=level)
         imports(model)
         (kernel,) = [node for node in model.graph if node.op_type == "MatMulNBits"]
@@ -191,7 +194,7 @@ def test_a_q6_k_weight_is_regrouped_in_blocks_of_32_for_int8_activations_and_kep
         # must see as a constant when it packs the weight
         session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
         (got,) = session.run(None, {"x": x})
-        want = x @ (moved if level == 4 else q).dequantize().T
+        want = x @ (regrouped(q, output == "logits") if level == 4 else q).dequantize().T
         tolerance = 2e-2 if level == 4 else 1e-5  # int8 activations
         np.testing.assert_allclose(got, want, rtol=0, atol=tolerance * np.abs(want).max())
 
@@ -206,11 +209,12 @@ def test_the_footprint_counts_a_record_as_the_import_writes_it(qtype: GGMLQuanti
     imported = decode(blocks_of(qtype), qtype, (N, K))
     assert imported is not None
     q = imported.record
-    model = projection_graph(K, N, q.dequantize())
-    ImportQuantizedWeights({"w": q}, accuracy_level=4)(model)
-    constants = ("kvforge.block_sum", ".scales.shape", ".mins.offset")
-    written = [v for name, v in model.graph.initializers.items() if not any(c in name for c in constants)]
-    assert record_bytes(q) == sum(v.const_value.nbytes for v in written)
+    for head in (False, True):  # a layer's weight, the LM head's (regrouped in other blocks)
+        model = projection_graph(K, N, q.dequantize(), output="logits" if head else "y")
+        ImportQuantizedWeights({"w": q}, accuracy_level=4)(model)
+        constants = ("kvforge.block_sum", ".scales.shape", ".mins.offset")
+        written = [v for name, v in model.graph.initializers.items() if not any(c in name for c in constants)]
+        assert record_bytes(q, head=head) == sum(v.const_value.nbytes for v in written)
 
 
 def test_the_manifest_lists_a_regrouped_part_of_a_packed_weight_as_not_exact_and_the_others_as_exact() -> None:
@@ -224,7 +228,7 @@ def test_the_manifest_lists_a_regrouped_part_of_a_packed_weight_as_not_exact_and
     found = {"q": decode(blocks_of(T.Q4_K), T.Q4_K, (N, K)), "v": decode(blocks_of(T.Q6_K), T.Q6_K, (N, K))}
     assert all(imported is not None and imported.exact for imported in found.values())
     q, v = (found[name].record for name in ("q", "v"))  # type: ignore[union-attr]
-    model = projection_graph(K, 2 * N, np.concatenate([q.dequantize(), v.dequantize()]), name="qv")
+    model = projection_graph(K, 2 * N, np.concatenate([q.dequantize(), v.dequantize()]), name="qv", output="y")
     model.graph.initializers["qv"].const_value = StackedRows(
         [q.dequantize(), v.dequantize()], ir.DataType.FLOAT, "qv", ["q", "v"]
     )
