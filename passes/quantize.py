@@ -880,10 +880,10 @@ class ImportQuantizedWeights(InPlacePass):
     Codes and zero points reach MatMulNBits (or DequantizeLinear) unchanged, but at accuracy
     level 4 (int8 activations, a build judged by distributions) 8-bit codes are rounded again in
     the blocks that kernel reads faster (`regrouped`: Q6_K's blocks of 16 in blocks of 32, the LM
-    head's in blocks of 128; listed as `regrouped` in `imported_forms`);
-    scales (and min terms) are stored as float16 where the graph computes in float32 and they are float16
-    values (`stored_scales`: a GGUF file's own), read through a Cast, else cast to the graph's
-    float dtype. `imported_forms` says what each weight got, `counts` how many.
+    head's in blocks of 128; listed as `regrouped` in `imported_forms`); scales (and min terms)
+    are stored as float16 where the graph computes in float32 and they are float16 values
+    (`stored_scales`: a GGUF file's own), read through a Cast, else cast to the graph's float
+    dtype. `imported_forms` says what each weight got, `counts` how many.
     Weights not in `imported` are left for `QuantizeWeights` (or stay float).
 
     A record with `mins` (a float term per block, which no integer zero point holds) adds it
@@ -1144,17 +1144,20 @@ class MinTerms:
         else:
             indicator = np.zeros((k, k // block_size), dtype.numpy())
             indicator[np.arange(k), np.arange(k) // block_size] = 1
-            total = ir.node("MatMul", [x, register_once(graph, f"{name}.{dtype.name.lower()}", indicator)])
+            ones = register_once(graph, f"{name}.{dtype.name.lower()}", indicator)
+            ones.meta[FLOAT_TERM] = True  # a MatMul's B that no quantizer may round
+            total = ir.node("MatMul", [x, ones])
         graph.insert_before(node, total)
         self._block_sums[key] = total.outputs[0]
         return total.outputs[0]
 
 
 def register_once(graph: ir.Graph, name: str, data: np.ndarray) -> ir.Value:
-    """The constant `name` (registered with `data` the first time), marked so that no quantizer rounds it."""
-    if name not in graph.initializers:
-        register_initializer(graph, name, data).meta[FLOAT_TERM] = True
-    return graph.initializers[name]
+    """The initializer `name`: an existing one of that name, else `data` registered under it
+    (the small constants several nodes share: shapes, axes)."""
+    if name in graph.initializers:
+        return graph.initializers[name]
+    return register_initializer(graph, name, data)
 
 
 def regrouped(q: QuantizedWeight, head: bool = False) -> QuantizedWeight:

@@ -87,6 +87,7 @@ from kvforge.passes.quantize import (
     quantize_free_min,
     read_as,
     register_initializer,
+    register_once,
     register_quantized,
     replace_node,
     stored_scales,
@@ -310,7 +311,7 @@ class QuantizeEmbedding(QuantizeWeights):
     def _cut(self, graph: ir.Graph, gather: ir.Node, rows: ir.Value, hidden: int) -> ir.Value:
         """`rows` of whole blocks (as the codes hold them) cut to the table's H."""
         bounds = [
-            _register(graph, f"gather_block_quantized_{part}", np.array([value], np.int64))
+            register_once(graph, f"gather_block_quantized_{part}", np.array([value], np.int64))
             for part, value in (("start", 0), (f"end_{hidden}", hidden), ("axis", -1))
         ]
         cut = ir.node("Slice", [rows, *bounds])
@@ -324,12 +325,12 @@ class QuantizeEmbedding(QuantizeWeights):
         blocks joined back to `[..., H]`."""
         ids, (data, scales) = gather.inputs[1], head.inputs[1:3]
         assert ids is not None and ids.shape is not None and data is not None and scales is not None
-        per_block = _register(graph, "gather_block_quantized_scales_per_block", np.array([0, 0, 1], np.int64))
+        per_block = register_once(graph, "gather_block_quantized_scales_per_block", np.array([0, 0, 1], np.int64))
         blocked_scales = ir.node("Reshape", [scales, per_block])
         attributes = {"bits": q.bits, "block_size": q.block_size, "gather_axis": 0, "quantize_axis": 2}
         lookup = ir.node("GatherBlockQuantized", [data, ids, blocked_scales.outputs[0]], attributes, domain=_MS_DOMAIN)
         rank, hidden, padded = len(ids.shape), q.codes.shape[1], q.padded_codes().shape[1]
-        joined = _register(graph, f"joined_rows_{rank}_{padded}", np.array([0] * rank + [padded], np.int64))
+        joined = register_once(graph, f"joined_rows_{rank}_{padded}", np.array([0] * rank + [padded], np.int64))
         rows = ir.node("Reshape", [lookup.outputs[0], joined])
         for node in (blocked_scales, lookup, rows):
             graph.insert_before(gather, node)
@@ -362,8 +363,10 @@ def _add_mins(
     assert ids is not None and ids.shape is not None
     blocks = hidden // block_size
     rank = len(ids.shape)
-    split = _register(graph, f"block_rows_{rank}_{blocks}_{block_size}", np.array([0] * rank + [blocks, block_size]))
-    joined = _register(graph, f"joined_rows_{rank}_{hidden}", np.array([0] * rank + [hidden]))
+    split = register_once(
+        graph, f"block_rows_{rank}_{blocks}_{block_size}", np.array([0] * rank + [blocks, block_size])
+    )
+    joined = register_once(graph, f"joined_rows_{rank}_{hidden}", np.array([0] * rank + [hidden]))
     row_mins = ir.node("Gather", [mins, ids], {"axis": 0})
     blocked = ir.node("Reshape", [rows, split])
     added = ir.node("Add", [blocked.outputs[0], row_mins.outputs[0]])
@@ -417,13 +420,6 @@ def _looks_up_quantized(gather: ir.Node) -> bool:
         return True
     uses = gather.outputs[0].uses()
     return bool(uses) and all(user.op_type == "DequantizeLinear" and index > 0 for user, index in uses)
-
-
-def _register(graph: ir.Graph, name: str, data: np.ndarray) -> ir.Value:
-    """The initializer `name` (an existing one of that name is reused: the small shape constants)."""
-    if name in graph.initializers:
-        return graph.initializers[name]
-    return register_initializer(graph, name, data)
 
 
 def _free_name(graph: ir.Graph, base: str) -> str:

@@ -1,7 +1,7 @@
 """What a quantized build stores, in rules that need numpy alone: which weights a 4-bit build's
 mix keeps at 8 bits, and the dtype scales are stored in (imported ones: `stored_scales`; those
 a float32 build chooses: `half_scales_fit`), and which imported records int8 activations read
-in larger blocks (`regroups`). The quantization passes
+in larger blocks (`regroup_block`). The quantization passes
 (`kvforge.passes.quantize`, `.quantize_embedding`) apply them; `kvforge.toolchain.footprint`
 counts the bytes by them without loading onnx (`kvforge inspect`)."""
 
