@@ -14,8 +14,8 @@ shares the longest run of ids with what follows, and copies that many of its col
 cached position is restored, down to a prompt that repeats or extends one seen before, or shares
 only part of a block with it; only the rest is prefilled. A prompt restored whole, its last
 block's logits kept, needs no prefill (its first token is sampled from them); otherwise at least
-its last token is prefilled, whose logits choose the first generated token. A stored partial block whose ids another
-child of the same key extends is dropped (the longer child serves both).
+its last token is prefilled, whose logits choose the first generated token. A stored partial
+block whose ids another child of the same key extends is dropped (the longer child serves both).
 
 Blocks are evicted least recently used within a byte budget (a partial block weighs its columns);
 a prefix's first blocks are touched last, so its tail goes first and a lookup never finds a
