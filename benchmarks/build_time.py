@@ -11,8 +11,12 @@ safetensors directory of its dequantized weights, say): the medians of each are 
 the first checkpoint's, tool by tool.
 
 - kvforge: `python -m kvforge build CHECKPOINT -o OUT` (fp32, ort-cpu, the parity
-  gate included), with this interpreter; its stage times are read off its last line;
-  `kvforge@DIR` runs the same from another source tree (a worktree or a copy of an earlier
+  gate included), with this interpreter and the lowering cache off (every build traces and
+  lowers: a first build); its stage times are read off its last line;
+- kvforge+cache: the same with a lowering cache under WORKDIR, which one build before the
+  first round fills (unmeasured): a rebuild of the same model, which reads its lowered
+  layers back instead of tracing them (`kvforge.toolchain.lowering_cache`);
+  `kvforge@DIR` (or `kvforge+cache@DIR`) runs the same from another source tree (a worktree or a copy of an earlier
   commit, given to the interpreter as pyproject.toml maps it: `source_view`), for a
   before-and-after in the same rounds;
 - genai: onnxruntime-genai's model builder, `python -m onnxruntime_genai.models.builder
@@ -42,10 +46,11 @@ from pathlib import Path
 
 EVAL_ROOT = Path(os.environ.get("KVF_EVAL_ROOT", Path.home() / ".cache" / "kvf-eval"))
 REPO = Path(__file__).resolve().parent.parent
+KVFORGE = ("kvforge", "kvforge+cache")
 
 
 def command(tool: str, checkpoint: str, out: Path) -> list[str]:
-    if tool.split("@")[0] == "kvforge":
+    if tool.split("@")[0] in KVFORGE:
         return [sys.executable, "-m", "kvforge", "build", checkpoint, "-o", str(out), "-q"]
     if tool == "genai":
         python = str(EVAL_ROOT / "genai" / "bin" / "python")
@@ -64,12 +69,15 @@ def measure(tool: str, checkpoint: str, workdir: Path) -> dict[str, float]:
     load = os.getloadavg()[0]
     timed = ["/usr/bin/time", "-f", "TIME %e %M %U %S", *command(tool, checkpoint, out)]
     name, _, tree = tool.partition("@")
-    cwd, environment = REPO, None
-    if name == "kvforge" and tree:
-        # run from the view: `-m` puts the working directory first on sys.path, where another
-        # tree's own kvforge/ would be found first, its subpackages then this interpreter's
-        cwd = source_view(Path(tree), workdir)
-        environment = dict(os.environ, PYTHONPATH=str(cwd))
+    cwd, environment = REPO, dict(os.environ)
+    if name in KVFORGE:
+        cache = workdir / f"lowering-cache-{re.sub(r'[^A-Za-z0-9]+', '-', tool)}" if name == "kvforge+cache" else None
+        environment["KVFORGE_LOWERING_CACHE"] = "off" if cache is None else str(cache)
+        if tree:
+            # run from the view: `-m` puts the working directory first on sys.path, where another
+            # tree's own kvforge/ would be found first, its subpackages then this interpreter's
+            cwd = source_view(Path(tree), workdir)
+            environment["PYTHONPATH"] = str(cwd)
     done = subprocess.run(timed, capture_output=True, text=True, cwd=cwd, env=environment)
     if done.returncode:
         raise SystemExit(f"{tool} failed:\n{done.stderr[-3000:]}")
@@ -115,6 +123,9 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     builds = [(tool, checkpoint) for checkpoint in args.checkpoints for tool in args.tools]
     rows: dict[tuple[str, str], list[dict[str, float]]] = {build: [] for build in builds}
+    for tool, checkpoint in builds:  # a rebuild's cache: filled by a first build, not measured
+        if tool.partition("@")[0] == "kvforge+cache":
+            measure(tool, checkpoint, args.workdir)
     for round_ in range(args.rounds):
         shift = round_ % len(builds)
         for tool, checkpoint in builds[shift:] + builds[:shift]:

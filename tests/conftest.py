@@ -1,11 +1,16 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.tiny import BUILD_CONTEXT, make_checkpoint
+
+# Every build traces: a test of lowering (or one that patches it) never reads a graph another
+# test, or an earlier run, left in a lowering cache. tests/toolchain/test_lowering_cache.py turns it on.
+os.environ["KVFORGE_LOWERING_CACHE"] = "off"
 
 
 @pytest.fixture(scope="session")

@@ -39,7 +39,18 @@ from kvforge.runners.session import Session
 from kvforge.runners.tokenizer import TokenizerBundle
 from kvforge.toolchain import calibration as calibrating
 from kvforge.toolchain import checkpoint as checkpoints
-from kvforge.toolchain import emit, gguf, hashing, kv_scales, manifest, moe_graph, prequantized, progress, stamp
+from kvforge.toolchain import (
+    emit,
+    gguf,
+    hashing,
+    kv_scales,
+    lowering_cache,
+    manifest,
+    moe_graph,
+    prequantized,
+    progress,
+    stamp,
+)
 from kvforge.toolchain import tune as tuning
 from kvforge.toolchain.emit import genai
 from kvforge.toolchain.emit import tensorrt as trt_engine
@@ -97,6 +108,9 @@ class BuildOptions:
     # Trace each distinct layer kind once and stamp out the stack (`kvforge.toolchain.stamp`); False:
     # export and lower the whole stack
     stamp: bool = True
+    # Keep the lowered cut-down graph on disk and read it back for a later build of the same model
+    # (`kvforge.toolchain.lowering_cache`; KVFORGE_LOWERING_CACHE says where, or `off`)
+    lowering_cache: bool = True
     # Each quantized weight's MatMulNBits form: "off" (--block-size, accuracy level 4, for every
     # weight), "fast" or "full" (timed on this machine, `kvforge.toolchain.tune`)
     tune: str = tuning.DEFAULT_MODE
@@ -264,7 +278,8 @@ def _compile(
     """Lower, run the passes, emit, verify and publish the eager model in `models` (taken).
     `sources`: the checkpoint's hashes, being computed; the artifact's are, while the gate runs."""
     target = options.target
-    onnx_model, lowering = _lower(models.pop(), spec, io, stamping, seconds, reason)
+    cache = lowering_cache.directory() if options.lowering_cache else None
+    onnx_model, lowering = _lower(models.pop(), spec, io, stamping, seconds, reason, cache)
     log.info(lowering.summary())
     with _timed(seconds, "lower"):
         # The graph's initializers now hold the weights; the eager model's references would keep
@@ -337,6 +352,8 @@ def _compile(
             with _timed(seconds, "verify"), verifiable(staging, graph_io, unquantized, provider) as session:
                 report = gate(progress.CountedSession(session))
                 if lowering.stamped and not report.passed:
+                    if lowering.entry is not None:  # a later build traces afresh (and is refused alike)
+                        lowering_cache.forget(lowering.entry)
                     raise _StampedGraphRefused(report.failures())
                 _require_parity(report, str(checkpoint_dir), options.tune)
                 computed_in = session.io.kv_dtype  # the dtype onnxruntime ran the graph in
@@ -526,14 +543,21 @@ class _StampedGraphRefused(ParityError):
 
 
 def _lower(
-    model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO, stamping: bool, seconds: dict[str, float], reason: str
+    model: torch.nn.Module,
+    spec: DecoderSpec,
+    io: DecoderIO,
+    stamping: bool,
+    seconds: dict[str, float],
+    reason: str,
+    cache: Path | None,
 ) -> tuple[ir.Model, stamp.Lowering]:
     """The graph of `model` (its last reference: freed once lowered), stamped from two traced
-    layers per layer kind where `stamping` and the structure is proven, else of the whole stack."""
+    layers per layer kind where `stamping` and the structure is proven, else of the whole stack.
+    `cache`: the lowering cache's directory (None: off)."""
     if stamping:
         try:
             with _timed(seconds, "export"):
-                cut = stamp.export(model, spec, io)
+                cut = stamp.export(model, spec, io, cache)
             with _timed(seconds, "lower"):
                 onnx_model, lowering = stamp.lower(cut, model, io)
             del cut, model

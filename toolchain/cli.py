@@ -255,6 +255,12 @@ def _calibration(choice: str | None, quantization: Any) -> Any:
     is_flag=True,
     help="Export and lower every layer (default: each distinct layer kind once, the stack stamped out from it).",
 )
+@click.option(
+    "--no-lowering-cache",
+    is_flag=True,
+    help="Trace and lower the layers afresh, and keep nothing (default: a rebuild of the same model reads its "
+    "lowered layers from KVFORGE_LOWERING_CACHE, else ~/.cache/kvforge/lowered).",
+)
 @_tolerance_option("the compute dtype's")
 @_json_option("the artifact's paths, hashes, gate figures and stage times")
 @_guarded
@@ -287,6 +293,7 @@ def build(
     capacity: int | None,
     context: int | None,
     whole_stack: bool,
+    no_lowering_cache: bool,
     tolerance: float | None,
     logits: str | None,
     as_json: bool,
@@ -345,6 +352,7 @@ def build(
             tolerance=tolerance,
             logits=logits,
             stamp=not whole_stack,
+            lowering_cache=not no_lowering_cache,
             tune=tune,
             calibration=_calibration(calibration, quantization),
             kv_dtype=kv_dtype,

@@ -86,3 +86,10 @@ def _name_initializers_as_checkpoint(graph: ir.Graph) -> None:
     for value in list(graph.initializers.values()):
         if value.name is not None and value.name.startswith(_WRAPPER_PREFIX):
             value.name = value.name[len(_WRAPPER_PREFIX) :]  # onnx_ir re-keys graph.initializers
+
+
+def torch_tensor(tensor: torch.Tensor, name: str) -> ir.TensorProtocol:
+    """A weight as the exporter holds one (shared memory with the eager model)."""
+    from torch.onnx._internal.exporter._core import TorchTensor
+
+    return TorchTensor(tensor.detach(), name=name)

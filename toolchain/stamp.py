@@ -28,6 +28,7 @@ import re
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import onnx_ir as ir
@@ -36,8 +37,9 @@ from torch.export import ExportedProgram
 
 from kvforge.runners.contract import DecoderIO
 from kvforge.runners.errors import ExportError
+from kvforge.toolchain import lowering_cache
 from kvforge.toolchain.export import export_decoder
-from kvforge.toolchain.lower import _WRAPPER_PREFIX, apply_contract, to_onnx
+from kvforge.toolchain.lower import _WRAPPER_PREFIX, apply_contract, to_onnx, torch_tensor
 from kvforge.toolchain.spec import DecoderSpec
 
 log = logging.getLogger(__name__)
@@ -63,18 +65,23 @@ class Lowering:
     traced: int
     kinds: int
     reason: str | None = None
+    cached: bool = False  # the traced layers' lowered graph was read from the lowering cache
+    entry: Path | None = field(default=None, compare=False)  # its entry there (None: the cache is off)
 
     def summary(self) -> str:
         if self.stamped:
             return (
                 f"lowering: {self.layers} layers stamped from {self.traced} traced "
-                f"({self.kinds} layer kind{'s' if self.kinds != 1 else ''})"
+                f"({self.kinds} layer kind{'s' if self.kinds != 1 else ''}"
+                f"{'; their graph from the lowering cache' if self.cached else ''})"
             )
         return f"lowering: whole stack of {self.layers} layers ({self.reason})"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"stamped": self.stamped, "layers": self.layers, "traced": self.traced, "kinds": self.kinds} | (
-            {"reason": self.reason} if self.reason else {}
+        return (
+            {"stamped": self.stamped, "layers": self.layers, "traced": self.traced, "kinds": self.kinds}
+            | ({"reason": self.reason} if self.reason else {})
+            | ({"cached": True} if self.cached else {})
         )
 
 
@@ -198,16 +205,19 @@ def cut_down(model: torch.nn.Module, chosen: Plan) -> Iterator[None]:
 
 @dataclass
 class CutProgram:
-    """The cut-down model's ExportedProgram, with the plan that made it."""
+    """The cut-down model's ExportedProgram (None where its lowered graph came from the lowering
+    cache: `lowered`), with the plan that made it."""
 
-    program: ExportedProgram
+    program: ExportedProgram | None
     plan: Plan
     io: DecoderIO
+    lowered: ir.Model | None = None
+    entry: Path | None = None  # the lowering cache's entry for this trace (None: the cache is off)
 
 
-def export(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO) -> CutProgram:
-    """torch.export of the cut-down model (Unstampable when no layer kind repeats; `model`
-    is left as it was either way)."""
+def export(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO, cache: Path | None = None) -> CutProgram:
+    """torch.export of the cut-down model, or its lowered graph from the lowering cache in
+    directory `cache` (Unstampable when no layer kind repeats; `model` is left as it was)."""
     chosen = plan(model, spec)
 
     def cut(per_layer: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
@@ -216,30 +226,48 @@ def export(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO) -> CutProgr
     # what the contract and the spec say per layer (windows, kinds and states) follows the layers kept
     cut_spec = replace(spec, num_layers=len(chosen.selected), layers=cut(spec.layers))
     cut_io = replace(io, num_layers=len(chosen.selected), layer_windows=cut(io.layer_windows), layers=cut(io.layers))
+    entry = None if cache is None else cache / f"{lowering_cache.key(model, (chosen, cut_spec, cut_io))}.onnx"
     with cut_down(model, chosen):
+        if entry is not None and (lowered := lowering_cache.load(entry, model)) is not None:
+            return CutProgram(None, chosen, cut_io, lowered, entry)
         try:
             program = export_decoder(model, cut_spec, cut_io)
         except ExportError as e:  # the whole stack may still export: let the build try it
             raise Unstampable(f"the cut-down model does not export ({e})") from e
-    return CutProgram(program, chosen, cut_io)
+    return CutProgram(program, chosen, cut_io, entry=entry)
 
 
 def lower(cut: CutProgram, model: torch.nn.Module, io: DecoderIO) -> tuple[ir.Model, Lowering]:
-    """The full stack's graph from the cut-down program: lowered, proven and stamped out
-    (Unstampable when the lowered layers' structure cannot be proven)."""
-    try:
-        lowered = to_onnx(cut.program, cut.io)
-    except ExportError as e:
-        raise Unstampable(f"the cut-down model does not lower ({e})") from e
+    """The full stack's graph from the cut-down program: lowered (or read from the lowering
+    cache), proven and stamped out (Unstampable when the lowered layers' structure cannot be
+    proven). A graph lowered here is kept in the cache once stamping has proven it."""
+    entry, lowered, kept = cut.entry, cut.lowered, None
+    if lowered is None:
+        assert cut.program is not None
+        try:
+            lowered = to_onnx(cut.program, cut.io)
+        except ExportError as e:
+            raise Unstampable(f"the cut-down model does not lower ({e})") from e
+        if entry is not None:
+            with cut_down(model, cut.plan):  # its weights by the names the cut-down model gives them
+                kept = lowering_cache.dump(lowered, model)
     try:
         stamped = _Stamper(lowered, cut.plan, model).stamp()
-    except (KeyError, StopIteration) as e:
+    except (KeyError, StopIteration, Unstampable) as e:
+        if entry is not None and cut.lowered is not None:
+            lowering_cache.forget(entry)
+        if isinstance(e, Unstampable):
+            raise
         # another torch/onnxscript release can lower the cut-down layers into a shape this
         # proof does not follow: the whole stack is lowered instead, never a crash
         raise Unstampable(f"the lowered layers do not have the structure stamping expects ({type(e).__name__})") from e
+    if entry is not None and kept is not None:
+        lowering_cache.store(entry, kept)
     apply_contract(stamped.graph, io)
     full = len(cut.plan.template)
-    return stamped, Lowering(True, full, len(cut.plan.selected), cut.plan.kinds)
+    return stamped, Lowering(
+        True, full, len(cut.plan.selected), cut.plan.kinds, cached=cut.lowered is not None, entry=entry
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -482,7 +510,7 @@ class _Stamper:
                 if tensor is None or traced is None or tuple(tensor.shape) != tuple(traced.shape):
                     raise Unstampable(f"no weight {name} like the traced {value.name}")
                 fresh = _fresh(value, name)
-                fresh.const_value = _torch_tensor(tensor, _WRAPPER_PREFIX + name)
+                fresh.const_value = torch_tensor(tensor, _WRAPPER_PREFIX + name)
                 instances[i][id(value)] = fresh
                 initializers.append(fresh)
 
@@ -597,13 +625,6 @@ class _At:
 
 def _fresh(value: ir.Value, name: str | None) -> ir.Value:
     return ir.Value(name=name, type=value.type, shape=None if value.shape is None else value.shape.copy())
-
-
-def _torch_tensor(tensor: torch.Tensor, name: str) -> ir.TensorProtocol:
-    """A weight as the exporter holds one (shared memory with the eager model)."""
-    from torch.onnx._internal.exporter._core import TorchTensor
-
-    return TorchTensor(tensor.detach(), name=name)
 
 
 def _is_constant(node: ir.Node) -> bool:

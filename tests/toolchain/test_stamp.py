@@ -158,12 +158,12 @@ def test_family_that_cannot_be_proven_falls_back_and_says_so(
 def test_stamped_graph_refused_by_the_gate_is_rebuilt_from_the_whole_stack(
     llama6: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = stamp._torch_tensor
+    real = stamp.torch_tensor
 
     def wrong(tensor: torch.Tensor, name: str) -> ir.TensorProtocol:  # every stamped weight off by half
         return real(tensor * 1.5, name)
 
-    monkeypatch.setattr(stamp, "_torch_tensor", wrong)
+    monkeypatch.setattr(stamp, "torch_tensor", wrong)
     # the refused attempt's gate session (and the graph behind it) is gone before the reload
     sessions: list[weakref.ref[Any]] = []
     alive_at_each_load: list[list[bool]] = []
@@ -246,6 +246,6 @@ def test_a_lowering_the_proof_does_not_follow_is_unstampable(monkeypatch: pytest
 
     monkeypatch.setattr(stamp, "to_onnx", lambda program, io: None)
     monkeypatch.setattr(stamp, "_Stamper", Stamper)
-    cut = stamp.CutProgram(program=None, io=None, plan=None)  # type: ignore[arg-type]
+    cut = stamp.CutProgram(program=object(), io=None, plan=None)  # type: ignore[arg-type]
     with pytest.raises(stamp.Unstampable, match=f"structure stamping expects \\({type(error).__name__}\\)"):
         stamp.lower(cut, torch.nn.Module(), None)  # type: ignore[arg-type]
