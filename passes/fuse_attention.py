@@ -45,32 +45,61 @@ def _static_heads(value: ir.Value | None, what: str, result: MatchResult) -> tup
 
 def _bsd_source(x: ir.Value) -> ir.Value | None:
     """`s` when x = Transpose(Reshape(s, [.., .., H, D]), perm 0213) and s is [B, S, H*D]."""
-    transpose = x.producer()
+    found = _heads_of(x, normed=False)
+    return None if found is None else found[0]
+
+
+def _heads_of(x: ir.Value, normed: bool) -> tuple[ir.Value, ir.Node | None] | None:
+    """(s, None) when x [B,H,S,D] = Transpose(Reshape(s, [.., .., H, D]), perm 0213) and s is
+    [B, S, H*D]; where `normed`, also (s, norm) when an RMSNormalization of each head alone
+    (`_head_norm`) sits before or after the Transpose (gemma3's and qwen3's query and key
+    norms): it commutes with the heads' order."""
+    norm = _head_norm(x) if normed else None
+    inner = x if norm is None else norm.inputs[0]
+    transpose = None if inner is None else inner.producer()
     if transpose is None or transpose.op_type != "Transpose" or transpose.domain != "":
         return None
-    if list(_attribute(transpose, "perm", [])) != _BHSD_TO_BSHD or transpose.inputs[0] is None:
+    below = transpose.inputs[0]
+    if list(_attribute(transpose, "perm", [])) != _BHSD_TO_BSHD or below is None:
         return None
-    reshape = transpose.inputs[0].producer()
+    if normed and norm is None and (norm := _head_norm(below)) is not None:
+        below = norm.inputs[0]
+    reshape = None if below is None else below.producer()
     if reshape is None or reshape.op_type != "Reshape" or reshape.domain != "" or reshape.inputs[0] is None:
         return None
     source = reshape.inputs[0]
     heads = _static_heads(x, "x", MatchResult())
     if heads is None or source.shape is None or len(source.shape) != 3 or source.shape[2] != heads[0] * heads[1]:
         return None
-    return source
+    return source, norm
 
 
-def _rotary_of_bsd(x: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value, dict[str, Any]] | None:
-    """(s, cos, sin, attributes) when x = RotaryEmbedding(heads of s [B,S,H*D], cos, sin), no position ids."""
+def _rotary_of_bsd(x: ir.Value) -> tuple[ir.Value, ir.Node | None, ir.Value, ir.Value, dict[str, Any]] | None:
+    """(s, norm, cos, sin, attributes) when x = RotaryEmbedding(heads of s [B,S,H*D], cos, sin)
+    with no position ids, each head perhaps RMS-normalized first (`norm`, `_heads_of`)."""
     rotary = x.producer()
     if rotary is None or rotary.op_type != "RotaryEmbedding" or rotary.domain != "" or len(rotary.inputs) != 3:
         return None
     split, cos, sin = rotary.inputs
-    source = _bsd_source(split) if split is not None else None
-    if source is None or cos is None or sin is None:
+    found = _heads_of(split, normed=True) if split is not None else None
+    if found is None or cos is None or sin is None:
         return None
     attributes = {k: a.value for k, a in rotary.attributes.items() if k in ("interleaved", "rotary_embedding_dim")}
-    return source, cos, sin, attributes
+    return found[0], found[1], cos, sin, attributes
+
+
+def _head_norm(x: ir.Value) -> ir.Node | None:
+    """The RMSNormalization making 4-D `x` ([B,H,S,D] or [B,S,H,D]) when it normalizes over the
+    head size D alone, with a scale of shape [D], and `x` has no other use."""
+    norm = x.producer()
+    if norm is None or norm.op_type != "RMSNormalization" or norm.domain != "" or len(norm.inputs) != 2:
+        return None
+    scale = norm.inputs[1]
+    if x.shape is None or len(x.shape) != 4 or scale is None or scale.shape is None:
+        return None
+    if _attribute(norm, "axis", -1) not in (-1, 3) or list(scale.shape) != [x.shape[3]] or len(x.uses()) != 1:
+        return None
+    return norm
 
 
 def _is_read(value: ir.Value) -> bool:
@@ -229,7 +258,11 @@ class AttentionToGroupQueryAttention(_CachedAttentionLowering):
                 return bsd
             rotated = _rotary_of_bsd(x)
             if rotated is not None:  # rotate [B,S,H*D] directly, as RotaryEmbedding-23 allows
-                source, cos, sin, attributes = rotated
+                source, norm, cos, sin, attributes = rotated
+                if norm is not None:  # each head normalized as [B,S,H,D]: no transpose either way
+                    heads_last = op.Reshape(source, op.Constant(value_ints=[0, 0, x.shape[1], x.shape[3]]))
+                    kept = {k: a.value for k, a in norm.attributes.items() if k != "axis"}
+                    source = op.Reshape(op.RMSNormalization(heads_last, norm.inputs[1], axis=-1, **kept), to_3d)
                 return op.RotaryEmbedding(source, cos, sin, num_heads=x.shape[1], **attributes)
             return op.Reshape(op.Transpose(x, perm=_BHSD_TO_BSHD), to_3d)
 

@@ -683,10 +683,12 @@ def test_tiny_decoders_fuse_and_lower_every_layer(arch: str, scratch: Path) -> N
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "phi3", "qwen3", "gemma3_text"])
 def test_ort_cpu_pipeline_leaves_no_activation_transpose(arch: str, scratch: Path) -> None:
     """Rotary on [B,S,H*D] feeding GroupQueryAttention, and its output taken without the heads round trip:
-    no Transpose is left (weights are stored as their MatMuls read them), and the outputs are unchanged."""
+    no Transpose is left (weights are stored as their MatMuls read them), and the outputs are unchanged.
+    qwen3 normalizes each query and key head before the heads move ahead of the positions, gemma3 after:
+    the norm is taken on [B,S,H,D] either way."""
     from kvforge.passes.pipeline import run
 
     model = canonical_graph(arch, scratch)
@@ -698,6 +700,9 @@ def test_ort_cpu_pipeline_leaves_no_activation_transpose(arch: str, scratch: Pat
     assert op_count(model, "Transpose") == 0
     assert op_count(model, "RotaryEmbedding") == 2 * LAYERS
     assert all(len(n.inputs[0].shape or ()) == 3 for n in model.graph if n.op_type == "RotaryEmbedding")
+    head_norms = [n for n in model.graph if n.op_type == "RMSNormalization" and len(n.inputs[0].shape or ()) == 4]
+    assert len(head_norms) == (2 * LAYERS if arch in ("qwen3", "gemma3_text") else 0)
+    assert all(n.inputs[0].producer().op_type == "Reshape" for n in head_norms)  # [B,S,H,D], the heads in place
     for feeds, want in zip(cases, expected):
         got = ort_outputs(model, feeds)
         np.testing.assert_allclose(got[0], want[0][:, -1:], atol=ATOL, rtol=RTOL)  # logits: last position
