@@ -7,7 +7,7 @@ depends on the modeling code, the config and the shapes of the weights, never on
 values. A stamped build keeps the lowered cut-down graph here, its weights left out (each is
 a reference to the eager model's tensor of that name), and a later build whose key matches
 reads it back and binds the eager model's tensors in place of tracing again. The key is a
-hash of everything the trace reads: kvforge's own source, the versions of torch,
+hash of everything the trace reads: kvforge's version and own source, the versions of torch,
 transformers and the ONNX packages, the config (every field), every submodule's class,
 plain attributes and tensor shapes (and the values of buffers), and the cut-down model's
 spec and I/O contract. The quantization, target and pass options do not enter it: they act
@@ -49,8 +49,8 @@ ENV = "KVFORGE_LOWERING_CACHE"
 OFF = ("off", "0", "none", "false")
 # where an entry's weight points: the eager model's tensor of the initializer's name
 _BOUND = "kvforge:eager-model-tensor"
-# the packages whose releases can change a lowered graph
-_PACKAGES = ("torch", "transformers", "onnx", "onnx-ir", "onnxscript")
+# the packages whose releases can change a lowered graph (kvforge's own source is hashed besides)
+_PACKAGES = ("kvforge", "torch", "transformers", "onnx", "onnx-ir", "onnxscript")
 # buffers up to this size enter the key with their values (rotary tables and the like)
 _BUFFER_VALUE_BYTES = 1 << 24
 
