@@ -77,13 +77,6 @@ class Lowering:
             )
         return f"lowering: whole stack of {self.layers} layers ({self.reason})"
 
-    def to_dict(self) -> dict[str, Any]:
-        return (
-            {"stamped": self.stamped, "layers": self.layers, "traced": self.traced, "kinds": self.kinds}
-            | ({"reason": self.reason} if self.reason else {})
-            | ({"cached": True} if self.cached else {})
-        )
-
 
 def whole(spec: DecoderSpec, reason: str) -> Lowering:
     return Lowering(False, spec.num_layers, spec.num_layers, 0, reason)
