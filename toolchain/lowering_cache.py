@@ -180,7 +180,13 @@ def store(path: Path, data: bytes) -> None:
             f.write(data)
         os.replace(f.name, path)
     except OSError as e:
-        log.warning("%s: cannot write the lowering cache (%s); the next build traces again", path, e)
+        log.warning(
+            "%s: cannot write the lowering cache (%s); the next build traces again (set %s to a writable "
+            "directory, or to off)",
+            path,
+            e,
+            ENV,
+        )
 
 
 def forget(path: Path) -> None:

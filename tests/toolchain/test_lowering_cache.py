@@ -139,3 +139,14 @@ def test_a_cached_graph_the_gate_refuses_is_forgotten(
     assert result.lowering is not None and not result.lowering.stamped
     assert result.lowering.reason == build_module._REFUSED and result.parity.passed
     assert not entry.exists()
+
+
+def test_a_cache_that_cannot_be_written_is_one_warning_naming_the_variable(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    with caplog.at_level(logging.WARNING):
+        lowering_cache.store(blocked / "entry.onnx", b"graph")  # no exception: the build goes on
+    assert "cannot write the lowering cache" in caplog.text and lowering_cache.ENV in caplog.text
+    assert blocked.read_text() == "not a directory" and sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
