@@ -64,9 +64,14 @@ def directory() -> Path | None:
     return Path(base) / "kvforge" / "lowered"
 
 
+def entry(directory: Path, model: torch.nn.Module, parts: tuple[Any, ...]) -> Path:
+    """The entry's file in `directory` for tracing `model` with `parts` (`key`)."""
+    return directory / f"{key(model, parts)}.onnx"
+
+
 def key(model: torch.nn.Module, parts: tuple[Any, ...]) -> str:
-    """The entry's name for tracing `model` (the full model, before cutting down) with `parts`
-    (the plan, the cut-down spec and I/O contract: reprs of frozen dataclasses)."""
+    """The entry's name for tracing `model` (the full model, before any cutting down) with
+    `parts` (reprs of frozen dataclasses: the plan, the cut-down spec and I/O contract)."""
     digest = hashlib.sha256()
     for chunk in _key_chunks(model, parts):
         digest.update(chunk)

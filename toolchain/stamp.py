@@ -219,7 +219,7 @@ def export(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO, cache: Path
     # what the contract and the spec say per layer (windows, kinds and states) follows the layers kept
     cut_spec = replace(spec, num_layers=len(chosen.selected), layers=cut(spec.layers))
     cut_io = replace(io, num_layers=len(chosen.selected), layer_windows=cut(io.layer_windows), layers=cut(io.layers))
-    entry = None if cache is None else cache / f"{lowering_cache.key(model, (chosen, cut_spec, cut_io))}.onnx"
+    entry = None if cache is None else lowering_cache.entry(cache, model, (chosen, cut_spec, cut_io))
     with cut_down(model, chosen):
         if entry is not None and (lowered := lowering_cache.load(entry, model)) is not None:
             return CutProgram(None, chosen, cut_io, lowered, entry)
