@@ -32,7 +32,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ import onnx_ir as ir
 import torch
 
 from kvforge.toolchain.lower import torch_tensor
+from kvforge.toolchain.system import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -181,9 +181,7 @@ def store(path: Path, data: bytes) -> None:
     """Write an entry whole or not at all; a cache that cannot be written is a warning."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name, suffix=".part", delete=False) as f:
-            f.write(data)
-        os.replace(f.name, path)
+        write_atomically(path, data)
     except OSError as e:
         log.warning(
             "%s: cannot write the lowering cache (%s); the next build traces again (set %s to a writable "

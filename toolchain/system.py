@@ -1,4 +1,5 @@
-"""What the build asks of the operating system: the C allocator's tuning, and why a write failed."""
+"""What the build asks of the operating system: the C allocator's tuning, whole-file writes, and why a
+write failed."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import ctypes
 import errno
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 # glibc's malloc (malloc.h): once a large block has been freed it raises its mmap threshold
@@ -39,3 +41,17 @@ def write_failure(error: OSError, output: Path) -> str:
     except OSError:
         full = False
     return os.strerror(errno.ENOSPC) if full else str(error)
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """`path` holds either its previous content or all of `data`, never a part."""
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise

@@ -30,7 +30,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from kvforge.runners.contract import DecoderIO
 from kvforge.runners.errors import ArtifactError
 from kvforge.runners.manifest import MANIFEST, read_io, read_manifest, sha256_file, verify_files
 from kvforge.toolchain.emit import MODEL_FILE, write_json
+from kvforge.toolchain.system import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -203,20 +203,6 @@ def device() -> tuple[str, str]:
 
 def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """`path` holds either its previous content or all of `data`, never a part."""
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def build_engine(directory: Path, io: DecoderIO, options: EngineOptions) -> dict[str, Any]:
