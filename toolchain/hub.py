@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.runners.errors import CheckpointError
+from kvforge.toolchain.system import user_cache
 
 _REPO_PREFIX = "models--"
 # ORG/NAME as the Hub spells it: letters, digits, '-', '_', '.'; neither part starts with '.'.
@@ -45,9 +46,7 @@ def cache_dir() -> Path:
     hub_cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
     if hub_cache:
         return Path(os.path.expandvars(hub_cache)).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface"
-    )
+    home = os.environ.get("HF_HOME") or str(user_cache() / "huggingface")
     return Path(os.path.expandvars(home)).expanduser() / "hub"
 
 

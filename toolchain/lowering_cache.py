@@ -40,7 +40,7 @@ import onnx_ir as ir
 import torch
 
 from kvforge.toolchain.lower import torch_tensor
-from kvforge.toolchain.system import write_atomically
+from kvforge.toolchain.system import user_cache, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,7 @@ def directory() -> Path | None:
     chosen = os.environ.get(ENV)
     if chosen is not None:
         return None if chosen.strip().lower() in (*OFF, "") else Path(chosen).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvforge" / "lowered"
+    return user_cache() / "kvforge" / "lowered"
 
 
 def entry(directory: Path, model: torch.nn.Module, parts: tuple[Any, ...]) -> Path:

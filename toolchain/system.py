@@ -1,5 +1,5 @@
-"""What the build asks of the operating system: the C allocator's tuning, whole-file writes, and why a
-write failed."""
+"""What the build asks of the operating system: the C allocator's tuning, whole-file writes, the
+user's cache directory, and why a write failed."""
 
 from __future__ import annotations
 
@@ -55,3 +55,8 @@ def write_atomically(path: Path, data: bytes) -> None:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def user_cache() -> Path:
+    """The user's cache directory, as the XDG convention has it: $XDG_CACHE_HOME, else ~/.cache."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"))

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvforge.runners.errors import ArtifactError
+from kvforge.toolchain.system import user_cache
 
 if TYPE_CHECKING:  # the CLI reads MODES without loading the graph passes
     import onnxruntime as ort
@@ -99,8 +100,7 @@ def cache_path() -> Path:
     """Where timings are kept: KVFORGE_TUNE_CACHE, else the user's cache directory."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvforge" / "tune.json"
+    return user_cache() / "kvforge" / "tune.json"
 
 
 def machine_key() -> str:
