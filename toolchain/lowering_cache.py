@@ -70,7 +70,8 @@ def entry(directory: Path, model: torch.nn.Module, parts: tuple[Any, ...]) -> Pa
 
 def key(model: torch.nn.Module, parts: tuple[Any, ...]) -> str:
     """The entry's name for tracing `model` (the full model, before any cutting down) with
-    `parts` (reprs of frozen dataclasses: the plan, the cut-down spec and I/O contract)."""
+    `parts`, whose repr is deterministic: every submodule's class, plain attributes and tensor
+    shapes and dtypes (`stamp.cache_entry`), the plan, the cut-down spec and I/O contract."""
     digest = hashlib.sha256()
     for chunk in _key_chunks(model, parts):
         digest.update(chunk)
@@ -90,15 +91,10 @@ def _key_chunks(model: torch.nn.Module, parts: tuple[Any, ...]) -> Iterator[byte
     config = getattr(model, "config", None)
     fields = {k: v for k, v in vars(config).items() if k not in ("_name_or_path", "_commit_hash")} if config else {}
     yield json.dumps(fields, sort_keys=True, default=repr).encode()
-    for name, module in model.named_modules():
-        plain = sorted((k, repr(v)) for k, v in vars(module).items() if isinstance(v, (bool, int, float, str)))
-        yield repr((name, type(module).__module__, type(module).__qualname__, plain)).encode()
-        for tensor_name, tensor in module.named_parameters(recurse=False):
-            yield repr((tensor_name, tuple(tensor.shape), str(tensor.dtype))).encode()
-        for tensor_name, tensor in module.named_buffers(recurse=False):
-            yield repr((tensor_name, tuple(tensor.shape), str(tensor.dtype))).encode()
-            if tensor.numel() * tensor.element_size() <= _BUFFER_VALUE_BYTES and tensor.device.type != "meta":
-                yield tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes()
+    for name, tensor in model.named_buffers():  # their shapes and dtypes are in `parts`
+        if tensor.numel() * tensor.element_size() <= _BUFFER_VALUE_BYTES and tensor.device.type != "meta":
+            yield name.encode()
+            yield tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes()
     yield repr(parts).encode()
 
 

@@ -219,7 +219,7 @@ def export(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO, cache: Path
     # what the contract and the spec say per layer (windows, kinds and states) follows the layers kept
     cut_spec = replace(spec, num_layers=len(chosen.selected), layers=cut(spec.layers))
     cut_io = replace(io, num_layers=len(chosen.selected), layer_windows=cut(io.layer_windows), layers=cut(io.layers))
-    entry = None if cache is None else lowering_cache.entry(cache, model, (chosen, cut_spec, cut_io))
+    entry = None if cache is None else cache_entry(cache, model, chosen, cut_spec, cut_io)
     with cut_down(model, chosen):
         if entry is not None and (lowered := lowering_cache.load(entry, model)) is not None:
             return CutProgram(None, chosen, cut_io, lowered, entry)
@@ -228,6 +228,14 @@ def export(model: torch.nn.Module, spec: DecoderSpec, io: DecoderIO, cache: Path
         except ExportError as e:  # the whole stack may still export: let the build try it
             raise Unstampable(f"the cut-down model does not export ({e})") from e
     return CutProgram(program, chosen, cut_io, entry=entry)
+
+
+def cache_entry(cache: Path, model: torch.nn.Module, chosen: Plan, spec: DecoderSpec, io: DecoderIO) -> Path:
+    """The lowering cache's entry in directory `cache` for the cut-down model of `model` that
+    `chosen`, `spec` and `io` describe: keyed by the whole model's structure as `_kind` reads a
+    layer's (classes, plain attributes, tensor shapes and dtypes) and by the rest of the trace's
+    inputs (`lowering_cache.key`)."""
+    return lowering_cache.entry(cache, model, (_kind(model, None), chosen, spec, io))
 
 
 def lower(cut: CutProgram, model: torch.nn.Module, io: DecoderIO) -> tuple[ir.Model, Lowering]:
