@@ -63,7 +63,8 @@ def command(tool: str, checkpoint: str, out: Path) -> list[str]:
 
 
 def measure(tool: str, checkpoint: str, workdir: Path) -> dict[str, float]:
-    out = workdir / f"out-{re.sub(r'[^A-Za-z0-9]+', '-', tool)}"
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", tool)
+    out = workdir / f"out-{slug}"
     for stale in (out, Path(f"{out}.cache")):
         shutil.rmtree(stale, ignore_errors=True)
     load = os.getloadavg()[0]
@@ -71,7 +72,7 @@ def measure(tool: str, checkpoint: str, workdir: Path) -> dict[str, float]:
     name, _, tree = tool.partition("@")
     cwd, environment = REPO, dict(os.environ)
     if name in KVFORGE:
-        cache = workdir / f"lowering-cache-{re.sub(r'[^A-Za-z0-9]+', '-', tool)}" if name == "kvforge+cache" else None
+        cache = workdir / f"lowering-cache-{slug}" if name == "kvforge+cache" else None
         environment["KVFORGE_LOWERING_CACHE"] = "off" if cache is None else str(cache)
         if tree:
             # run from the view: `-m` puts the working directory first on sys.path, where another

@@ -152,9 +152,7 @@ def load(path: Path, model: torch.nn.Module) -> ir.Model | None:
     if not path.is_file():
         return None
     try:
-        import onnx
-
-        lowered = ir.serde.deserialize_model(onnx.load_model_from_string(path.read_bytes()))
+        lowered = ir.load(path)
     except Exception as e:  # a truncated or foreign file: any parse error means the same
         log.warning("%s: unreadable lowering cache entry (%s); tracing afresh", path, e)
         return None
