@@ -17,8 +17,10 @@ nodes only and verifies the table in `check`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter.pattern import MatchResult
@@ -172,3 +174,118 @@ def _ints(value: ir.Value | None) -> list[int] | None:
     if tensor is None:
         return None
     return [int(v) for v in tensor.numpy().reshape(-1)]
+
+
+# ---------------------------------------------------------------------------------------
+# The per-token tables as constant tables over positions, for the runtimes whose rotary op
+# reads `cos_cache[position]` (TensorRT's RotaryEmbedding with position ids, onnxruntime's
+# GroupQueryAttention with do_rotary).
+
+
+def table_frequencies(node: ir.Node) -> ir.Value | None:
+    """`freqs` when `node` is `RotaryEmbedding(x, Cos(freqs), Sin(freqs))` (each table maybe Cast
+    to x's dtype), the form `RotaryFusion` writes; None otherwise."""
+    if node.op_type != "RotaryEmbedding" or node.domain != "" or len(node.inputs) != 3:
+        return None
+    cos_node, sin_node = _through_cast(node.inputs[1]), _through_cast(node.inputs[2])
+    if cos_node is None or sin_node is None or (cos_node.op_type, sin_node.op_type) != ("Cos", "Sin"):
+        return None
+    if cos_node.domain or sin_node.domain or cos_node.inputs[0] is not sin_node.inputs[0]:
+        return None
+    return cos_node.inputs[0]
+
+
+class PositionTables:
+    """Constant `[count, rotary_dim / 2]` cos and sin tables over positions 0 .. count - 1, one
+    pair per distinct `freqs` and dtype, registered in `graph` as `rotary.cos_cache`, ...
+
+    `freqs` is evaluated with numpy in its own dtype, op for op (`_evaluate`), from `positions`
+    (the graph input the per-token angles are computed from) fed 0 .. count - 1, so a table
+    row holds the values the graph computed for that position; cos and sin are taken in that
+    dtype too, then cast to the dtype of the values the tables rotate."""
+
+    def __init__(self, graph: ir.Graph, positions: ir.Value, count: int) -> None:
+        self.graph, self.positions, self.count = graph, positions, count
+        self._feed = np.arange(count, dtype=np.int64)[None, :]
+        self._made: dict[tuple[int, ir.DataType | None], tuple[ir.Value, ir.Value] | None] = {}
+
+    def of(self, freqs: ir.Value, dtype: ir.DataType | None) -> tuple[ir.Value, ir.Value] | None:
+        """(cos_cache, sin_cache) for `freqs` in `dtype` (None: freqs' own), or None where freqs is
+        not computed from the positions by the elementwise ops `_evaluate` knows."""
+        key = (id(freqs), dtype)
+        if key not in self._made:
+            angles = _evaluate(freqs, self.positions, self._feed)
+            if angles is None or angles.ndim != 3 or angles.shape[:2] != (1, self.count):
+                self._made[key] = None
+            else:
+                made = sum(pair is not None for pair in self._made.values())
+                stored = dtype.numpy() if dtype is not None else angles.dtype
+                self._made[key] = self._tables(angles[0], stored, "" if made == 0 else f"_{made}")
+        return self._made[key]
+
+    def _tables(self, angles: np.ndarray, dtype: np.dtype, suffix: str) -> tuple[ir.Value, ir.Value]:
+        made = []
+        for name, function in (("cos", np.cos), ("sin", np.sin)):
+            table = function(angles).astype(angles.dtype).astype(dtype)
+            value = ir.Value(
+                name=f"rotary.{name}_cache{suffix}",
+                type=ir.TensorType(ir.DataType.from_numpy(table.dtype)),
+                shape=ir.Shape(list(table.shape)),
+                const_value=ir.tensor(table),
+            )
+            self.graph.register_initializer(value)
+            made.append(value)
+        return made[0], made[1]
+
+
+def _through_cast(value: ir.Value | None) -> ir.Node | None:
+    """The producer of `value`, or of the Cast's input when `value` is a Cast's output."""
+    node = value.producer() if value is not None else None
+    if node is not None and node.op_type == "Cast" and not node.domain:
+        node = node.inputs[0].producer() if node.inputs[0] is not None else None
+    return node
+
+
+def _cast_to(node: ir.Node) -> np.dtype:
+    attr = node.attributes.get("to")
+    return ir.DataType(int(attr.value) if attr is not None else 1).numpy()
+
+
+def _unsqueeze(node: ir.Node, args: list[np.ndarray]) -> np.ndarray:
+    return np.expand_dims(args[0], tuple(int(x) for x in args[1].reshape(-1)))
+
+
+def _transpose(node: ir.Node, args: list[np.ndarray]) -> np.ndarray:
+    perm = node.attributes.get("perm")
+    return np.transpose(args[0], None if perm is None else perm.value)
+
+
+# The ops the per-position rotary angle computation may use, evaluated with numpy.
+_EVALUATORS: dict[str, Callable[[ir.Node, list[np.ndarray]], np.ndarray]] = {
+    "Unsqueeze": _unsqueeze,
+    "Cast": lambda n, a: a[0].astype(_cast_to(n)),
+    "Mul": lambda n, a: np.multiply(a[0], a[1]),
+    "Div": lambda n, a: np.divide(a[0], a[1]),
+    "MatMul": lambda n, a: np.matmul(a[0], a[1]),
+    "Transpose": _transpose,
+}
+
+
+def _evaluate(value: ir.Value, positions: ir.Value, feed: np.ndarray, depth: int = 0) -> np.ndarray | None:
+    """The value of `value` when `positions` holds `feed`, if it is computed from it and constants by
+    the elementwise ops above; None otherwise."""
+    if value is positions:
+        return feed
+    constant = ir.convenience.get_const_tensor(value)
+    if constant is not None:
+        return constant.numpy()
+    node = value.producer()
+    if node is None or node.domain != "" or node.op_type not in _EVALUATORS or depth > 16:
+        return None
+    args = []
+    for operand in node.inputs:
+        result = _evaluate(operand, positions, feed, depth + 1) if operand is not None else None
+        if result is None:
+            return None
+        args.append(result)
+    return _EVALUATORS[node.op_type](node, args)

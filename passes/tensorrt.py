@@ -28,13 +28,12 @@ maps badly into one it takes natively (TensorRT 10.15; sources in docs/tensorrt.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from kvforge.passes.fuse_attention import RequireOpset
+from kvforge.passes.fuse_rotary import PositionTables, table_frequencies
 
 PAST_PREFIX = "past_key_values."
 PRESENT_PREFIX = "present."
@@ -225,37 +224,6 @@ class BoolMaskToCapacity(InPlacePass):
         return free
 
 
-# The ops the per-position rotary angle computation may use, evaluated with numpy.
-_EVALUATORS: dict[str, Callable[[ir.Node, list[np.ndarray]], np.ndarray]] = {
-    "Unsqueeze": lambda n, a: np.expand_dims(a[0], tuple(int(x) for x in a[1].reshape(-1))),
-    "Cast": lambda n, a: a[0].astype(ir.DataType(_int_attr(n, "to", 1) or 1).numpy()),
-    "Mul": lambda n, a: np.multiply(a[0], a[1]),
-    "Div": lambda n, a: np.divide(a[0], a[1]),
-    "MatMul": lambda n, a: np.matmul(a[0], a[1]),
-    "Transpose": lambda n, a: np.transpose(a[0], n.attributes["perm"].value if "perm" in n.attributes else None),
-}
-
-
-def _evaluate(value: ir.Value, positions: ir.Value, feed: np.ndarray, depth: int = 0) -> np.ndarray | None:
-    """The value of `value` when `positions` holds `feed`, if it is computed from it and constants by
-    the elementwise ops above; None otherwise."""
-    if value is positions:
-        return feed
-    constant = ir.convenience.get_const_tensor(value)
-    if constant is not None:
-        return constant.numpy()
-    node = value.producer()
-    if node is None or node.domain != "" or node.op_type not in _EVALUATORS or depth > 16:
-        return None
-    args = []
-    for operand in node.inputs:
-        result = _evaluate(operand, positions, feed, depth + 1) if operand is not None else None
-        if result is None:
-            return None
-        args.append(result)
-    return _EVALUATORS[node.op_type](node, args)
-
-
 class RotaryPositionIds(InPlacePass):
     """`RotaryEmbedding(x, Cos(freqs), Sin(freqs))` with `freqs` computed from `position_ids`
     becomes `RotaryEmbedding(x, cos_cache, sin_cache, position_ids)`.
@@ -282,22 +250,14 @@ class RotaryPositionIds(InPlacePass):
         capacity = self._capacity(graph)
         if positions is None or capacity is None:
             return PassResult(model, modified=False)
-        feed = np.arange(capacity, dtype=np.int64)[None, :]
-        tables: dict[tuple[int, ir.DataType | None], tuple[ir.Value, ir.Value]] = {}
+        tables = PositionTables(graph, positions, capacity)
         modified = False
         for node in list(graph):
-            freqs = self._frequencies(node)
-            if freqs is None:
+            freqs = table_frequencies(node)
+            made = None if freqs is None or node.inputs[0] is None else tables.of(freqs, node.inputs[0].dtype)
+            if made is None:
                 continue
-            x = node.inputs[0]
-            key = (id(freqs), x.dtype if x is not None else None)
-            if key not in tables:
-                angles = _evaluate(freqs, positions, feed)
-                if angles is None or angles.ndim != 3 or angles.shape[:2] != (1, capacity):
-                    continue
-                dtype = key[1].numpy() if key[1] is not None else angles.dtype
-                tables[key] = self._tables(graph, angles[0], dtype, len(tables))
-            cos_cache, sin_cache = tables[key]
+            cos_cache, sin_cache = made
             node.replace_input_with(1, cos_cache)
             node.replace_input_with(2, sin_cache)
             node.resize_inputs(4)
@@ -313,44 +273,6 @@ class RotaryPositionIds(InPlacePass):
         }
         length = lengths.pop() if len(lengths) == 1 else None
         return length if isinstance(length, int) else None
-
-    @staticmethod
-    def _frequencies(node: ir.Node) -> ir.Value | None:
-        if node.op_type != "RotaryEmbedding" or node.domain != "" or len(node.inputs) != 3:
-            return None
-        cos, sin = node.inputs[1], node.inputs[2]
-        cos_node, sin_node = _through_cast(cos), _through_cast(sin)
-        if cos_node is None or sin_node is None or (cos_node.op_type, sin_node.op_type) != ("Cos", "Sin"):
-            return None
-        if cos_node.domain or sin_node.domain or cos_node.inputs[0] is not sin_node.inputs[0]:
-            return None
-        return cos_node.inputs[0]
-
-    @staticmethod
-    def _tables(graph: ir.Graph, angles: np.ndarray, dtype: np.dtype, index: int) -> tuple[ir.Value, ir.Value]:
-        """Cos and sin of the angles in their own dtype, as the graph computed them, then in
-        `dtype`, the rotated values' (float32 tables cast for a float16 model)."""
-        suffix = "" if index == 0 else f"_{index}"
-        made = []
-        for name, function in (("cos", np.cos), ("sin", np.sin)):
-            table = function(angles).astype(angles.dtype).astype(dtype)
-            value = ir.Value(
-                name=f"rotary.{name}_cache{suffix}",
-                type=ir.TensorType(ir.DataType.from_numpy(table.dtype)),
-                shape=ir.Shape(list(table.shape)),
-                const_value=ir.tensor(table),
-            )
-            graph.register_initializer(value)
-            made.append(value)
-        return made[0], made[1]
-
-
-def _through_cast(value: ir.Value | None) -> ir.Node | None:
-    """The producer of `value`, or of the Cast's input when `value` is a Cast's output."""
-    node = value.producer() if value is not None else None
-    if node is not None and node.op_type == "Cast" and not node.domain:
-        node = node.inputs[0].producer() if node.inputs[0] is not None else None
-    return node
 
 
 class DropDefaultAttentionAttributes(InPlacePass):
