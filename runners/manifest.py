@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -260,6 +261,27 @@ def read_max_positions(directory: Path, manifest: dict[str, Any]) -> int:
             "rebuild the artifact"
         )
     return value
+
+
+def built_with(manifest: Mapping[str, Any], package: str) -> str | None:
+    """The release of `package` the artifact was built and verified with (its manifest's `tools`),
+    where the manifest names one."""
+    tools = manifest.get("tools")
+    found = tools.get(package) if isinstance(tools, dict) else None
+    return found if isinstance(found, str) and release(found) else None
+
+
+def release(text: str) -> tuple[int, ...]:
+    """The numeric release of a version string: "2.13.0+cpu" -> (2, 13, 0), "1.0.0rc1" -> (1, 0, 0)."""
+    parts: list[int] = []
+    for part in text.split("."):
+        digits = re.match(r"\d+", part)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+        if digits.end() != len(part):
+            break
+    return tuple(parts)
 
 
 def _short(value: object, limit: int = 80) -> str:

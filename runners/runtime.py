@@ -23,7 +23,7 @@ from typing import Any
 
 from kvforge.runners.contract import DecoderIO
 from kvforge.runners.errors import ArtifactError, KvforgeError
-from kvforge.runners.manifest import FileHashes
+from kvforge.runners.manifest import FileHashes, built_with
 from kvforge.runners.session import OrtSession, Session
 
 RUNTIMES = ("auto", "ort", "ort-cuda", "tensorrt")
@@ -148,4 +148,5 @@ def open_session(
         huge_pages=huge_pages and choice.runtime == "ort",  # pages for host memory: the CPU's weights
         hashes=hashes,
         stop_spinning=stop_spinning,
+        built_with=built_with(manifest, "onnxruntime"),
     )

@@ -32,7 +32,7 @@ from kvforge.runners.cpus import usable_cpus
 from kvforge.runners.errors import ArtifactError
 from kvforge.runners.external_data import check_external_data
 from kvforge.runners.hugepages import huge_pages_for_new_memory
-from kvforge.runners.manifest import check_io_against_graph
+from kvforge.runners.manifest import check_io_against_graph, release
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -90,6 +90,7 @@ class OrtSession:
         huge_pages: bool = False,
         hashes: FileHashes | None = None,
         stop_spinning: bool = False,
+        built_with: str | None = None,
     ) -> None:
         """`weights_cast_per_run` is for a graph whose weights are read through Casts
         (`kvforge.passes.widen`): onnxruntime then leaves the graph as it is (constant folding would
@@ -114,7 +115,11 @@ class OrtSession:
 
         `stop_spinning` stops the CPU threads spinning when a run ends (onnxruntime's
         `session.force_spinning_stop`), for a session that takes turns with another in the
-        process (`Engine.load`)."""
+        process (`Engine.load`).
+
+        `built_with`: the onnxruntime release the artifact was built and verified on (its
+        manifest's `tools`); a graph this one cannot load, where it is older, says to install
+        that release (a build uses the ops its own onnxruntime has, newer ones included)."""
         import onnxruntime as ort
 
         if io.kv_dtype == "bfloat16":
@@ -142,9 +147,13 @@ class OrtSession:
             with huge_pages_for_new_memory() if huge_pages else contextlib.nullcontext():
                 self._session = ort.InferenceSession(str(model_path), options, providers=list(providers))
         except Exception as e:  # onnxruntime raises its own untyped errors
-            raise ArtifactError(
-                f"{model_path}: onnxruntime could not load the model ({e}); rebuild the artifact"
-            ) from e
+            advice = "rebuild the artifact"
+            if built_with is not None and release(ort.__version__) < release(built_with):
+                advice = (
+                    f"it was built on onnxruntime {built_with} and this is {ort.__version__}: install "
+                    f"'onnxruntime>={built_with}', or rebuild the artifact with this one"
+                )
+            raise ArtifactError(f"{model_path}: onnxruntime could not load the model ({e}); {advice}") from e
         self.io = io
         # an input with a default in the graph (`logits_to_keep`) is an overridable initializer to
         # onnxruntime, listed after the inputs the graph requires

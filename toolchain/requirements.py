@@ -7,11 +7,11 @@ release needed. The bounds are pyproject's (a test keeps the two equal).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from importlib import metadata
 
 from kvforge.runners.errors import KvforgeError
+from kvforge.runners.manifest import release
 
 MINIMUM = {
     "torch": "2.13",
@@ -46,6 +46,17 @@ def check_versions(version: Callable[[str], str] = metadata.version) -> None:
             )
 
 
+# The onnxruntime release whose GroupQueryAttention takes `query_seqlens`, which a graph that
+# rotates q and k inside it needs (kvforge.passes.fuse_attention.RotaryInAttention)
+ROTARY_IN_ATTENTION = "1.32"
+
+
+def installed_at_least(package: str, minimum: str, version: Callable[[str], str] = metadata.version) -> bool:
+    """Whether `package` (either distribution of onnxruntime) is installed at `minimum` or later."""
+    installed = _installed(package, version)
+    return installed is not None and release(installed) >= release(minimum)
+
+
 def _installed(package: str, version: Callable[[str], str]) -> str | None:
     for name in _ALTERNATIVES.get(package, (package,)):
         try:
@@ -53,16 +64,3 @@ def _installed(package: str, version: Callable[[str], str]) -> str | None:
         except metadata.PackageNotFoundError:
             continue
     return None
-
-
-def release(text: str) -> tuple[int, ...]:
-    """The numeric release of a version string: "2.13.0+cpu" -> (2, 13, 0), "1.0.0rc1" -> (1, 0, 0)."""
-    parts: list[int] = []
-    for part in text.split("."):
-        digits = re.match(r"\d+", part)
-        if digits is None:
-            break
-        parts.append(int(digits.group()))
-        if digits.end() != len(part):
-            break
-    return tuple(parts)

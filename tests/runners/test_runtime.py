@@ -132,6 +132,42 @@ def test_engine_load_refuses_a_forced_runtime_that_is_missing_before_opening_any
     assert engine.generate_tokens([[5, 6, 7]], max_new_tokens=2, temperature=0)[0]
 
 
+@pytest.mark.parametrize(
+    ("built_with", "advice"),
+    [
+        ("999.0.0", "it was built on onnxruntime 999.0.0 and this is {installed}: install 'onnxruntime>=999.0.0'"),
+        ("1.0.0", "; rebuild the artifact"),
+        (None, "; rebuild the artifact"),
+    ],
+)
+def test_a_graph_onnxruntime_cannot_load_names_the_release_it_was_built_on(
+    built_with: str | None, advice: str, tmp_path: Path
+) -> None:
+    """A build uses the ops of its own onnxruntime (GroupQueryAttention's query_seqlens from 1.32):
+    where the one loading the artifact is older, the error says which release to install."""
+    import onnx
+    import onnxruntime as ort
+
+    from kvforge.runners.contract import DecoderIO
+    from kvforge.runners.errors import ArtifactError
+    from kvforge.runners.session import OrtSession
+
+    model = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [onnx.helper.make_node("NoSuchOp", ["x"], ["y"], domain="com.microsoft")],
+            "g",
+            [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+            [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+        ),
+        opset_imports=[onnx.helper.make_opsetid("", 23), onnx.helper.make_opsetid("com.microsoft", 1)],
+    )
+    onnx.save(model, tmp_path / "model.onnx")
+    io = DecoderIO(num_layers=1, num_kv_heads=1, head_dim=4, vocab_size=8)
+    with pytest.raises(ArtifactError, match="onnxruntime could not load the model") as refused:
+        OrtSession(tmp_path / "model.onnx", io, built_with=built_with)
+    assert advice.format(installed=ort.__version__) in str(refused.value)
+
+
 # --- the CLI's --runtime -------------------------------------------------------------------
 
 
