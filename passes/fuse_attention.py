@@ -25,6 +25,7 @@ from onnx_ir.passes import InPlacePass, PassResult
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter.pattern import MatchResult
 
+from kvforge.passes.fuse_rotary import PositionTables, table_frequencies
 from kvforge.passes.rewrite import FusionPass
 
 _BHSD_TO_BSHD = [0, 2, 1, 3]
@@ -105,6 +106,12 @@ def _head_norm(x: ir.Value) -> ir.Node | None:
 def _is_read(value: ir.Value) -> bool:
     """Used by a node or returned by the graph (`uses()` counts only the former)."""
     return bool(value.uses()) or value.is_graph_output()
+
+
+def _graph_inputs(graph: ir.Graph, *names: str) -> list[ir.Value | None]:
+    """The graph's inputs of these names, None for one it does not have."""
+    inputs = {v.name: v for v in graph.inputs}
+    return [inputs.get(name) for name in names]
 
 
 def _attribute(node: ir.Node, name: str, default: Any) -> Any:
@@ -303,6 +310,134 @@ class AttentionToGroupQueryAttention(_CachedAttentionLowering):
         return op.Transpose(op.Reshape(out, split), perm=_BHSD_TO_BSHD), present_k, present_v
 
 
+class RotaryInAttention(InPlacePass):
+    """Each layer's q/k rotation moves into its GroupQueryAttention, which then reads the packed
+    q/k/v projection as it is: three nodes fewer per layer, and no copy of q, k and v.
+
+    ```
+    q, k, v = Split(qkv)                                    [B,S,H*D], [B,S,Hkv*D], [B,S,Hkv*D]
+    out, .. = GroupQueryAttention(RotaryEmbedding(q, Cos(freqs), Sin(freqs)),
+                                  RotaryEmbedding(k, Cos(freqs), Sin(freqs)), v, ..)
+    ```
+    becomes
+    ```
+    out, .. = GroupQueryAttention(qkv, -, -, .., cos_cache, sin_cache, position_ids, ..,
+                                  query_seqlens = S per row, do_rotary=1)
+    ```
+    `cos_cache` / `sin_cache` are `freqs` evaluated for positions 0 .. `max_positions` - 1
+    (`fuse_rotary.PositionTables`: the values the graph computed per token), so no position
+    the runner feeds (every one below the model's context) reads past them. `query_seqlens`
+    (onnxruntime 1.32) says that every row's S new tokens are all real: GroupQueryAttention
+    then rotates each by its own `position_ids` entry, a left-padded row of a first prompt
+    included (without it, that case takes each row's first position and counts up), and takes
+    a batch of several rows with several new tokens each after a past (which it refuses
+    otherwise). The caller includes this pass only where the onnxruntime that runs the graph
+    has that input (`kvforge.toolchain.build`).
+
+    A partial rotation (the first rotary_dim channels of each head) moves too, where rotary_dim
+    is a multiple of 16. Left as they are: a layer whose query or key is normalized between the
+    Split and the rotation (gemma3, qwen3, olmo2), an interleaved rotation, one of other than a
+    multiple of 16 channels (the kernel takes tables of a multiple of 8 columns), tables not
+    computed from `position_ids` alone, and tables over `max_positions` larger than `MAX_TABLE_BYTES`.
+    """
+
+    MAX_TABLE_BYTES = 64 << 20  # both tables of one rotation: a context of 128k at head size 64 in float32
+
+    def __init__(self, max_positions: int, position_input: str = "position_ids", ids_input: str = "input_ids") -> None:
+        super().__init__()
+        if max_positions < 1:
+            raise ValueError(f"max_positions must be a positive number of positions, got {max_positions}")
+        self.max_positions = max_positions
+        self.position_input = position_input
+        self.ids_input = ids_input
+
+    def call(self, model: ir.Model) -> PassResult:
+        graph = model.graph
+        positions, ids = _graph_inputs(graph, self.position_input, self.ids_input)
+        if positions is None or ids is None:
+            return PassResult(model, modified=False)
+        tables = PositionTables(graph, positions, self.max_positions)
+        moved = 0
+        for node in list(graph):
+            found = self._rotated_split(node)
+            if found is None:
+                continue
+            split, q_rotary, k_rotary, freqs = found
+            packed, dtype = split.inputs[0], q_rotary.inputs[0].dtype if q_rotary.inputs[0] else None
+            half = freqs.shape[-1] if freqs.shape is not None else None
+            if packed is None or not isinstance(half, int):
+                continue
+            if 2 * self.max_positions * half * (dtype.itemsize if dtype is not None else 4) > self.MAX_TABLE_BYTES:
+                continue
+            made = tables.of(freqs, dtype)
+            if made is None:
+                continue
+            seqlens = node.inputs[5]
+            assert seqlens is not None  # GroupQueryAttention requires it
+            # S per row, from values every layer shares, so that one copy serves all after CSE
+            new_tokens = ir.node("Shape", [ids], attributes={"start": 1, "end": 2})
+            as_int32 = ir.node("Cast", [new_tokens.outputs[0]], attributes={"to": ir.DataType.INT32})
+            rows = ir.node("Shape", [seqlens])
+            per_row = ir.node("Expand", [as_int32.outputs[0], rows.outputs[0]])
+            graph.insert_before(node, [new_tokens, as_int32, rows, per_row])
+            per_row.outputs[0].dtype, per_row.outputs[0].shape = ir.DataType.INT32, seqlens.shape
+            inputs: list[ir.Value | None] = list(node.inputs) + [None] * (17 - len(node.inputs))
+            inputs[0:3] = [packed, None, None]
+            inputs[7:10] = [made[0], made[1], positions]
+            inputs[16] = per_row.outputs[0]
+            node.resize_inputs(17)
+            for index, value in enumerate(inputs):
+                node.replace_input_with(index, value)
+            node.attributes["do_rotary"] = ir.AttrInt64("do_rotary", 1)
+            graph.remove([q_rotary, k_rotary, split], safe=True)
+            moved += 1
+        return PassResult(model, modified=moved > 0)
+
+    @staticmethod
+    def _rotated_split(node: ir.Node) -> tuple[ir.Node, ir.Node, ir.Node, ir.Value] | None:
+        """(split, q's rotation, k's rotation, freqs) when `node` is a GroupQueryAttention over the
+        rotated first two and the plain third output of one Split of a [B,S,(H+2Hkv)*D] value
+        into exactly those parts, read nowhere else, rotated alike (all channels or the first
+        rotary_dim, a multiple of 16) and not interleaved; None otherwise."""
+        if (node.domain, node.op_type) != ("com.microsoft", "GroupQueryAttention") or len(node.inputs) < 7:
+            return None
+        if _attribute(node, "do_rotary", 0) or len(node.inputs) > 12 and any(v is not None for v in node.inputs[12:]):
+            return None
+        q, k, v = node.inputs[0], node.inputs[1], node.inputs[2]
+        q_rotary, k_rotary = (x.producer() if x is not None else None for x in (q, k))
+        if q_rotary is None or k_rotary is None or v is None:
+            return None
+        freqs = table_frequencies(q_rotary)
+        if freqs is None or table_frequencies(k_rotary) is not freqs:
+            return None
+        if _attribute(q_rotary, "interleaved", 0) or _attribute(k_rotary, "interleaved", 0):
+            return None
+        split = v.producer()
+        if split is None or (split.domain, split.op_type) != ("", "Split") or len(split.outputs) != 3:
+            return None
+        if [q_rotary.inputs[0], k_rotary.inputs[0], v] != list(split.outputs):
+            return None
+        if any(
+            len(value.uses()) != 1 or value.is_graph_output()
+            for value in (*split.outputs, q_rotary.outputs[0], k_rotary.outputs[0])
+        ):
+            return None
+        heads, kv_heads = _attribute(node, "num_heads", 0), _attribute(node, "kv_num_heads", 0)
+        sizes = ir.convenience.get_const_tensor(split.inputs[1]) if len(split.inputs) > 1 and split.inputs[1] else None
+        if _attribute(split, "axis", 0) not in (-1, 2) or sizes is None or not heads or not kv_heads:
+            return None
+        head_dim = int(sizes.numpy().reshape(-1)[0]) // heads
+        if [int(x) for x in sizes.numpy().reshape(-1)] != [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]:
+            return None
+        # 0: every channel; onnxruntime's kernel takes tables of a multiple of 8 columns
+        rotated = {_attribute(r, "rotary_embedding_dim", 0) or head_dim for r in (q_rotary, k_rotary)}
+        if len(rotated) != 1 or (rotary_dim := rotated.pop()) > head_dim or rotary_dim % 16:
+            return None
+        if freqs.shape is None or freqs.shape[-1] != rotary_dim // 2:
+            return None
+        return split, q_rotary, k_rotary, freqs
+
+
 class PastLengthFromMask(InPlacePass):
     """Read the past length as `attention_mask` length minus `input_ids` length, not from
     the past tensors' shape.
@@ -330,8 +465,7 @@ class PastLengthFromMask(InPlacePass):
 
     def call(self, model: ir.Model) -> PassResult:
         graph = model.graph
-        inputs = {v.name: v for v in graph.inputs}
-        mask, ids = inputs.get(self.mask_input), inputs.get(self.ids_input)
+        mask, ids = _graph_inputs(graph, self.mask_input, self.ids_input)
         if mask is None or ids is None:
             return PassResult(model, modified=False)
         reads = [

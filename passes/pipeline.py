@@ -23,6 +23,7 @@ from onnxscript.rewriter.rules import common as rules
 from kvforge.passes.fuse_attention import (
     PastLengthFromMask,
     RequireOpset,
+    RotaryInAttention,
     attention_fusion,
     attention_lowering_ort,
     attention_scatter,
@@ -155,17 +156,21 @@ def pack() -> list[PassBase]:
     return [pack_qkv(), pack_gate_up()]
 
 
-def lower_ort(moe: bool) -> list[PassBase]:
+def lower_ort(moe: bool, rotary_positions: int | None = None) -> list[PassBase]:
     """Standard ops become onnxruntime's contrib ops where those are faster on its CPU kernels;
     in a mixture of experts (`moe`), the gather-form experts block becomes com.microsoft MoE
-    (passes/fuse_moe.py), which reads each token's selected experts' weights in place.
+    (passes/fuse_moe.py), which reads each token's selected experts' weights in place. With
+    `rotary_positions` (the model's context; given where the onnxruntime that runs the graph
+    has GroupQueryAttention's `query_seqlens`, 1.32 on), q and k are rotated inside
+    GroupQueryAttention over tables of that many positions (`RotaryInAttention`).
 
     Not here: residual Add + norm as SkipSimplifiedLayerNormalization / SkipLayerNormalization.
     onnxruntime's CPU Skip kernels measured slower than the standard Add + RMSNormalization /
     LayerNormalization they would replace (docs/performance.md, "Kernel choices behind the passes").
     """
     moe_passes: list[PassBase] = [moe_lowering_ort()] if moe else []
-    return [PastLengthFromMask(), attention_lowering_ort(), gelu_lowering_ort(), *moe_passes]
+    rotary: list[PassBase] = [RotaryInAttention(rotary_positions)] if rotary_positions else []
+    return [PastLengthFromMask(), attention_lowering_ort(), *rotary, gelu_lowering_ort(), *moe_passes]
 
 
 def lower_ort_cuda(moe: bool) -> list[PassBase]:
@@ -327,6 +332,7 @@ def phases(
     choose: FormChooser | None = None,
     imported: dict[str, QuantizedWeight] | None = None,
     scales: Mapping[str, np.ndarray] | None = None,
+    rotary_positions: int | None = None,
 ) -> list[tuple[str, list[PassBase]]]:
     """The target's phases with their passes; quantization, when asked for, runs just before
     `finalize`, after the fusions and packing whose MatMuls it quantizes. `logits` is "keep"
@@ -335,13 +341,14 @@ def phases(
     routed experts (the passes for them are left out of a dense model's pipeline). `choose`:
     each MatMulNBits weight's form (`quantize`). `imported`: weights the checkpoint ships
     quantized, by name, written with their own codes (`import_quantized`) before any other
-    weight is quantized."""
+    weight is quantized. `rotary_positions`: see `lower_ort`."""
     logits = target.default_logits if logits is None else logits
     if logits not in LOGITS_POSITIONS:
         raise ValueError(f"logits must be one of {', '.join(LOGITS_POSITIONS)}, got {logits!r}")
     if logits == "keep" and not target.logits_to_keep:
         raise ValueError(f"target {target.name} takes no logits_to_keep input; pass logits 'last' or 'all'")
     settings = {"capacity": capacity, "dtype": dtype, "logits": logits, "moe": moe}
+    settings["rotary_positions"] = rotary_positions
     result = [(phase, _make(make_passes, settings)) for phase, make_passes in (PHASES[p] for p in target.phases)]
     quantizing = import_quantized(target, imported, weights) if imported else []
     if weights is not None:
@@ -387,6 +394,7 @@ def run(
     choose: FormChooser | None = None,
     imported: dict[str, QuantizedWeight] | None = None,
     scales: Mapping[str, np.ndarray] | None = None,
+    rotary_positions: int | None = None,
 ) -> PassReport:
     """Run the pipeline of `target` (its record, `kvforge.passes.targets`) on `model` in place and report
     what each pass did.
@@ -400,10 +408,12 @@ def run(
     routed experts, which get the mixture-of-experts lowering and expert quantization.
     `choose` picks each MatMulNBits weight's block size and accuracy level (`report.kernel_forms`).
     `scales`: calibrated weights' scales by name (`kvforge.toolchain.calibration`).
+    `rotary_positions`: the model's context, where q and k may be rotated inside
+    GroupQueryAttention (`lower_ort`).
     """
     expected = dict(expected or {})
     report = PassReport(target.name, histogram_before=histogram(model))
-    pipeline = phases(target, weights, capacity, dtype, logits, moe, choose, imported, scales)
+    pipeline = phases(target, weights, capacity, dtype, logits, moe, choose, imported, scales, rotary_positions)
     total = sum(len(passes) for _, passes in pipeline)
     for phase, passes in pipeline:
         for p in passes:
@@ -438,9 +448,10 @@ def run(
 
 
 def _make(make_passes: Callable[..., list[PassBase]], settings: Mapping[str, Any]) -> list[PassBase]:
-    """Call a phase factory with the settings its signature names; a required one left unset is an error."""
+    """Call a phase factory with the settings its signature names; a required one (no default)
+    left unset is an error."""
     wanted = inspect.signature(make_passes).parameters
-    missing = [name for name in wanted if settings.get(name) is None]
+    missing = [name for name, p in wanted.items() if settings.get(name) is None and p.default is p.empty]
     if missing:
         raise ValueError(f"pass phase {make_passes.__name__} needs {', '.join(missing)}; pass it to pipeline.run")
     return make_passes(**{name: settings[name] for name in wanted})

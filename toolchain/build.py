@@ -66,6 +66,7 @@ from kvforge.toolchain.gate import check_tolerance, eager_session, record_gate, 
 from kvforge.toolchain.gate import verify as verify  # `kvforge verify`, importable from here as before
 from kvforge.toolchain.lower import OPSET, apply_contract, to_onnx
 from kvforge.toolchain.publish import check_output, check_writable, publish, staged
+from kvforge.toolchain.requirements import ROTARY_IN_ATTENTION, installed_at_least
 from kvforge.toolchain.spec import DecoderSpec
 from kvforge.toolchain.system import return_freed_memory, write_failure
 from kvforge.toolchain.verify import DistributionReport, ParityReport, gate_provider, require_parity
@@ -310,6 +311,7 @@ def _compile(
                 choose=tuner,
                 imported=exact,
                 scales=scales,
+                rotary_positions=spec.max_positions if installed_at_least("onnxruntime", ROTARY_IN_ATTENTION) else None,
             )
             del exact, scales
         except UnsupportedByTensorRT as e:
