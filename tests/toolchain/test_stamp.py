@@ -36,8 +36,8 @@ def _checkpoint(tmp_path_factory: pytest.TempPathFactory, model_type: str, layer
 
 
 @pytest.fixture(scope="module")
-def llama6(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _checkpoint(tmp_path_factory, "llama", 6)
+def llama4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _checkpoint(tmp_path_factory, "llama", 4)
 
 
 def _both(checkpoint: Path, bounded: bool = False) -> tuple[ir.Model, stamp.Lowering, ir.Model, DecoderIO]:
@@ -83,14 +83,14 @@ def _assert_same_graph_and_outputs(stamped: ir.Model, whole: ir.Model, io: Decod
             np.testing.assert_allclose(ours[name], theirs[name], rtol=0, atol=1e-6, err_msg=name)
 
 
-def test_stamped_llama_equals_the_whole_stack(llama6: Path) -> None:
-    stamped, lowering, whole, io = _both(llama6)
-    assert (lowering.stamped, lowering.layers, lowering.traced, lowering.kinds) == (True, 6, 2, 1)
+def test_stamped_llama_equals_the_whole_stack(llama4: Path) -> None:
+    stamped, lowering, whole, io = _both(llama4)
+    assert (lowering.stamped, lowering.layers, lowering.traced, lowering.kinds) == (True, 4, 2, 1)
     _assert_same_graph_and_outputs(stamped, whole, io)
     # every layer's nodes are scoped in their own layer, reading their own weights
     scopes = {n.metadata_props.get("pkg.torch.onnx.name_scopes", "") for n in stamped.graph}
-    assert all(any(f"'model.model.layers.{i}'" in s for s in scopes) for i in range(6))
-    matmuls = [n for n in stamped.graph if n.op_type == "Transpose" and n.inputs[0].name.startswith("model.layers.5.")]
+    assert all(any(f"'model.model.layers.{i}'" in s for s in scopes) for i in range(4))
+    matmuls = [n for n in stamped.graph if n.op_type == "Transpose" and n.inputs[0].name.startswith("model.layers.3.")]
     assert len(matmuls) == 7  # q, k, v, o, gate, up, down of the last layer
 
 
@@ -106,16 +106,16 @@ def test_gemma3_alternating_kinds_stamped_and_equal(tmp_path_factory: pytest.Tem
         _assert_same_graph_and_outputs(stamped, whole, io)
 
 
-def test_cut_down_model_is_restored(llama6: Path) -> None:
-    ckpt = checkpoints.load(llama6)
+def test_cut_down_model_is_restored(llama4: Path) -> None:
+    ckpt = checkpoints.load(llama4)
     model = eager_model(ckpt, read_spec(ckpt))
     layers = list(model.model.layers)
     chosen = stamp.plan(model, read_spec(ckpt))
     with stamp.cut_down(model, chosen):
         assert len(model.model.layers) == model.config.num_hidden_layers == 2
         assert [layer.self_attn.layer_idx for layer in model.model.layers] == [0, 1]
-    assert list(model.model.layers) == layers and model.config.num_hidden_layers == 6
-    assert [layer.self_attn.layer_idx for layer in layers] == list(range(6))
+    assert list(model.model.layers) == layers and model.config.num_hidden_layers == 4
+    assert [layer.self_attn.layer_idx for layer in layers] == list(range(4))
 
 
 def test_no_repeated_kind_is_unstampable(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -130,13 +130,13 @@ def _tree_hashes(directory: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_stamped_build_passes_the_gate_and_rebuilds_byte_identical(llama6: Path, tmp_path: Path) -> None:
-    first = build(llama6, tmp_path / "a")
-    build(llama6, tmp_path / "b")
+def test_stamped_build_passes_the_gate_and_rebuilds_byte_identical(llama4: Path, tmp_path: Path) -> None:
+    first = build(llama4, tmp_path / "a")
+    build(llama4, tmp_path / "b")
     assert first.lowering is not None and first.lowering.stamped and first.parity.passed
-    assert "6 layers stamped from 2 traced" in first.lowering.summary()
+    assert "4 layers stamped from 2 traced" in first.lowering.summary()
     assert _tree_hashes(tmp_path / "a") == _tree_hashes(tmp_path / "b")
-    whole = build(llama6, tmp_path / "w", BuildOptions(stamp=False))
+    whole = build(llama4, tmp_path / "w", BuildOptions(stamp=False))
     assert whole.lowering is not None and not whole.lowering.stamped
     assert whole.manifest["flags"]["stamp"] is False and "stamp" not in first.manifest["flags"]
 
@@ -156,7 +156,7 @@ def test_family_that_cannot_be_proven_falls_back_and_says_so(
 
 @pytest.mark.slow
 def test_stamped_graph_refused_by_the_gate_is_rebuilt_from_the_whole_stack(
-    llama6: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    llama4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real = stamp.torch_tensor
 
@@ -181,7 +181,7 @@ def test_stamped_graph_refused_by_the_gate_is_rebuilt_from_the_whole_stack(
 
     monkeypatch.setattr(build_module, "verifiable", recorded)
     monkeypatch.setattr(build_module, "eager_model", loading)
-    result = build(llama6, tmp_path / "out")
+    result = build(llama4, tmp_path / "out")
     assert result.lowering is not None and not result.lowering.stamped
     assert result.lowering.reason == "the stamped graph failed the parity gate"
     assert result.parity.passed
@@ -190,7 +190,7 @@ def test_stamped_graph_refused_by_the_gate_is_rebuilt_from_the_whole_stack(
 
 @pytest.mark.slow
 def test_a_calibrated_build_refused_stamped_calibrates_once(
-    llama6: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    llama4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The whole stack's compilation after a refused stamped graph reads the calibrated weights
     back instead of calibrating again, and quantizes them to the codes a whole-stack build
@@ -199,7 +199,7 @@ def test_a_calibrated_build_refused_stamped_calibrates_once(
     from tests.toolchain.test_calibration import small_text
 
     options = BuildOptions(weights=WeightQuantization(4), calibration=small_text())
-    whole = build(llama6, tmp_path / "whole", replace(options, stamp=False))
+    whole = build(llama4, tmp_path / "whole", replace(options, stamp=False))
     real_compile, real_calibrate = build_module._compile, build_module.calibrating.calibrate
     calls: list[int] = []
 
@@ -215,7 +215,7 @@ def test_a_calibrated_build_refused_stamped_calibrates_once(
 
     monkeypatch.setattr(build_module, "_compile", refused_when_stamped)
     monkeypatch.setattr(build_module.calibrating, "calibrate", counted)
-    result = build(llama6, tmp_path / "out", options)
+    result = build(llama4, tmp_path / "out", options)
     assert result.lowering is not None and result.lowering.reason == "the stamped graph failed the parity gate"
     assert calls == [1] and result.parity.passed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "whole"]
