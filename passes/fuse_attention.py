@@ -362,12 +362,9 @@ class RotaryInAttention(InPlacePass):
             found = self._rotated_split(node)
             if found is None:
                 continue
-            split, q_rotary, k_rotary, freqs = found
+            split, q_rotary, k_rotary, freqs, rotary_dim = found
             packed, dtype = split.inputs[0], q_rotary.inputs[0].dtype if q_rotary.inputs[0] else None
-            half = freqs.shape[-1] if freqs.shape is not None else None
-            if packed is None or not isinstance(half, int):
-                continue
-            if 2 * self.max_positions * half * (dtype.itemsize if dtype is not None else 4) > self.MAX_TABLE_BYTES:
+            if self.max_positions * rotary_dim * (dtype.itemsize if dtype is not None else 4) > self.MAX_TABLE_BYTES:
                 continue
             made = tables.of(freqs, dtype)
             if made is None:
@@ -394,8 +391,8 @@ class RotaryInAttention(InPlacePass):
         return PassResult(model, modified=moved > 0)
 
     @staticmethod
-    def _rotated_split(node: ir.Node) -> tuple[ir.Node, ir.Node, ir.Node, ir.Value] | None:
-        """(split, q's rotation, k's rotation, freqs) when `node` is a GroupQueryAttention over the
+    def _rotated_split(node: ir.Node) -> tuple[ir.Node, ir.Node, ir.Node, ir.Value, int] | None:
+        """(split, q's rotation, k's rotation, freqs, rotary_dim) when `node` is a GroupQueryAttention over the
         rotated first two and the plain third output of one Split of a [B,S,(H+2Hkv)*D] value
         into exactly those parts, read nowhere else, rotated alike (all channels or the first
         rotary_dim, a multiple of 16) and not interleaved; None otherwise."""
@@ -414,6 +411,8 @@ class RotaryInAttention(InPlacePass):
             return None
         split = v.producer()
         if split is None or (split.domain, split.op_type) != ("", "Split") or len(split.outputs) != 3:
+            return None
+        if split.inputs[0] is None:
             return None
         if [q_rotary.inputs[0], k_rotary.inputs[0], v] != list(split.outputs):
             return None
@@ -435,7 +434,7 @@ class RotaryInAttention(InPlacePass):
             return None
         if freqs.shape is None or freqs.shape[-1] != rotary_dim // 2:
             return None
-        return split, q_rotary, k_rotary, freqs
+        return split, q_rotary, k_rotary, freqs, rotary_dim
 
 
 class PastLengthFromMask(InPlacePass):

@@ -347,8 +347,13 @@ def phases(
         raise ValueError(f"logits must be one of {', '.join(LOGITS_POSITIONS)}, got {logits!r}")
     if logits == "keep" and not target.logits_to_keep:
         raise ValueError(f"target {target.name} takes no logits_to_keep input; pass logits 'last' or 'all'")
-    settings = {"capacity": capacity, "dtype": dtype, "logits": logits, "moe": moe}
-    settings["rotary_positions"] = rotary_positions
+    settings = {
+        "capacity": capacity,
+        "dtype": dtype,
+        "logits": logits,
+        "moe": moe,
+        "rotary_positions": rotary_positions,
+    }
     result = [(phase, _make(make_passes, settings)) for phase, make_passes in (PHASES[p] for p in target.phases)]
     quantizing = import_quantized(target, imported, weights) if imported else []
     if weights is not None:
