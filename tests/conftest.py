@@ -5,8 +5,40 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.tiny import BUILD_CONTEXT, make_checkpoint
+
+
+def _pin_xdist_worker() -> None:
+    """Under pytest-xdist (`-n 2` in the README's test command), each worker runs on its own
+    share of the CPUs, as if on a smaller machine: onnxruntime's and torch's thread pools size
+    themselves from the affinity mask (`runners.cpus.usable_cpus`), and two workers each
+    spinning pools over every core slow each other down. Servers and CLIs the tests start
+    inherit the mask."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    index = int(worker[2:])
+    share = set(cpus[index::count]) or {cpus[index % len(cpus)]}
+    os.sched_setaffinity(0, share)
+    torch.set_num_threads(len(share))
+
+
+_pin_xdist_worker()
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under `--dist loadgroup`, a test with no `xdist_group` of its own runs on the worker that
+    runs the rest of its module: a module's fixtures (a server, a venv, its families' artifacts)
+    are made once, not once per worker."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
 
 # Every build traces: a test of lowering (or one that patches it) never reads a graph another
 # test, or an earlier run, left in a lowering cache. tests/toolchain/test_lowering_cache.py turns it on.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,6 +58,17 @@ def real_artifact(
         return built[key]
 
     return get
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)  # a pytest-xdist worker: hand them on
+    if workeroutput is not None:
+        workeroutput["real_build_seconds"] = dict(BUILD_SECONDS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    BUILD_SECONDS.update(getattr(node, "workeroutput", {}).get("real_build_seconds", {}))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 
 @dataclass(frozen=True)
 class RealModel:
@@ -73,3 +75,9 @@ def missing(model: RealModel) -> str | None:
         except importlib.metadata.PackageNotFoundError:
             return f"{module} is not installed (.ci/install installs it); transformers' GGUF loader needs it"
     return None
+
+
+def xdist_group(name: str) -> pytest.MarkDecorator:
+    """The pytest-xdist group of a real model's tests: they run on one worker, which builds the
+    model's artifacts once (session fixtures are per worker)."""
+    return pytest.mark.xdist_group(f"real-{name}")

@@ -20,10 +20,10 @@ import pytest
 
 from kvforge.runners.errors import ParityError
 from kvforge.runners.session import Session
-
-pytestmark = pytest.mark.slow
+from tests.real.models import xdist_group
 
 NAME = "smollm2"
+pytestmark = [pytest.mark.slow, xdist_group(NAME)]
 
 
 # --- the gate stays sharp ---------------------------------------------------------------------------

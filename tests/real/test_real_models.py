@@ -26,6 +26,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.real.models import xdist_group
+
 pytestmark = pytest.mark.slow
 
 
@@ -50,7 +52,9 @@ CASES = {
         "ꙮ",  # U+A66E: three <0x..> byte-fallback tokens
     ),
 }
-MODELS = pytest.mark.parametrize("name", list(CASES))
+# Under pytest-xdist, one worker per model (the group named in tests/real/conftest.py): each
+# model's artifacts are built once in the run, and the two models' tests run side by side.
+MODELS = pytest.mark.parametrize("name", [pytest.param(name, marks=xdist_group(name)) for name in CASES])
 
 
 def _kept(manifest: dict[str, Any], gguf: Path, regrouped: bool) -> None:
