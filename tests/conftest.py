@@ -3,10 +3,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from tests.real.models import BUILD_SECONDS
 from tests.tiny import BUILD_CONTEXT, make_checkpoint
 
 
@@ -86,3 +88,14 @@ def example_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     model = Path(__file__).resolve().parents[1] / "examples" / "model"
     return build(model, tmp_path_factory.mktemp("example") / "out").output
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's controller: what a worker's real builds took
+def pytest_testnodedown(node: Any, error: object) -> None:
+    BUILD_SECONDS.update(getattr(node, "workeroutput", {}).get("real_build_seconds", {}))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if BUILD_SECONDS:
+        builds = ", ".join(f"{k} {v:.0f} s" for k, v in BUILD_SECONDS.items())
+        terminalreporter.write_line(f"real checkpoints built: {builds}")

@@ -7,13 +7,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.real.models import MODELS, missing
-
-BUILD_SECONDS: dict[str, float] = {}  # what each build took, printed at the end of the run
+from tests.real.models import BUILD_SECONDS, MODELS, missing
 
 
 @pytest.fixture(scope="session")
@@ -61,17 +58,7 @@ def real_artifact(
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A pytest-xdist worker hands its build times to the controller (tests/conftest.py prints them)."""
     workeroutput = getattr(session.config, "workeroutput", None)  # a pytest-xdist worker: hand them on
     if workeroutput is not None:
         workeroutput["real_build_seconds"] = dict(BUILD_SECONDS)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node: Any, error: object) -> None:
-    BUILD_SECONDS.update(getattr(node, "workeroutput", {}).get("real_build_seconds", {}))
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if BUILD_SECONDS:
-        builds = ", ".join(f"{k} {v:.0f} s" for k, v in BUILD_SECONDS.items())
-        terminalreporter.write_line(f"real checkpoints built: {builds}")

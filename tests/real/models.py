@@ -77,6 +77,9 @@ def missing(model: RealModel) -> str | None:
     return None
 
 
+BUILD_SECONDS: dict[str, float] = {}  # what each real build took (conftest.py), printed at the end of the run
+
+
 def xdist_group(name: str) -> pytest.MarkDecorator:
     """The pytest-xdist group of a real model's tests: they run on one worker, which builds the
     model's artifacts once (session fixtures are per worker)."""
