@@ -52,7 +52,7 @@ CASES = {
         "ꙮ",  # U+A66E: three <0x..> byte-fallback tokens
     ),
 }
-# Under pytest-xdist, one worker per model (the group named in tests/real/conftest.py): each
+# Under pytest-xdist, one worker per model (tests/real/models.py: xdist_group): each
 # model's artifacts are built once in the run, and the two models' tests run side by side.
 MODELS = pytest.mark.parametrize("name", [pytest.param(name, marks=xdist_group(name)) for name in CASES])
 

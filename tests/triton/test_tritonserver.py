@@ -24,8 +24,7 @@ from kvforge.runners.engine import Engine
 from tests.triton.conftest import KVFORGE, MODEL, TritonInstall, TritonServer, run_client
 from tests.triton.frontend import ENGINE_SAMPLING_INPUTS, FRONTEND_INPUTS, frontend_request
 
-# one worker under pytest-xdist: the artifacts (or the server) are built once per session
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tritonserver")]
+pytestmark = pytest.mark.slow
 PROMPT = "def fibonacci(n):"
 NEW_TOKENS = 24
 LONG = 240  # tokens of a request that runs until aborted: "def" generates no eos within them
