@@ -111,7 +111,7 @@ def cache_layout(fields: dict[str, Any], spec: DecoderSpec) -> DecoderSpec:
         cache = DynamicCache(config=config) if stateful else DynamicCache()
         one = torch.ones(1, 1, dtype=torch.long, device="meta")  # a mask too: no padding check reads the ids
         with torch.no_grad():
-            model.eval()(input_ids=one, attention_mask=one, past_key_values=cache)
+            model.eval()(input_ids=one, attention_mask=one, cache=cache)
     except Exception as e:  # modeling code raises anything; what matters is which stage
         raise ExportError(
             f"{spec.model_type}: transformers' modeling code fails on one token ({type(e).__name__}: "
