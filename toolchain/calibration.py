@@ -25,6 +25,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import logging
+import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -157,8 +158,13 @@ def calibrate(
     if budget_bytes is None:
         budget_bytes = max(64 << 20, sum(p.numel() * p.element_size() for p in model.parameters()) // 4)
     scales: dict[str, np.ndarray] = {}
-    for group in _groups(inputs, budget_bytes):
+    groups = _groups(inputs, budget_bytes)
+    collecting = 0.0
+    start = time.perf_counter()
+    for group in groups:
+        started = time.perf_counter()
         _collect(model, windows, group)
+        collecting += time.perf_counter() - started
         for found in group:
             assert found.hessian is not None
             factor = inverse_factor(found.hessian, weights.block_size, text.damping, text.act_order)
@@ -167,11 +173,14 @@ def calibrate(
                 scales[f"{name}.weight"] = _quantize_module(module, factor, weights.block_size, weights.free_min)
             del factor
     log.info(
-        "calibrated %d weights on %d windows of %d tokens (%d forward passes)",
+        "calibrated %d weights on %d windows of %d tokens: %d forward passes and their statistics %.1f s, "
+        "rounding %.1f s",
         len(scales),
         len(windows),
         windows.shape[1],
-        len(_groups(inputs, budget_bytes)),
+        len(groups),
+        collecting,
+        time.perf_counter() - start - collecting,
     )
     return scales
 
