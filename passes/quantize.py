@@ -58,6 +58,7 @@ from kvforge.passes.storage import (
     mixed_to_8_bits,
     regroup_block,
     stored_scales,
+    wide_block,
 )
 
 BITS = (4, 8)
@@ -533,6 +534,9 @@ class QuantizeWeights(InPlacePass):
         self.calibrated: list[str] = []
         # quantized initializer (codes) name -> its min term (`free_min`)
         self._mins: dict[str, ir.Value] = {}
+        # quantized initializer (codes) name -> its block, where it is not `block_size` and no
+        # form was chosen for it (a 4-bit recipe's 8-bit weights: `wide_block`)
+        self._blocks: dict[str, int] = {}
         self._min_terms = MinTerms()
 
     def call(self, model: ir.Model) -> PassResult:
@@ -542,6 +546,7 @@ class QuantizeWeights(InPlacePass):
         self.forms = {}
         self.calibrated = []
         self._mins = {}
+        self._blocks = {}
         self._min_terms = MinTerms()
         graph = model.graph
         head = _lm_head(graph) if LM_HEAD in self._keep + self._int8 else None
@@ -606,6 +611,8 @@ class QuantizeWeights(InPlacePass):
             self.calibrated.append(weight.name or "")
             self.counts["calibrated"] += 1
         block = k if per_channel else self.block_size if chosen is None else chosen.block_size
+        if bits == 8 and self.bits == 4 and form == "matmul_nbits":  # a 4-bit recipe's 8-bit weight
+            block = wide_block(k, block)
         # a float32 graph's MatMulNBits reads float16 scales through a Cast that onnxruntime folds
         # at load: half the scale bytes, chosen as float16 values (`half_scales_fit`)
         half = (
@@ -628,6 +635,8 @@ class QuantizeWeights(InPlacePass):
             base += ".t"
         if chosen is not None:
             self.forms[base] = (chosen, (n, k))
+        elif block != self.block_size and not per_channel:
+            self._blocks[base] = block
         if form == "matmul_nbits":
             b, scales, zero_points = matmul_nbits_inputs(q)
             tensors = [ir.tensor(b), ir.tensor(scales), None if zero_points is None else ir.tensor(zero_points)]
@@ -664,6 +673,7 @@ class QuantizeWeights(InPlacePass):
         mins = self._mins.get(inputs[0].name or "")
         chosen = self.forms.get(inputs[0].name or "")
         block_size, accuracy_level = (self.block_size, self.accuracy_level) if chosen is None else astuple(chosen[0])
+        block_size = self._blocks.get(inputs[0].name or "", block_size)
         if form.startswith("dequantize_linear"):
             per_channel = form == "dequantize_linear_channel"
             attributes = {"axis": 1} if per_channel else {"axis": 0, "block_size": self.block_size}

@@ -613,6 +613,7 @@ def _check_fits(ckpt: checkpoints.Checkpoint, spec: DecoderSpec, options: BuildO
             free_min=quant.free_min,
             mix=quant.mixed,
             scale_bytes=2 if nbits else compute_bytes,
+            wide_blocks=nbits,
         )
     # the checkpoint's own quantized weights, where the target imports them, as the import writes them
     imported = None

@@ -23,6 +23,7 @@ from kvforge.passes.storage import (
     mixed_to_8_bits,
     regroup_block,
     stored_scales,
+    wide_block,
 )
 from kvforge.runners.contract import DecoderIO
 from kvforge.runners.errors import CheckpointError, GenerationError, KvforgeError
@@ -261,6 +262,8 @@ class QuantLayout:
     # a matmul weight's scale (the table's is SCALE_BYTES): 4 where a target's DequantizeLinear
     # reads float32 scales (`onnx`, `tensorrt` in a float32 graph)
     scale_bytes: int = SCALE_BYTES
+    # a 4-bit build's 8-bit weights in `wide_block`s, as MatMulNBits targets store them
+    wide_blocks: bool = True
 
 
 def quantized_weight_bytes(
@@ -344,11 +347,20 @@ def _quantized_total(
         elif name.endswith(TOKEN_EMBEDDINGS):
             total += quantized_bytes((shape[0], shape[1]), layout, compute_bytes, SCALE_BYTES)
             if spec.tied_embeddings:  # the tied head's codes of its own
-                total += quantized_bytes((shape[0], shape[1]), head, compute_bytes)
+                total += quantized_bytes((shape[0], shape[1]), _stored(head, layout, shape[1]), compute_bytes)
         else:
             picked = head if _is_head(name) else wider if mixed_to_8_bits(layout.mix, name, layers) else layout
-            total += quantized_bytes(_out_in(name, shape, spec), picked, compute_bytes)
+            out_in = _out_in(name, shape, spec)
+            total += quantized_bytes(out_in, _stored(picked, layout, out_in[1]), compute_bytes)
     return total
+
+
+def _stored(picked: QuantLayout, layout: QuantLayout, in_features: int) -> QuantLayout:
+    """`picked` (`layout`, or the 8-bit form its mix keeps a weight in) with the block a weight
+    of `in_features` inputs is stored in: a 4-bit build's 8-bit weights in `wide_block`s."""
+    if picked is layout or not layout.wide_blocks:
+        return picked
+    return replace(picked, block=wide_block(in_features, layout.block))
 
 
 def _out_in(name: str, shape: tuple[int, ...], spec: DecoderSpec) -> tuple[int, int]:

@@ -352,6 +352,36 @@ def test_int8_picks_weights_to_quantize_at_8_bits_in_an_int4_build(
         assert bits == sorted(8 if w else 4 for w in wide.values())
 
 
+@pytest.mark.parametrize("form, block_size", [("matmul_nbits", 32), ("matmul_nbits", 64), ("dequantize_linear", 32)])
+def test_an_int4_builds_8_bit_weights_are_read_by_matmul_nbits_in_blocks_of_128(form: str, block_size: int) -> None:
+    """The weights an int4 recipe keeps at 8 bits: where MatMulNBits reads them, in blocks of 128
+    where K is whole blocks of it (`wide_block`), their codes and the node's block_size agreeing;
+    elsewhere in the recipe's blocks. onnxruntime computes the product with each weight's own
+    dequantization."""
+    k, hidden, vocab = 256, 96, 40
+    weights = {
+        "layer.down.weight": RNG.standard_normal((hidden, k)).astype(np.float32),  # K = 256: blocks of 128
+        "head.weight": RNG.standard_normal((vocab, hidden)).astype(np.float32),  # K = 96: the recipe's
+    }
+    model = two_projections(k, weights)
+    quantize = QuantizeWeights(4, block_size, True, form, int8=("*down*", LM_HEAD), int8_form=form)
+    quantize(model)
+    wide = 128 if form == "matmul_nbits" else block_size
+    x = RNG.standard_normal((2, 3, k)).astype(np.float32)
+    want = x
+    for weight, block in zip(weights.values(), (wide, block_size)):
+        half = np.float16 if form == "matmul_nbits" else None
+        want = want @ quantize_blockwise(weight, 8, block, True, scale_dtype=half).dequantize().T
+    (got,) = ort_outputs(model, {"x": x})
+    np.testing.assert_allclose(got, want, atol=2e-3, rtol=1e-4)
+    if form == "matmul_nbits":
+        nbits = [n for n in model.graph if n.op_type == "MatMulNBits"]
+        blocks = {n.inputs[1].name: n.attributes.get_int("block_size") for n in nbits}
+        assert blocks == {"layer.down.weight.q8": 128, "head.weight.q8": block_size}
+        codes = model.graph.initializers["layer.down.weight.q8"].const_value
+        assert codes is not None and codes.shape.numpy() == (hidden, k // 128, 128)
+
+
 def test_int8_weights_need_a_4_bit_quantization() -> None:
     with pytest.raises(ValueError, match="bits=4"):
         QuantizeWeights(8, 32, True, "matmul_nbits", int8=("*",), int8_form="matmul_nbits")

@@ -109,8 +109,10 @@ def test_quantized_build_passes_the_distribution_gate_and_generates(
     if target != "tensorrt" and weights.symmetric and weights.block_size == QUANT_BLOCK:
         ckpt = checkpoints.load(checkpoint)
         decoder = DecoderSpec.from_config(ckpt.config)
-        # `onnx`'s DequantizeLinear reads float32 scales (the table's lookup, float16 ones)
-        layout = QuantLayout(weights.bits, mix=weights.mixed, scale_bytes=4 if target == "onnx" else 2)
+        # `onnx`'s DequantizeLinear reads float32 scales (the table's lookup, float16 ones), and
+        # its 8-bit weights in the recipe's blocks, where MatMulNBits reads them in blocks of 128
+        nbits = target != "onnx"
+        layout = QuantLayout(weights.bits, mix=weights.mixed, scale_bytes=2 if nbits else 4, wide_blocks=nbits)
         expected = quantized_weight_bytes(ckpt, decoder, layout)
         if weights.mix is None and target != "onnx":
             assert expected == footprint(ckpt, decoder, batch=1, seq=1).weight_bytes_at[weights.name]

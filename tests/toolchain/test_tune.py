@@ -178,13 +178,19 @@ def test_a_bad_mode_is_refused() -> None:
 def matmul_nbits_forms(model_path: Path, bits: int | None = None) -> dict[str, tuple[int, int]]:
     """Each MatMulNBits' codes initializer -> (block_size, accuracy_level), as written (only those
     of `bits` when given)."""
+    return {name: form for name, (form, _) in matmul_nbits_nodes(model_path, bits).items()}
+
+
+def matmul_nbits_nodes(model_path: Path, bits: int | None = None) -> dict[str, tuple[tuple[int, int], int]]:
+    """Each MatMulNBits' codes initializer -> ((block_size, accuracy_level), K), as written."""
     model = onnx.load(model_path, load_external_data=False)
     forms = {}
     for node in model.graph.node:
         if node.op_type == "MatMulNBits":
             attributes = {a.name: a.i for a in node.attribute}
             if bits is None or attributes["bits"] == bits:
-                forms[node.input[1]] = (attributes["block_size"], attributes.get("accuracy_level", 0))
+                form = (attributes["block_size"], attributes.get("accuracy_level", 0))
+                forms[node.input[1]] = (form, attributes["K"])
     return forms
 
 
@@ -211,9 +217,10 @@ def test_a_tuned_build_records_its_forms_passes_the_gate_and_rebuilds_byte_ident
     assert kernels["tune"] == "full" and kernels["margin"] == tune.MARGIN
     written = matmul_nbits_forms(tmp_path / "first" / "model.onnx", bits=4)
     assert written and set(written.values()) == {(128, 0)}
-    # the weights the default mix keeps at 8 bits are not tuned: the default form
-    mixed = matmul_nbits_forms(tmp_path / "first" / "model.onnx", bits=8)
-    assert mixed and set(mixed.values()) == {(32, 4)}
+    # the weights the default mix keeps at 8 bits are not tuned: blocks of 128 where K is whole
+    # blocks of it, else the recipe's 32, at accuracy level 4
+    mixed = matmul_nbits_nodes(tmp_path / "first" / "model.onnx", bits=8)
+    assert mixed and all(form == (128 if k % 128 == 0 else 32, 4) for form, k in mixed.values())
     recorded = {name: (f["block_size"], f["accuracy_level"]) for f in kernels["forms"] for name in f["weights"]}
     assert recorded == written
     assert "seconds" not in json.dumps(kernels) and str(cache) not in json.dumps(manifest)
@@ -238,7 +245,9 @@ def test_tune_off_writes_the_default_form_and_records_no_kernels(
     weights = WeightQuantization(4, block_size=64)
     result = build(tiny_checkpoint("llama"), tmp_path / "out", BuildOptions(weights=weights, tune="off"))
     assert "kernels" not in result.manifest and "tune" not in result.manifest["flags"]
-    assert set(matmul_nbits_forms(tmp_path / "out" / "model.onnx").values()) == {(64, 4)}
+    assert set(matmul_nbits_forms(tmp_path / "out" / "model.onnx", bits=4).values()) == {(64, 4)}
+    wide = matmul_nbits_nodes(tmp_path / "out" / "model.onnx", bits=8)  # the mix's: 128 where K allows
+    assert wide and all(form == (128 if k % 128 == 0 else 64, 4) for form, k in wide.values())
     assert np.isfinite(result.manifest["parity"]["kl_mean"])
 
 
