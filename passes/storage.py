@@ -73,8 +73,8 @@ def mixed_to_8_bits(mix: str, name: str, layers: int) -> bool:
 # largest weight, where a 4-bit one errs by 1/14 of its block's, so the int4 weights' error is
 # the recipe's; the kernel keeps a float32 scale and a float32 block sum per block, so blocks
 # of 128 read 8.5 bits a weight where blocks of 32 read 10, and its int8 GEMM takes fewer
-# blocks faster. On the 125M reference the default recipe decoded 11% faster and prefilled 64
-# tokens 6% faster, held-out mean KL 0.01951 -> 0.01954 (docs/performance.md).
+# blocks faster. On the 125M reference the default recipe's decode step took 11% less and a 64-token
+# prefill 6% less, held-out mean KL 0.01951 -> 0.01954 (docs/performance.md).
 WIDE_BLOCK = 128
 
 
