@@ -534,9 +534,6 @@ class QuantizeWeights(InPlacePass):
         self.calibrated: list[str] = []
         # quantized initializer (codes) name -> its min term (`free_min`)
         self._mins: dict[str, ir.Value] = {}
-        # quantized initializer (codes) name -> its block, where it is not `block_size` and no
-        # form was chosen for it (a 4-bit recipe's 8-bit weights: `wide_block`)
-        self._blocks: dict[str, int] = {}
         self._min_terms = MinTerms()
 
     def call(self, model: ir.Model) -> PassResult:
@@ -546,7 +543,6 @@ class QuantizeWeights(InPlacePass):
         self.forms = {}
         self.calibrated = []
         self._mins = {}
-        self._blocks = {}
         self._min_terms = MinTerms()
         graph = model.graph
         head = _lm_head(graph) if LM_HEAD in self._keep + self._int8 else None
@@ -635,8 +631,6 @@ class QuantizeWeights(InPlacePass):
             base += ".t"
         if chosen is not None:
             self.forms[base] = (chosen, (n, k))
-        elif block != self.block_size and not per_channel:
-            self._blocks[base] = block
         if form == "matmul_nbits":
             b, scales, zero_points = matmul_nbits_inputs(q)
             tensors = [ir.tensor(b), ir.tensor(scales), None if zero_points is None else ir.tensor(zero_points)]
@@ -673,7 +667,6 @@ class QuantizeWeights(InPlacePass):
         mins = self._mins.get(inputs[0].name or "")
         chosen = self.forms.get(inputs[0].name or "")
         block_size, accuracy_level = (self.block_size, self.accuracy_level) if chosen is None else astuple(chosen[0])
-        block_size = self._blocks.get(inputs[0].name or "", block_size)
         if form.startswith("dequantize_linear"):
             per_channel = form == "dequantize_linear_channel"
             attributes = {"axis": 1} if per_channel else {"axis": 0, "block_size": self.block_size}
@@ -685,6 +678,9 @@ class QuantizeWeights(InPlacePass):
             product = ir.node("MatMul", [x, dq.outputs[0]])
         else:
             k, n = kn
+            codes = inputs[0].shape  # [N, blocks, block · bits / 8]: the block the codes were made in
+            assert codes is not None
+            block_size = codes.numpy()[2] * 8 // bits
             attributes = {"K": k, "N": n, "bits": bits, "block_size": block_size}
             if accuracy_level:
                 attributes["accuracy_level"] = accuracy_level
