@@ -46,9 +46,16 @@ def nbits_shapes(artifact: Path) -> list[tuple[int, int]]:
 
 
 def nbits_session(
-    shapes: list[tuple[int, int]], bits: int, block: int, threads: int, workdir: Path
+    shapes: list[tuple[int, int]],
+    bits: int,
+    block: int,
+    threads: int,
+    workdir: Path,
+    zero_points: str | None = None,
 ) -> tuple[ort.InferenceSession, int]:
-    """One graph of independent MatMulNBits, x_i @ W_i, and the bytes its weights hold."""
+    """One graph of independent MatMulNBits, x_i @ W_i, and the bytes its weights hold.
+    `zero_points`: None (symmetric codes), "uint8" (an integer zero point per block, packed at
+    `bits`) or "float" (a float32 zero point per block)."""
     rng = np.random.default_rng(0)
     nodes, inputs, outputs, initializers = [], [], [], []
     for i, (n, k) in enumerate(shapes):
@@ -56,12 +63,21 @@ def nbits_session(
         codes = rng.integers(0, 256, (n, blocks, block * bits // 8), dtype=np.uint8)
         scales = rng.uniform(1e-3, 1e-2, n * blocks).astype(np.float32)
         initializers += [numpy_helper.from_array(codes, f"b{i}"), numpy_helper.from_array(scales, f"s{i}")]
+        if zero_points == "uint8":
+            packed = rng.integers(0, 256, (n, -(-blocks * bits // 8)), dtype=np.uint8)
+            initializers.append(numpy_helper.from_array(packed, f"z{i}"))
+        elif zero_points == "float":
+            initializers.append(
+                numpy_helper.from_array(rng.uniform(0, 2**bits - 1, n * blocks).astype(np.float32), f"z{i}")
+            )
+        elif zero_points is not None:
+            raise ValueError(f"zero_points is None, 'uint8' or 'float', not {zero_points!r}")
         inputs.append(helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [1, k]))
         outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [1, n]))
         nodes.append(
             helper.make_node(
                 "MatMulNBits",
-                [f"x{i}", f"b{i}", f"s{i}"],
+                [f"x{i}", f"b{i}", f"s{i}", *([f"z{i}"] if zero_points else [])],
                 [f"y{i}"],
                 domain="com.microsoft",
                 K=k,
@@ -73,7 +89,7 @@ def nbits_session(
         )
     graph = helper.make_graph(nodes, "nbits", inputs, outputs, initializers)
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
-    path = workdir / f"nbits-{bits}-{block}.onnx"
+    path = workdir / f"nbits-{bits}-{block}-{threads}-{zero_points or 'symmetric'}.onnx"
     onnx.save(helper.make_model(graph, opset_imports=opsets), str(path), save_as_external_data=True)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads

@@ -36,11 +36,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.llamacpp_decode import measure_kvforge, prompt_ids  # noqa: E402
+from benchmarks.matmul_nbits import nbits_session  # noqa: E402
 
 PROMPT = 128
 
@@ -108,56 +109,30 @@ def without_min_terms(artifact: Path, out: Path) -> int:
     return len(terms)
 
 
-def kernel_forms(shapes: list[tuple[int, int, int]], rounds: int) -> dict[str, float]:
-    """Median ms of one decode step over `shapes` ((N, K, block) each) in the three forms."""
-    import onnxruntime as ort
-
+def kernel_forms(shapes: list[tuple[int, int]], block: int, rounds: int) -> dict[str, float]:
+    """Median ms of one decode step over `shapes` ((N, K) each, 4-bit codes in blocks of `block`)
+    in the three forms (`matmul_nbits.nbits_session`)."""
     from kvforge.runners.cpus import usable_cpus
 
-    rng = np.random.default_rng(0)
-    sessions = {}
-    for form in ("symmetric", "uint8 zero points", "float zero points"):
-        nodes, inputs, outputs, initializers = [], [], [], []
-        for i, (n, k, block) in enumerate(shapes):
-            blocks = k // block
-            codes = rng.integers(0, 256, (n, blocks, block // 2), np.uint8)
-            scales = rng.uniform(1e-3, 1e-2, n * blocks).astype(np.float32)
-            initializers += [numpy_helper.from_array(codes, f"b{i}"), numpy_helper.from_array(scales, f"s{i}")]
-            zero_points = []
-            if form == "uint8 zero points":
-                packed = rng.integers(0, 256, n * -(-blocks // 2), np.uint8)
-                initializers.append(numpy_helper.from_array(packed, f"z{i}"))
-                zero_points = [f"z{i}"]
-            elif form == "float zero points":
-                initializers.append(numpy_helper.from_array(rng.uniform(0, 15, n * blocks).astype(np.float32), f"z{i}"))
-                zero_points = [f"z{i}"]
-            inputs.append(helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [1, k]))
-            outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [1, n]))
-            node = helper.make_node("MatMulNBits", [f"x{i}", f"b{i}", f"s{i}", *zero_points], [f"y{i}"])
-            node.domain = "com.microsoft"
-            node.attribute.extend(
-                helper.make_attribute(name, value)
-                for name, value in (("K", k), ("N", n), ("bits", 4), ("block_size", block), ("accuracy_level", 4))
-            )
-            nodes.append(node)
-        graph = helper.make_graph(nodes, "min_terms", inputs, outputs, initializers)
-        opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
-        model = helper.make_model(graph, opset_imports=opsets)
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = usable_cpus()
-        options.log_severity_level = 3
-        sessions[form] = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    feeds = {f"x{i}": rng.standard_normal((1, k)).astype(np.float32) for i, (_, k, _) in enumerate(shapes)}
-    times: dict[str, list[float]] = {form: [] for form in sessions}
-    for _ in range(rounds):
-        for form, session in sessions.items():
-            session.run(None, feeds)
-            runs = []
-            for _ in range(5 if form == "float zero points" else 30):
-                start = time.perf_counter()
+    forms = {"symmetric": None, "uint8 zero points": "uint8", "float zero points": "float"}
+    rng = np.random.default_rng(1)
+    feeds = {f"x{i}": rng.standard_normal((1, k)).astype(np.float32) for i, (_, k) in enumerate(shapes)}
+    times: dict[str, list[float]] = {form: [] for form in forms}
+    with tempfile.TemporaryDirectory() as work:
+        sessions = {
+            form: nbits_session(shapes, 4, block, usable_cpus(), Path(work), zero_points)[0]
+            for form, zero_points in forms.items()
+        }
+        for _ in range(rounds):
+            for form, session in sessions.items():
                 session.run(None, feeds)
-                runs.append(time.perf_counter() - start)
-            times[form].append(statistics.median(runs) * 1000)
+                runs = []
+                for _ in range(5 if form == "float zero points" else 30):
+                    start = time.perf_counter()
+                    session.run(None, feeds)
+                    runs.append(time.perf_counter() - start)
+                times[form].append(statistics.median(runs) * 1000)
+        del sessions
     return {form: statistics.median(values) for form, values in times.items()}
 
 
@@ -177,10 +152,15 @@ def main() -> None:
             f"{args.artifact}: no min terms (MatMulNBits plus a MatMul of block sums); "
             "give the default build of a GGUF file whose matrices carry minimums (Q4_1, Q4_K, Q5_K)"
         )
-    shapes = []
+    shapes, blocks = [], set()
     for _, product, _ in terms:
         attributes = {a.name: helper.get_attribute_value(a) for a in product.attribute}
-        shapes.append((int(attributes["N"]), int(attributes["K"]), int(attributes["block_size"])))
+        shapes.append((int(attributes["N"]), int(attributes["K"])))
+        blocks.add(int(attributes["block_size"]))
+    if len(blocks) != 1:
+        raise SystemExit(
+            f"{args.artifact}: min-term projections in blocks of {sorted(blocks)}; the kernel is timed in one"
+        )
     with tempfile.TemporaryDirectory() as work:
         stripped = Path(work) / "without-min-terms"
         without_min_terms(args.artifact, stripped)
@@ -191,7 +171,7 @@ def main() -> None:
                 child = subprocess.run(command, capture_output=True, text=True, check=True)
                 line = next(line for line in child.stdout.splitlines() if line.startswith("RESULT "))
                 decode[name].append(json.loads(line[len("RESULT ") :])["decode"])
-    kernel = kernel_forms(shapes, args.rounds)
+    kernel = kernel_forms(shapes, blocks.pop(), args.rounds)
     with_, without = statistics.median(decode["with"]), statistics.median(decode["without"])
     summary = {
         "artifact": str(args.artifact),
