@@ -2,7 +2,7 @@
 of a checkpoint whose weights are replaced by their quantized values, against the checkpoint.
 
     python benchmarks/fake_quant_kl.py CHECKPOINT [--form symmetric|asymmetric|free-min]
-        [--table same|symmetric|keep] [--only SUBSTRING ...] [--mix attention_down|attention|q4_k_m|none]
+        [--table same|symmetric|keep] [--only SUBSTRING ...] [--mix all_attention|attention_down|attention|q4_k_m|none]
         [--text FILE ... [--windows N]]
 
 The eager model (transformers, float32) reads the gate's texts (`kvforge.toolchain.verify.GATE_TEXTS`,

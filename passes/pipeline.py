@@ -209,7 +209,9 @@ def quantize(
         weights.make_pass(target.quantization_form(weights.bits), choose, target.quantization_form(8), scales)
     ]
     if moe and target.expert_quantization is not None:
-        passes.append(QuantizeExperts(weights.bits, weights.block_size, target.expert_quantization, weights.symmetric))
+        passes.append(
+            QuantizeExperts(weights.bits, weights.block_size, target.expert_quantization, weights.without_zero_points)
+        )
     if target.embedding_form is not None:
         passes.append(QuantizeEmbedding.from_weights(weights, target.embedding_form, imported))
     return passes

@@ -92,7 +92,7 @@ from kvforge.passes.quantize import (
     replace_node,
     stored_scales,
 )
-from kvforge.passes.storage import half_scales_fit
+from kvforge.passes.storage import TABLE_BLOCK, half_scales_fit, table_block
 
 EMBEDDING_FORMS = ("gather_block_quantized", "gather_dequantize_linear")
 EMBEDDINGS = "embeddings"  # in `keep`: every token-embedding table, whatever its name
@@ -123,7 +123,7 @@ class QuantizeEmbedding(QuantizeWeights):
         free_min: bool = False,
     ) -> None:
         InPlacePass.__init__(self)
-        if bits not in BITS or block_size not in BLOCK_SIZES or form not in EMBEDDING_FORMS:
+        if bits not in BITS or block_size not in (*BLOCK_SIZES, TABLE_BLOCK) or form not in EMBEDDING_FORMS:
             raise ValueError(f"unsupported embedding quantization: bits={bits}, block_size={block_size}, form={form!r}")
         if form == "gather_dequantize_linear" and bits != 8:
             raise ValueError("gather_dequantize_linear stores 8-bit codes: ONNX's Gather takes no 4-bit type")
@@ -154,9 +154,13 @@ class QuantizeEmbedding(QuantizeWeights):
         """The lookup's counterpart of `weights.make_pass`: 8-bit codes where the form gathers
         standard types (an int4 request stores the table at 8 bits, the bytes its 4-bit codes
         would take once widened for Gather, with a finer step), or where `--int8 embeddings`
-        asks for them."""
+        asks for them; 4-bit codes `GatherBlockQuantized` looks up in blocks of `table_block`."""
         bits = 8 if form == "gather_dequantize_linear" or EMBEDDINGS in weights.int8 else weights.bits
-        return cls(bits, weights.block_size, weights.symmetric, form, weights.keep, imported, free_min=weights.free_min)
+        block = weights.block_size
+        if form == "gather_block_quantized":
+            block = table_block(bits, block, weights.free_min)
+        symmetric = weights.without_zero_points
+        return cls(bits, block, symmetric, form, weights.keep, imported, free_min=weights.free_min)
 
     def call(self, model: ir.Model) -> PassResult:
         self.counts = Counter()
@@ -236,6 +240,7 @@ class QuantizeEmbedding(QuantizeWeights):
         rows = tensor.numpy()
         half = record is None and rows.dtype == np.float32 and half_scales_fit(rows, self.block_size, self.bits)
         scale_dtype = np.dtype(np.float16) if half else rows.dtype
+        self.scale_bytes = scale_dtype.itemsize  # the report's: what a scale of the table takes
         if record is None and self.free_min and ranked and tensor.shape.numpy()[1] % self.block_size == 0:
             q = quantize_free_min(rows, self.block_size, dtype=scale_dtype)
         elif record is None:

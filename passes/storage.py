@@ -18,15 +18,17 @@ if TYPE_CHECKING:
     from kvforge.passes.quantize import QuantizedWeight
 
 # Mixes of a 4-bit build (`WeightQuantization.mix`): which weights stay at 8 bits, by name and
-# layer (`mixed_to_8_bits`). `attention`: the attention's input projections in the layers
-# llama.cpp's Q4_K_M gives more bits (`more_bits`), which cost 4 bits the most on the 125M
-# reference at the fewest bytes; `attention_down` (the default) also the feed-forward down
-# projection of every layer, the next most (with float16 scales, within Q4_K_M's bytes);
-# `q4_k_m` Q4_K_M's own choice: in its layers the attention's input projections (q and k too:
-# the value projection is packed with them) and the down projection, and the LM head, larger
-# than Q4_K_M's file at 8 bits; `none` every weight at 4 bits. docs/performance.md has the figures.
-MIXES = ("attention_down", "attention", "q4_k_m", "none")
-DEFAULT_MIX = "attention_down"  # a 4-bit build's without --mix
+# layer (`mixed_to_8_bits`). `all_attention` (the default): the attention's input projections
+# (q/k/v) of every layer and the feed-forward down projection of the layers llama.cpp's Q4_K_M
+# gives more bits (`more_bits`): held-out mean KL against fp32 0.0122 on the 125M reference
+# (Q4_K_M 0.0128) with a 4-bit table in blocks of 16 (`table_block`), within 1.05× Q4_K_M's
+# bytes, and the lowest of these mixes on the example model and SmolLM2-135M too; `attention_down`
+# (the default before): q/k/v of those layers and the down projection of every layer;
+# `attention`: q/k/v of those layers; `q4_k_m` Q4_K_M's own choice: in its layers q/k/v (the
+# value projection is packed with them) and the down projection, and the LM head, larger than
+# Q4_K_M's file at 8 bits; `none` every weight at 4 bits. docs/performance.md has the figures.
+MIXES = ("all_attention", "attention_down", "attention", "q4_k_m", "none")
+DEFAULT_MIX = "all_attention"  # a 4-bit build's without --mix
 # Graph weight names (packed projections are named after the pack) of the attention's input
 # projections (the value projection is packed with the query and key: its MatMul is theirs) and
 # of the feed-forward down projection, as the families name them
@@ -60,11 +62,18 @@ def mixed_to_8_bits(mix: str, name: str, layers: int) -> bool:
     layer = layer_index(name)
     if mix == "none" or layer is None:
         return False
-    if mix == "attention_down" and any(fnmatch.fnmatchcase(name, pattern) for pattern in _FEED_FORWARD_DOWN):
+    if mix == "all_attention" and _matches(name, _ATTENTION_INPUT):
+        return True
+    if mix == "attention_down" and _matches(name, _FEED_FORWARD_DOWN):
         return True
     if not more_bits(layer, layers):
         return False
-    patterns = _ATTENTION_INPUT + (_FEED_FORWARD_DOWN if mix == "q4_k_m" else ())
+    if mix == "all_attention":
+        return _matches(name, _FEED_FORWARD_DOWN)
+    return _matches(name, _ATTENTION_INPUT + (_FEED_FORWARD_DOWN if mix == "q4_k_m" else ()))
+
+
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 
@@ -83,6 +92,21 @@ def wide_block(k: int, block_size: int) -> int:
     `WIDE_BLOCK` where `k` is whole blocks of it and the recipe's `block_size` is smaller, else
     `block_size`."""
     return WIDE_BLOCK if block_size < WIDE_BLOCK and k % WIDE_BLOCK == 0 else block_size
+
+
+# The block a 4-bit token-embedding table is looked up in by `GatherBlockQuantized`
+# (`table_block`). A lookup reads one row a token, so its block costs bytes, never time, and
+# the table's rounding reaches every position's residual stream: on the 125M reference blocks
+# of 16 instead of 32 took held-out mean KL from 0.0131 to 0.0122 (the default mix) for 0.625
+# bits a table weight (docs/performance.md). The kernel takes no block below 16.
+TABLE_BLOCK = 16
+
+
+def table_block(bits: int, block_size: int, free_min: bool = False) -> int:
+    """The block a table of a `bits`-bit recipe of `block_size` is looked up in where
+    `GatherBlockQuantized` reads it: `TABLE_BLOCK` at 4 bits (a `--free-min` table keeps
+    `block_size`, its minimums looked up per block beside it), else `block_size`."""
+    return min(TABLE_BLOCK, block_size) if bits == 4 and not free_min else block_size
 
 
 def mixed_head(mix: str) -> bool:

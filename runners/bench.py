@@ -185,7 +185,8 @@ def _input_table_bytes(spec: dict[str, Any], lookup: dict[str, Any] | None, item
     """Bytes of the token-embedding table as stored: in the compute dtype, or as the pass
     report's QuantizeEmbedding record `lookup` says it was written (passes/quantize_embedding.py):
     codes (whole blocks of packed codes for GatherBlockQuantized, a byte each for Gather), a
-    scale per block of each row in the compute dtype, and zero points when asymmetric."""
+    scale per block of each row (of the record's `scale_bytes`; where it has none, in the compute
+    dtype), and zero points when asymmetric."""
     rows, hidden = spec["vocab_size"], spec["hidden_size"]
     if lookup is None:
         return rows * hidden * itemsize
@@ -195,7 +196,7 @@ def _input_table_bytes(spec: dict[str, Any], lookup: dict[str, Any] | None, item
     packed = config["form"] == "gather_block_quantized"
     codes = blocks * block * bits // 8 if packed else hidden
     zero_points = 0 if config["symmetric"] else (-(-blocks * bits // 8) if packed else blocks)
-    return rows * (codes + blocks * itemsize + zero_points)
+    return rows * (codes + blocks * config.get("scale_bytes", itemsize) + zero_points)
 
 
 def kv_bytes_per_step(io: DecoderIO, context: int, batch: int) -> int:

@@ -30,6 +30,7 @@ from kvforge.passes import pipeline
 from kvforge.passes.kv_cache import KV_DTYPES, KVCacheRefused, QuantizeKVCache
 from kvforge.passes.pipeline import PassReport
 from kvforge.passes.quantize import WeightQuantization
+from kvforge.passes.storage import table_block
 from kvforge.passes.targets import DEFAULT_TARGET, TARGETS, TENSORRT_ENGINE, Target
 from kvforge.passes.tensorrt_check import UnsupportedByTensorRT
 from kvforge.runners.contract import KEEP_INPUT, DecoderIO
@@ -119,6 +120,12 @@ class BuildOptions:
     # The text symmetric int4 weights are calibrated on (`kvforge.toolchain.calibration`; the CLI's
     # default is the text kvforge ships); None: rounded to nearest
     calibration: calibrating.CalibrationText | None = None
+
+    def __post_init__(self) -> None:
+        # the recipe's zero points where it leaves them to the target (`WeightQuantization.resolved`)
+        if self.weights is not None and isinstance(self.target, Target):
+            resolved = self.weights.resolved(self.target.symmetric_only, self.calibration is not None)
+            object.__setattr__(self, "weights", resolved)
 
     @property
     def calibrating(self) -> bool:
@@ -407,7 +414,7 @@ _REFUSED = "the stamped graph failed the parity gate"
 # codes as they are, at MatMulNBits' accuracy level 4 (int8 activations, the fast path), and
 # any matrix the file keeps in float at symmetric int4 (no mix: the file chose each tensor's
 # bits); judged by the distribution gate.
-IMPORTED_DEFAULT = WeightQuantization(4, mix="none")
+IMPORTED_DEFAULT = WeightQuantization(4, symmetric=True, mix="none")
 
 
 def _gguf_default(options: BuildOptions, ckpt: checkpoints.Checkpoint) -> BuildOptions:
@@ -614,6 +621,11 @@ def _check_fits(ckpt: checkpoints.Checkpoint, spec: DecoderSpec, options: BuildO
             mix=quant.mixed,
             scale_bytes=2 if nbits else compute_bytes,
             wide_blocks=nbits,
+            table_block=(
+                table_block(quant.bits, quant.block_size, quant.free_min)
+                if options.target.embedding_form == "gather_block_quantized"
+                else None
+            ),
         )
     # the checkpoint's own quantized weights, where the target imports them, as the import writes them
     imported = None

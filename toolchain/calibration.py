@@ -123,8 +123,9 @@ class CalibrationText:
 
 def calibratable(weights: WeightQuantization | None) -> bool:
     """Whether a recipe's weights are calibrated: 4-bit blocks without zero points (symmetric,
-    or with a free minimum)."""
-    return weights is not None and weights.bits == 4 and weights.symmetric
+    or with a free minimum; a recipe that leaves its zero points to the target is calibrated
+    without them)."""
+    return weights is not None and weights.bits == 4 and weights.symmetric is not False
 
 
 @dataclass

@@ -168,7 +168,13 @@ def _calibration(choice: str | None, quantization: Any) -> Any:
     "cache's bytes; onnxruntime's GroupQueryAttention: --target ort-cpu or ort-cuda). Judged by the distribution "
     "gate. Default: the compute dtype.",
 )
-@click.option("--asymmetric", is_flag=True, help="Quantize with a zero point per block (default: symmetric).")
+@click.option(
+    "--asymmetric/--symmetric",
+    default=None,
+    help="With --weights: an integer zero point per block of weights, or none. Default: zero points at int4 where "
+    "the target's kernel reads them (ort-cpu, ort-cuda, onnx) and the weights are neither calibrated nor given "
+    "--free-min; symmetric otherwise, and at int8.",
+)
 @click.option(
     "--free-min",
     is_flag=True,
@@ -180,7 +186,8 @@ def _calibration(choice: str | None, quantization: Any) -> Any:
     "--calibration",
     metavar="builtin|none|FILE",
     default=None,
-    help="With --weights int4 (symmetric, or --free-min): the text whose activations choose each weight's scales "
+    help="With --weights int4 (without --asymmetric; calibrated weights take no zero points): the text whose "
+    "activations choose each weight's scales "
     "and codes (GPTQ-style error feedback; the build takes minutes longer). builtin: the text kvforge ships; none: "
     "round to nearest (the default); or a UTF-8 text file. Recorded in the manifest with its sha256.",
 )
@@ -216,11 +223,11 @@ def _calibration(choice: str | None, quantization: Any) -> Any:
     "--mix",
     type=click.Choice(list(MIXES)),
     default=None,
-    help="With --weights int4: which weights stay at int8 besides --int8's. attention: the attention's q/k/v "
-    "projections in the layers llama.cpp's Q4_K_M gives more bits (the first and last eighth and every third "
-    "layer between); attention_down (the default): also every layer's down projection; q4_k_m: Q4_K_M's choice, "
-    "q/k/v and the down projection in those layers and the LM head (more bytes than Q4_K_M); none: every "
-    "weight at int4.",
+    help="With --weights int4: which weights stay at int8 besides --int8's. all_attention (the default): the "
+    "attention's q/k/v projections of every layer and the down projection in the layers llama.cpp's Q4_K_M gives "
+    "more bits (the first and last eighth and every third layer between); attention: q/k/v in those layers; "
+    "attention_down: q/k/v in those layers and every layer's down projection; q4_k_m: Q4_K_M's choice, q/k/v "
+    "and the down projection in those layers and the LM head (more bytes than Q4_K_M); none: every weight at int4.",
 )
 @click.option(
     "--device-memory",
@@ -275,7 +282,7 @@ def build(
     exact_activations: bool,
     block_size: str,
     kv_dtype: str | None,
-    asymmetric: bool,
+    asymmetric: bool | None,
     free_min: bool,
     calibration: str | None,
     tune: str,
@@ -334,7 +341,13 @@ def build(
         quantization = None
         if weights is not None:
             quantization = WeightQuantization(
-                int(weights[3:]), int(block_size), not asymmetric, keep, int8=int8, free_min=free_min, mix=mix
+                int(weights[3:]),
+                int(block_size),
+                None if asymmetric is None else not asymmetric,
+                keep,
+                int8=int8,
+                free_min=free_min,
+                mix=mix,
             )
         options = BuildOptions(
             force=force,
@@ -389,7 +402,7 @@ def _require_build_packages() -> None:
 
 def _check_weight_flags(
     weights: str | None,
-    asymmetric: bool,
+    asymmetric: bool | None,
     int8: tuple[str, ...],
     free_min: bool,
     exact_activations: bool,
@@ -413,6 +426,12 @@ def _check_weight_flags(
             f"picks weights to keep at int8 in an int4 build; this build is {weights or 'unquantized'}: "
             "add --weights int4, or drop --mix",
             param_hint="--mix",
+        )
+    if asymmetric is not None and weights is None:
+        flag = "--asymmetric" if asymmetric else "--symmetric"
+        raise click.BadParameter(
+            f"chooses how --weights quantizes; this build is unquantized: add --weights int4 (or int8), or drop {flag}",
+            param_hint=flag,
         )
     if free_min and (weights != "int4" or asymmetric):
         raise click.BadParameter(

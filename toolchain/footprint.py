@@ -23,6 +23,7 @@ from kvforge.passes.storage import (
     mixed_to_8_bits,
     regroup_block,
     stored_scales,
+    table_block,
     wide_block,
 )
 from kvforge.runners.contract import DecoderIO
@@ -89,10 +90,11 @@ class Footprint:
 
     `weight_bytes_at` gives exact bytes at each precision. "fp32" / "fp16" store every
     parameter at that width. "int8" / "int4" are what `kvforge build --weights int8|int4`
-    stores on the default target, ort-cpu (symmetric, block 32, fp32 compute): each 2-D
+    stores on the default target, ort-cpu (block 32, fp32 compute): each 2-D
     matmul weight and the token-embedding table ([vocab, hidden], blocks along hidden) is
     cut along its input dimension into blocks of 32 (the last block padded to 32, as
-    MatMulNBits stores it) holding 8- or 4-bit codes plus one fp16 scale per block
+    MatMulNBits stores it) holding 8- or 4-bit codes plus one fp16 scale per block (int4: and
+    a 4-bit zero point, packed two to a byte per row)
     (`SCALE_BYTES`; a weight of at most 1024 scales keeps fp32, as counted; a weight whose scales
     do not fit fp16, and the matmul weights of the `onnx` target's DequantizeLinear, keep fp32: a
     little more than counted) (int4:
@@ -264,6 +266,9 @@ class QuantLayout:
     scale_bytes: int = SCALE_BYTES
     # a 4-bit build's 8-bit weights in `wide_block`s, as MatMulNBits targets store them
     wide_blocks: bool = True
+    # the token-embedding table's block (`table_block`, where GatherBlockQuantized looks it up);
+    # None: `block`
+    table_block: int | None = None
 
 
 def quantized_weight_bytes(
@@ -331,7 +336,9 @@ def _bytes_at(precision: str, params: Mapping[str, TensorMeta], spec: DecoderSpe
     if precision == "fp16":
         return sum(2 * math.prod(shape) for _, shape in params.values())
     bits = _BITS[precision]
-    return _quantized_total(params, spec, QuantLayout(bits, mix=DEFAULT_MIX if bits == 4 else "none"), compute_bytes)
+    mix = DEFAULT_MIX if bits == 4 else "none"
+    layout = QuantLayout(bits, zero_points=bits == 4, mix=mix, table_block=table_block(bits, QUANT_BLOCK))
+    return _quantized_total(params, spec, layout, compute_bytes)
 
 
 def _quantized_total(
@@ -345,7 +352,8 @@ def _quantized_total(
         if len(shape) != 2 or name.endswith(POSITION_EMBEDDINGS):
             total += compute_bytes * math.prod(shape)
         elif name.endswith(TOKEN_EMBEDDINGS):
-            total += quantized_bytes((shape[0], shape[1]), layout, compute_bytes, SCALE_BYTES)
+            table = layout if layout.table_block is None else replace(layout, block=layout.table_block)
+            total += quantized_bytes((shape[0], shape[1]), table, compute_bytes, SCALE_BYTES)
             if spec.tied_embeddings:  # the tied head's codes of its own
                 total += quantized_bytes((shape[0], shape[1]), _stored(head, layout, shape[1]), compute_bytes)
         else:

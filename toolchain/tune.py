@@ -226,12 +226,14 @@ class Tuner:
         return chosen
 
     def _ratio(self, n: int, k: int, m: int, default: KernelForm, form: KernelForm) -> float:
-        key = measurement_key(self.weights.bits, self.weights.symmetric, n, k, m, default, form)
+        key = measurement_key(self.weights.bits, self.weights.without_zero_points, n, k, m, default, form)
         cached = self.cache.get(key)
         if cached is not None:
             return cached
         timer = self.timer or time_against_default
-        ratio = float(statistics.median(timer(self.weights.bits, self.weights.symmetric, n, k, m, default, form)))
+        ratio = float(
+            statistics.median(timer(self.weights.bits, self.weights.without_zero_points, n, k, m, default, form))
+        )
         self.timed += 1
         self.cache.put(key, ratio)
         return ratio

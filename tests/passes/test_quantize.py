@@ -440,6 +440,7 @@ def layer_chain(k: int, names: list[str]) -> ir.Model:
 
 
 MIXED_AT_8 = {
+    "all_attention": ("mlp.down_proj",),
     "attention": ("self_attn.qkv_proj",),
     "attention_down": ("self_attn.qkv_proj",),
     "q4_k_m": ("self_attn.qkv_proj", "mlp.down_proj"),
@@ -447,14 +448,15 @@ MIXED_AT_8 = {
 }
 
 
-@pytest.mark.parametrize("mix", ["attention_down", "attention", "q4_k_m", "none"])
+@pytest.mark.parametrize("mix", ["all_attention", "attention_down", "attention", "q4_k_m", "none"])
 @pytest.mark.parametrize(
     "form, int8_form", [("matmul_nbits", "matmul_nbits"), ("dequantize_linear", "dequantize_linear_channel")]
 )
 def test_a_mix_keeps_its_weights_at_8_bits_in_the_layers_more_bits_picks(mix: str, form: str, int8_form: str) -> None:
     """Eight layers: `more_bits` picks layers 0, 3, 6 and 7. `attention` keeps their packed q/k/v
     at 8 bits, `attention_down` also every layer's down projection, `q4_k_m` their down projections
-    and the LM head, `none` nothing; every other weight goes to 4 bits."""
+    and the LM head, `all_attention` their down projections and every layer's q/k/v, `none`
+    nothing; every other weight goes to 4 bits."""
     parts = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
     names = [f"model.layers.{i}.{part}.weight" for i in range(8) for part in parts] + ["lm_head.weight"]
     model = layer_chain(32, names)
@@ -463,6 +465,8 @@ def test_a_mix_keeps_its_weights_at_8_bits_in_the_layers_more_bits_picks(mix: st
     wide = [f"model.layers.{i}.{part}.weight" for i in (0, 3, 6, 7) for part in MIXED_AT_8[mix]]
     if mix == "attention_down":
         wide += [f"model.layers.{i}.mlp.down_proj.weight" for i in range(8)]
+    if mix == "all_attention":
+        wide += [f"model.layers.{i}.self_attn.qkv_proj.weight" for i in range(8)]
     assert sorted(quantize.wider) == sorted(wide + (["lm_head.weight"] if mix == "q4_k_m" else []))
     for name in names:
         assert f"{name}.q{8 if name in quantize.wider else 4}" in model.graph.initializers
@@ -470,7 +474,7 @@ def test_a_mix_keeps_its_weights_at_8_bits_in_the_layers_more_bits_picks(mix: st
 
 def test_an_int4_recipe_mixes_attention_and_down_unless_told_and_records_it() -> None:
     default = WeightQuantization(4)
-    assert default.mixed == "attention_down" and default.to_dict()["mix"] == "attention_down"
+    assert default.mixed == "all_attention" and default.to_dict()["mix"] == "all_attention"
     assert WeightQuantization(4, mix="attention").to_dict()["mix"] == "attention"
     assert WeightQuantization(4, mix="q4_k_m").to_dict()["mix"] == "q4_k_m"
     assert "mix" not in WeightQuantization(4, mix="none").to_dict()  # a plain recipe keeps its bytes
@@ -479,7 +483,25 @@ def test_an_int4_recipe_mixes_attention_and_down_unless_told_and_records_it() ->
         WeightQuantization(8, mix="q4_k_m")
     with pytest.raises(ValueError, match="unknown mix"):
         WeightQuantization(4, mix="q5_k_m")
-    assert WeightQuantization(4).make_pass("matmul_nbits", int8_form="matmul_nbits").mix == "attention_down"
+    resolved = WeightQuantization(4).resolved(symmetric_only=False, calibrated=False)
+    assert resolved.make_pass("matmul_nbits", int8_form="matmul_nbits").mix == "all_attention"
+
+
+def test_a_recipe_takes_zero_points_at_int4_where_the_target_reads_them_unless_told() -> None:
+    default = WeightQuantization(4)
+    with pytest.raises(ValueError, match="resolved"):  # nothing is quantized before the choice is made
+        default.make_pass("matmul_nbits")
+    assert default.resolved(symmetric_only=False, calibrated=False).symmetric is False
+    assert default.resolved(symmetric_only=True, calibrated=False).symmetric is True  # tensorrt
+    assert default.resolved(symmetric_only=False, calibrated=True).symmetric is True  # calibrated codes
+    free_min = WeightQuantization(4, free_min=True).resolved(symmetric_only=False, calibrated=False)
+    assert free_min.symmetric is True and free_min.make_pass("matmul_nbits", int8_form="matmul_nbits").symmetric
+    assert WeightQuantization(8).resolved(symmetric_only=False, calibrated=False).symmetric is True
+    # what the recipe says is kept, and an asked-for zero point reaches the pass
+    assert WeightQuantization(4, symmetric=True).resolved(symmetric_only=False, calibrated=False).symmetric is True
+    asked = WeightQuantization(8, symmetric=False).resolved(symmetric_only=False, calibrated=True)
+    assert asked.symmetric is False and not asked.make_pass("matmul_nbits").symmetric
+    assert asked.to_dict()["symmetric"] is False
 
 
 def test_the_8b_benchmarks_int4_grid_is_what_int4_reproduces_exactly() -> None:

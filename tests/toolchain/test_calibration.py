@@ -20,7 +20,9 @@ from kvforge.toolchain import checkpoint as checkpoints
 from kvforge.toolchain.cli import _calibration
 from kvforge.toolchain.export import eager_model, read_spec
 
-INT4 = WeightQuantization(4)
+# a mix that leaves q/k/v at 4 bits in the layers `more_bits` does not pick (the default keeps
+# every layer's at 8 bits), so that calibration meets every kind of projection
+INT4 = WeightQuantization(4, mix="attention_down")
 
 
 def small_text() -> calibration.CalibrationText:
@@ -211,19 +213,23 @@ def test_a_calibrated_build_records_its_text_and_rounding_to_nearest_does_not(
 
 
 def test_the_weights_a_mix_keeps_at_8_bits_are_not_calibrated(tiny: Callable[[], torch.nn.Module]) -> None:
-    """The default mix keeps q/k/v of the layers `more_bits` picks and every down projection at 8
-    bits: calibration leaves them (their codes are rounded to nearest at 8 bits) and calibrates
-    every other projection."""
+    """The default mix keeps every layer's q/k/v and the down projection of the layers `more_bits`
+    picks at 8 bits (`attention_down`: q/k/v of those layers and every down projection):
+    calibration leaves them (their codes are rounded to nearest at 8 bits) and calibrates every
+    other projection."""
     from kvforge.passes.storage import more_bits
 
     model = tiny()
     everything = set(calibration._candidates(model, WeightQuantization(4, mix="none")).values())
-    mixed = set(calibration._candidates(model, INT4).values())
     layers = model.config.num_hidden_layers
-    picked = {f"model.layers.{i}.self_attn.{p}_proj" for i in range(layers) if more_bits(i, layers) for p in "qkv"}
-    picked |= {f"model.layers.{i}.mlp.down_proj" for i in range(layers)}
-    assert picked and picked <= everything
-    assert mixed == everything - picked
+    chosen = [i for i in range(layers) if more_bits(i, layers)]
+    default = {f"model.layers.{i}.self_attn.{p}_proj" for i in range(layers) for p in "qkv"}
+    default |= {f"model.layers.{i}.mlp.down_proj" for i in chosen}
+    down = {f"model.layers.{i}.self_attn.{p}_proj" for i in chosen for p in "qkv"}
+    down |= {f"model.layers.{i}.mlp.down_proj" for i in range(layers)}
+    for recipe, picked in ((WeightQuantization(4), default), (INT4, down)):
+        assert picked and picked <= everything
+        assert set(calibration._candidates(model, recipe).values()) == everything - picked
 
 
 def test_each_statistic_is_freed_once_its_weights_are_rounded(

@@ -29,7 +29,14 @@ def parameter_bytes(model_path: Path, only: Callable[[TensorProto], bool] | None
     """Bytes of the initializers that hold the checkpoint's parameters (named after them), or
     of those `only` picks."""
     model = onnx.load(model_path, load_external_data=False)
-    bits = {TensorProto.FLOAT: 32, TensorProto.UINT8: 8, TensorProto.INT8: 8, TensorProto.INT4: 4, TensorProto.UINT4: 4}
+    bits = {
+        TensorProto.FLOAT: 32,
+        TensorProto.FLOAT16: 16,
+        TensorProto.UINT8: 8,
+        TensorProto.INT8: 8,
+        TensorProto.INT4: 4,
+        TensorProto.UINT4: 4,
+    }
     total = 0
     for tensor in model.graph.initializer:
         if (only or _named_after_a_parameter)(tensor):
@@ -42,12 +49,17 @@ def _named_after_a_parameter(tensor: TensorProto) -> bool:
 
 
 def lookup_only(model_path: Path, vocab: int) -> Callable[[TensorProto], bool]:
-    """Picks the [vocab, ...] initializers only the token lookup reads (Gather, GatherBlockQuantized)."""
+    """Picks the [vocab, ...] initializers only the token lookup reads (Gather, GatherBlockQuantized),
+    directly or through a Cast (float16 scales)."""
     model = onnx.load(model_path, load_external_data=False)
     readers: dict[str, set[str]] = {}
     for node in model.graph.node:
         for name in node.input:
             readers.setdefault(name, set()).add(node.op_type)
+    for node in model.graph.node:
+        if node.op_type == "Cast":
+            source = readers[node.input[0]]
+            readers[node.input[0]] = (source - {"Cast"}) | readers.get(node.output[0], set())
     lookups = {"Gather", "GatherBlockQuantized"}
     return lambda t: bool(t.dims) and t.dims[0] == vocab and bool(readers.get(t.name)) and readers[t.name] <= lookups
 
@@ -80,9 +92,13 @@ def test_quantized_build_passes_the_distribution_gate_and_generates(
     tiny_checkpoint: Callable[..., Path],
 ) -> None:
     checkpoint = tiny_checkpoint(model_type)
-    result = build(checkpoint, tmp_path / "out", BuildOptions(target=TARGETS[target], weights=weights))
+    options = BuildOptions(target=TARGETS[target], weights=weights)
+    # int4 takes zero points where the target's kernel reads them, unless the recipe says otherwise
+    zero_points = weights.bits == 4 and target != "tensorrt" if weights.symmetric is None else not weights.symmetric
+    assert options.weights is not None and options.weights.symmetric is not zero_points
+    result = build(checkpoint, tmp_path / "out", options)
     manifest = result.manifest
-    assert manifest["flags"]["weights"] == weights.to_dict()
+    assert manifest["flags"]["weights"] == options.weights.to_dict()
     parity = manifest["parity"]
     assert parity["passed"] and parity["precision"] == weights.name and parity["positions"] > 0
     assert 0 <= parity["kl_mean"] <= parity["threshold"]["max_kl"]
@@ -106,18 +122,30 @@ def test_quantized_build_passes_the_distribution_gate_and_generates(
     # `kvforge inspect`'s figure for this recipe is the artifact's parameter bytes, exactly (on
     # `onnx` at int4, plus the half byte per value of the table's 8-bit codes), the default mix's
     # 8-bit weights included; the default recipe's is the figure of inspect's table
-    if target != "tensorrt" and weights.symmetric and weights.block_size == QUANT_BLOCK:
+    recipe = options.weights
+    if target != "tensorrt" and weights.block_size == QUANT_BLOCK:
         ckpt = checkpoints.load(checkpoint)
         decoder = DecoderSpec.from_config(ckpt.config)
         # `onnx`'s DequantizeLinear reads float32 scales (the table's lookup, float16 ones), and
         # its 8-bit weights in the recipe's blocks, where MatMulNBits reads them in blocks of 128
         nbits = target != "onnx"
-        layout = QuantLayout(weights.bits, mix=weights.mixed, scale_bytes=2 if nbits else 4, wide_blocks=nbits)
+        layout = QuantLayout(
+            recipe.bits,
+            zero_points=not recipe.symmetric,
+            mix=recipe.mixed,
+            scale_bytes=2 if nbits else 4,
+            wide_blocks=nbits,
+            # ort-cpu looks a 4-bit table up in blocks of 16
+            table_block=16 if target == "ort-cpu" and recipe.bits == 4 else None,
+        )
         expected = quantized_weight_bytes(ckpt, decoder, layout)
         if weights.mix is None and target != "onnx":
             assert expected == footprint(ckpt, decoder, batch=1, seq=1).weight_bytes_at[weights.name]
         if target == "onnx" and weights.bits == 4:
             expected += spec["vocab_size"] * spec["hidden_size"] // 2
+            if not recipe.symmetric:  # and a byte per block's zero point where the 4-bit ones take half
+                blocks = -(-spec["hidden_size"] // QUANT_BLOCK)
+                expected += spec["vocab_size"] * (blocks - -(-blocks // 2))
         assert parameter_bytes(tmp_path / "out" / "model.onnx") == expected
     # `kvforge bench` counts every weight byte but the lookup's (tied, the quantized lookup has codes of its own)
     data = (tmp_path / "out" / "model.onnx.data").stat().st_size
@@ -189,12 +217,12 @@ def test_a_mixed_int4_build_keeps_the_named_weights_at_int8(
     assert next(a.i for a in lookup.attribute if a.name == "bits") == 8
 
 
-def test_a_plain_int4_build_keeps_the_attention_inputs_of_more_bits_layers_and_down_at_int8(
+def test_a_plain_int4_build_keeps_the_attention_inputs_and_down_of_more_bits_layers_at_int8(
     tmp_path: Path, tiny_checkpoint: Callable[..., Path]
 ) -> None:
-    """`--weights int4` alone: in the layers llama.cpp's `use_more_bits` picks, the packed q/k/v at 8
-    bits, and every layer's down projection; everything else at 4; the gate passes and the manifest
-    records the mix."""
+    """`--weights int4` alone: every layer's packed q/k/v at 8 bits, and the down projection in the
+    layers llama.cpp's `use_more_bits` picks; everything else at 4, the table looked up in blocks
+    of 16; the gate passes and the manifest records the mix."""
     from click.testing import CliRunner
 
     from kvforge.cli import main
@@ -204,7 +232,7 @@ def test_a_plain_int4_build_keeps_the_attention_inputs_of_more_bits_layers_and_d
     result = CliRunner().invoke(main, ["build", str(tiny_checkpoint("llama")), "-o", str(out), "--weights", "int4"])
     assert result.exit_code == 0, result.output
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["flags"]["weights"]["mix"] == "attention_down" and manifest["parity"]["passed"]
+    assert manifest["flags"]["weights"]["mix"] == "all_attention" and manifest["parity"]["passed"]
     graph = onnx.load(out / "model.onnx", load_external_data=False).graph
     bits = {
         n.input[1]: next(a.i for a in n.attribute if a.name == "bits") for n in graph.node if n.op_type == "MatMulNBits"
@@ -212,10 +240,12 @@ def test_a_plain_int4_build_keeps_the_attention_inputs_of_more_bits_layers_and_d
     layers = manifest["spec"]["num_layers"]
     picked = [i for i in range(layers) if more_bits(i, layers)]
     assert picked and len(picked) < layers
-    want = {f"model.layers.{i}.self_attn.qkv_proj.weight.q8" for i in picked}
-    want |= {f"model.layers.{i}.mlp.down_proj.weight.q8" for i in range(layers)}
+    want = {f"model.layers.{i}.self_attn.qkv_proj.weight.q8" for i in range(layers)}
+    want |= {f"model.layers.{i}.mlp.down_proj.weight.q8" for i in picked}
     assert sorted(name for name, b in bits.items() if b == 8) == sorted(want)
     assert sum(b == 4 for b in bits.values()) == len(bits) - len(want)
+    (lookup,) = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
+    assert {a.name: a.i for a in lookup.attribute if a.name in ("bits", "block_size")} == {"bits": 4, "block_size": 16}
 
 
 def test_int8_without_int4_is_refused_before_any_work(tmp_path: Path, tiny_checkpoint: Callable[..., Path]) -> None:
@@ -227,6 +257,9 @@ def test_int8_without_int4_is_refused_before_any_work(tmp_path: Path, tiny_check
         args = ["build", str(tiny_checkpoint("llama")), "-o", str(tmp_path / "out"), *weights, "--int8", "lm_head"]
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 2 and "--int8" in result.output and "--weights int4" in result.output
+    for flag in ("--asymmetric", "--symmetric"):  # how --weights quantizes, without --weights
+        result = CliRunner().invoke(main, ["build", str(tiny_checkpoint("llama")), "-o", str(tmp_path / "out"), flag])
+        assert result.exit_code == 2 and f"drop {flag}" in result.output and "--weights int4" in result.output
     assert list(tmp_path.iterdir()) == []
 
 
@@ -253,8 +286,8 @@ def test_a_free_min_build_keeps_weights_on_a_free_min_grid_and_is_refused_where_
                 tensors[name] = grid_blocks(*value.shape).astype(value.dtype)
         save_file(tensors, path, metadata={"format": "pt"})
     kl = {}
-    for flags in ([], ["--free-min"]):
-        out = tmp_path / f"out{len(flags)}"
+    for flags in (["--symmetric"], ["--free-min"]):
+        out = tmp_path / flags[0].strip("-")
         result = CliRunner().invoke(
             main,
             [
@@ -275,7 +308,7 @@ def test_a_free_min_build_keeps_weights_on_a_free_min_grid_and_is_refused_where_
         assert result.exit_code == 0, result.output
         manifest = json.loads((out / "manifest.json").read_text())
         assert manifest["parity"]["passed"]
-        kl[bool(flags)] = manifest["parity"]["kl_mean"]
+        kl["--free-min" in flags] = manifest["parity"]["kl_mean"]
     assert manifest["flags"]["weights"]["free_min"] is True
     report = {r["name"]: r["fusions"] for r in manifest["passes"]["passes"]}
     graph = onnx.load(out / "model.onnx", load_external_data=False).graph

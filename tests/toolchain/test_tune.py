@@ -48,7 +48,7 @@ class FakeTimer:
 
 
 def make_tuner(path: Path, timer: FakeTimer, mode: str = "fast", machine: str = "cpu | 2 cores | ort") -> tune.Tuner:
-    return tune.Tuner(mode, WeightQuantization(4), tune.TimingCache(path, machine), timer)
+    return tune.Tuner(mode, WeightQuantization(4, symmetric=True), tune.TimingCache(path, machine), timer)
 
 
 def test_the_candidate_the_timer_makes_fastest_is_chosen(tmp_path: Path) -> None:
@@ -212,7 +212,7 @@ def test_a_tuned_build_records_its_forms_passes_the_gate_and_rebuilds_byte_ident
     first = build(checkpoint, tmp_path / "first", options)
     manifest = first.manifest
     assert manifest["parity"]["passed"]
-    assert manifest["flags"]["tune"] == "full" and manifest["flags"]["weights"] == WeightQuantization(4).to_dict()
+    assert manifest["flags"]["tune"] == "full" and manifest["flags"]["weights"] == options.weights.to_dict()
     kernels = manifest["kernels"]
     assert kernels["tune"] == "full" and kernels["margin"] == tune.MARGIN
     written = matmul_nbits_forms(tmp_path / "first" / "model.onnx", bits=4)
