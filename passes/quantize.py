@@ -400,7 +400,8 @@ def _asymmetric(blocks: np.ndarray, bits: int, dtype: np.dtype) -> tuple[np.ndar
         """code - zero point of each weight, in `work`."""
         np.divide(blocks, scale[..., None], out=work)
         np.rint(work, out=work)
-        return np.clip(work, -zero[..., None], (top - zero)[..., None], out=work)
+        np.maximum(work, -zero[..., None], out=work)
+        return np.minimum(work, (top - zero)[..., None], out=work)
 
     def consider(scale: np.ndarray) -> None:
         nonlocal best_error, best_scale, best_zero
@@ -409,8 +410,8 @@ def _asymmetric(blocks: np.ndarray, bits: int, dtype: np.dtype) -> tuple[np.ndar
         q = centred(scale, zero)
         np.multiply(q, scale[..., None], out=q)
         np.subtract(q, blocks, out=q)
-        np.square(q, out=q)
-        error = np.multiply(q, importance, out=q).sum(-1)
+        # each block's weighted sum (einsum's: over a short last axis numpy's sum is the slow one)
+        error = np.einsum("...k,...k->...", np.square(q, out=q), importance)
         better = error < best_error
         best_error = np.where(better, error, best_error)
         best_scale, best_zero = np.where(better, scale, best_scale), np.where(better, zero, best_zero)
@@ -420,7 +421,7 @@ def _asymmetric(blocks: np.ndarray, bits: int, dtype: np.dtype) -> tuple[np.ndar
     for _ in range(ASYMMETRIC_REFITS[bits]):
         q = centred(best_scale, best_zero)
         weighted = importance * q
-        fitted, norm = (weighted * blocks).sum(-1), (weighted * q).sum(-1)
+        fitted, norm = np.einsum("...k,...k->...", weighted, blocks), np.einsum("...k,...k->...", weighted, q)
         consider(np.where(norm > 0, fitted / np.where(norm > 0, norm, 1.0), best_scale))
     return best_scale, best_zero, centred(best_scale, best_zero) + best_zero[..., None]
 
