@@ -701,18 +701,20 @@ def test_symmetric_parts_of_other_bits_and_blocks_stack_in_the_widest_bits_and_s
     assert stack_rows([q, replace(v, block_size=48, scales=v.scales[:, :2])]) is None
 
 
-def grid_blocks(n: int, k: int, dtype: type = np.float32) -> np.ndarray:
+def grid_blocks(n: int, k: int, dtype: type = np.float32, rng: np.random.Generator | None = None) -> np.ndarray:
     """A [N, K] weight whose every block of 32 is step * code + min, codes 0..15 (a dequantized GGUF
-    Q4_1 block), some blocks using only part of the codes (spans 9 to 15), a few all one value."""
+    Q4_1 block), some blocks using only part of the codes (spans 9 to 15), a few all one value;
+    drawn from `rng` (default: this module's generator, whose state depends on the tests before)."""
+    rng = RNG if rng is None else rng
     blocks = k // 32
-    low = RNG.integers(0, 7, (n, blocks, 1))
-    span = RNG.integers(9, 16, (n, blocks, 1))
-    codes = low + np.minimum(RNG.integers(0, 16, (n, blocks, 32)), span)
+    low = rng.integers(0, 7, (n, blocks, 1))
+    span = rng.integers(9, 16, (n, blocks, 1))
+    codes = low + np.minimum(rng.integers(0, 16, (n, blocks, 32)), span)
     codes = np.clip(codes, 0, 15)
     codes[..., 0], codes[..., 1] = low[..., 0], np.minimum(low + span, 15)[..., 0]  # the span is used
     # float16 steps, as GGUF's Q4_1 stores them (and a float32 build's MatMulNBits)
-    step = (RNG.random((n, blocks, 1)) * 0.02 + 0.005).astype(np.float16).astype(np.float32)
-    minimum = (RNG.standard_normal((n, blocks, 1)) * 0.1).astype(dtype).astype(np.float32)
+    step = (rng.random((n, blocks, 1)) * 0.02 + 0.005).astype(np.float16).astype(np.float32)
+    minimum = (rng.standard_normal((n, blocks, 1)) * 0.1).astype(dtype).astype(np.float32)
     weight = codes * step + minimum
     weight[0, 0] = minimum[0, 0]  # a block of one value
     return weight.reshape(n, k).astype(dtype)
