@@ -156,9 +156,7 @@ class QuantizeEmbedding(QuantizeWeights):
         would take once widened for Gather, with a finer step), or where `--int8 embeddings`
         asks for them; 4-bit codes `GatherBlockQuantized` looks up in blocks of `table_block`."""
         bits = 8 if form == "gather_dequantize_linear" or EMBEDDINGS in weights.int8 else weights.bits
-        block = weights.block_size
-        if form == "gather_block_quantized":
-            block = table_block(bits, block, weights.free_min)
+        block = table_block(form, bits, weights.block_size, weights.free_min)
         symmetric = weights.without_zero_points
         return cls(bits, block, symmetric, form, weights.keep, imported, free_min=weights.free_min)
 

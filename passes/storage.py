@@ -102,11 +102,14 @@ def wide_block(k: int, block_size: int) -> int:
 TABLE_BLOCK = 16
 
 
-def table_block(bits: int, block_size: int, free_min: bool = False) -> int:
-    """The block a table of a `bits`-bit recipe of `block_size` is looked up in where
-    `GatherBlockQuantized` reads it: `TABLE_BLOCK` at 4 bits (a `--free-min` table keeps
-    `block_size`, its minimums looked up per block beside it), else `block_size`."""
-    return min(TABLE_BLOCK, block_size) if bits == 4 and not free_min else block_size
+def table_block(form: str | None, bits: int, block_size: int, free_min: bool = False) -> int:
+    """The block a table of a `bits`-bit recipe of `block_size` is looked up in by a target's
+    lookup `form` (`Target.embedding_form`): `TABLE_BLOCK` where `GatherBlockQuantized` reads 4
+    bits (a `--free-min` table keeps `block_size`, its minimums looked up per block beside it),
+    else `block_size`."""
+    if form == "gather_block_quantized" and bits == 4 and not free_min:
+        return min(TABLE_BLOCK, block_size)
+    return block_size
 
 
 def mixed_head(mix: str) -> bool:

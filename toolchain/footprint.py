@@ -26,6 +26,7 @@ from kvforge.passes.storage import (
     table_block,
     wide_block,
 )
+from kvforge.passes.targets import DEFAULT_TARGET, TARGETS
 from kvforge.runners.contract import DecoderIO
 from kvforge.runners.errors import CheckpointError, GenerationError, KvforgeError
 from kvforge.toolchain.checkpoint import Checkpoint
@@ -337,7 +338,8 @@ def _bytes_at(precision: str, params: Mapping[str, TensorMeta], spec: DecoderSpe
         return sum(2 * math.prod(shape) for _, shape in params.values())
     bits = _BITS[precision]
     mix = DEFAULT_MIX if bits == 4 else "none"
-    layout = QuantLayout(bits, zero_points=bits == 4, mix=mix, table_block=table_block(bits, QUANT_BLOCK))
+    table = table_block(TARGETS[DEFAULT_TARGET].embedding_form, bits, QUANT_BLOCK)
+    layout = QuantLayout(bits, zero_points=bits == 4, mix=mix, table_block=table)
     return _quantized_total(params, spec, layout, compute_bytes)
 
 
