@@ -206,7 +206,13 @@ def quantize(
     weight's block size and accuracy level (`kvforge.toolchain.tune`); other forms ignore it. `scales`:
     calibrated weights' scales by name (`kvforge.toolchain.calibration`), which their codes are rounded against."""
     passes: list[PassBase] = [
-        weights.make_pass(target.quantization_form(weights.bits), choose, target.quantization_form(8), scales)
+        weights.make_pass(
+            target.quantization_form(weights.bits),
+            choose,
+            target.quantization_form(8),
+            scales,
+            tied_lookup=target.embedding_form == "gather_block_quantized",
+        )
     ]
     if moe and target.expert_quantization is not None:
         passes.append(

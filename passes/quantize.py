@@ -77,6 +77,9 @@ FLOAT_TERM = "kvforge.float_term"  # Value.meta key of the initializers a later 
 # lookup of the same record reads the codes for (a tied table: `kvforge.passes.quantize_embedding`)
 IMPORTED_RECORD = "kvforge.imported_record"
 IMPORTED_SOURCE = "kvforge.imported_source"
+# On a tied LM head's 8-bit codes (`QuantizeWeights(tied_lookup=True)`): (the token table's
+# initializer name, the QuantizedWeight the codes hold), for the lookup to read them
+TIED_TABLE = "kvforge.tied_table"
 
 
 @dataclass(frozen=True, order=True)
@@ -509,6 +512,7 @@ class QuantizeWeights(InPlacePass):
         scales: Mapping[str, np.ndarray] | None = None,
         free_min: bool = False,
         mix: str = "none",
+        tied_lookup: bool = False,
     ) -> None:
         super().__init__()
         if bits not in BITS or block_size not in BLOCK_SIZES or form not in FORMS or mix not in MIXES:
@@ -526,6 +530,10 @@ class QuantizeWeights(InPlacePass):
         # a mix that keeps the LM head at 8 bits does as an `--int8 lm_head` would
         self._int8 = int8 + ((LM_HEAD,) if mixed_head(mix) and LM_HEAD not in int8 else ())
         self._int8_form = int8_form or form
+        # the token lookup reads a tied LM head's codes (GatherBlockQuantized): the mix may keep
+        # such a head at 8 bits, symmetric, one matrix for both (`mixed_head`)
+        self._tied_lookup = tied_lookup and form == "matmul_nbits" and self._int8_form == "matmul_nbits"
+        self._tied_head: str | None = None
         self.bits = bits
         self.block_size = block_size
         self.symmetric = symmetric
@@ -556,11 +564,14 @@ class QuantizeWeights(InPlacePass):
         self._mins = {}
         self._min_terms = MinTerms()
         graph = model.graph
-        head = _lm_head(graph) if LM_HEAD in self._keep + self._int8 else None
+        tied_wide = self._tied_lookup and mixed_head(self.mix, tied_lookup=True)
+        head = _lm_head(graph) if LM_HEAD in self._keep + self._int8 or tied_wide else None
         kept_head = head if LM_HEAD in self._keep else None
         # 8 bits is a property of the weight, whichever MatMul reads it: the LM head's by name
-        found_head = _constant_weight(head) if head is not None and LM_HEAD in self._int8 else None
-        wide_head = found_head[0].name if found_head is not None else None
+        found_head = _constant_weight(head) if head is not None and kept_head is None else None
+        tied = tied_wide and found_head is not None and _looked_up(found_head[0])
+        wide_head = found_head[0].name if found_head is not None and (LM_HEAD in self._int8 or tied) else None
+        self._tied_head = wide_head if tied else None
         layers = layer_count(graph.initializers)
         # a weight read by several MatMuls the same way is quantized once; read both directly and
         # through Transpose, it is two different [N, K] matrices
@@ -636,7 +647,9 @@ class QuantizeWeights(InPlacePass):
         elif calibrated is not None:
             q = quantize_with_scales(kernel, calibrated, bits, self.block_size)
         else:
-            q = quantize_blockwise(kernel, bits, block, self.symmetric, scale_dtype=scale_dtype)
+            # a tied head the lookup reads is symmetric: GatherBlockQuantized reads its B and scales
+            symmetric = self.symmetric or weight.name == self._tied_head
+            q = quantize_blockwise(kernel, bits, block, symmetric, scale_dtype=scale_dtype)
         base = f"{weight.name}.q{bits}"
         if base in graph.initializers:  # the same weight, already quantized as read the other way
             base += ".t"
@@ -656,6 +669,8 @@ class QuantizeWeights(InPlacePass):
         registered = register_quantized(graph, base, tensors)
         if half:
             registered[1] = read_as(graph, registered[1], ir.DataType.FLOAT)
+        if weight.name == self._tied_head and form == "matmul_nbits" and transposed:
+            registered[0].meta[TIED_TABLE] = (weight.name, q)
         return tuple(registered)
 
     def _calibrated_scales(self, weight: ir.Value, n: int, k: int) -> np.ndarray | None:
@@ -775,6 +790,11 @@ def _remove_if_unused(graph: ir.Graph, item: ir.Value | ir.Node | None) -> None:
         del graph.initializers[item.name]
 
 
+def _looked_up(weight: ir.Value) -> bool:
+    """Whether a `Gather` looks rows of `weight` up (a token table tied to the LM head)."""
+    return any(user.op_type == "Gather" and user.domain == "" and index == 0 for user, index in weight.uses())
+
+
 def _lm_head(graph: ir.Graph) -> ir.Node | None:
     """The MatMul that produces the logits: walk back from the `logits` output through the ops
     that follow it (softcapping, casts, reshapes: their first input)."""
@@ -886,7 +906,10 @@ class WeightQuantization:
         choose: FormChooser | None = None,
         int8_form: str | None = None,
         scales: Mapping[str, np.ndarray] | None = None,
+        tied_lookup: bool = False,
     ) -> QuantizeWeights:
+        """The pass for this recipe in `form`; `tied_lookup`: the target's token lookup can read a
+        tied LM head's codes (GatherBlockQuantized), which the default mix then keeps at 8 bits."""
         return QuantizeWeights(
             self.bits,
             self.block_size,
@@ -900,6 +923,7 @@ class WeightQuantization:
             scales,
             self.free_min,
             self.mixed,
+            tied_lookup,
         )
 
 

@@ -18,11 +18,14 @@ and they fit, `half_scales_fit`, else in the table's dtype), and the
                                                   ─► [Slice to H: when H is not a multiple of the block]
   ```
 
-  A table quantized here is its own, also when the LM head is tied to it (the head then
-  holds the same codes in its `MatMulNBits`): onnxruntime holds a B that another op reads
-  beside the head's prepacked copy at run time, which measured larger than a table of its
-  own, whose rows are read from the file's memory map only as they are looked up
-  (docs/performance.md, "Kernel choices behind the passes"). A table the checkpoint ships
+  A table quantized here is its own, also when a 4-bit LM head is tied to it: onnxruntime
+  holds a B that another op reads beside the head's prepacked copy at run time, which measured
+  larger than a table of its own, whose rows are read from the file's memory map only as they
+  are looked up (docs/performance.md, "Kernel choices behind the passes"). Where the default
+  mix keeps a tied head at 8 bits (`kvforge.passes.storage.mixed_head`, `TIED_TABLE` on its
+  codes), the lookup reads the head's codes instead (`shared` in `counts`): one 8-bit matrix
+  in fewer bytes than a 4-bit table and a 4-bit head of their own, as Q4_K_M stores a tied
+  table, for the resident memory of its codes beside the prepacked copy. A table the checkpoint ships
   quantized (`imported`: a GGUF file's) that the tied head's `MatMulNBits` holds as the same
   record is read from the head's initializers instead, so the artifact keeps the file's
   codes once, as the file does:
@@ -77,6 +80,7 @@ from kvforge.passes.quantize import (
     IMPORTED_RECORD,
     IMPORTED_SOURCE,
     LM_HEAD,
+    TIED_TABLE,
     QuantizedWeight,
     QuantizeWeights,
     WeightQuantization,
@@ -182,8 +186,12 @@ class QuantizeEmbedding(QuantizeWeights):
                 self.skipped[table.name or ""] = reason
                 self.counts["kept" if reason.startswith("kept") else "skipped"] += 1
                 continue
-            self.counts["imported" if record is not None else "quantized"] += 1
-            self._rewrite(model, table, gathers, record)
+            tied = None if record is not None or self.form != "gather_block_quantized" else _tied_head(graph, table)
+            self.counts["imported" if record is not None else "shared" if tied is not None else "quantized"] += 1
+            if tied is not None:
+                self._share(model, table, gathers, *tied)
+            else:
+                self._rewrite(model, table, gathers, record)
             modified = True
         return PassResult(model, modified=modified)
 
@@ -285,6 +293,18 @@ class QuantizeEmbedding(QuantizeWeights):
             values[1] = read_as(graph, values[1], tensor.dtype)
             for gather in gathers:
                 replace_node(graph, gather, self._gather_dequantize(graph, gather, values, q.block_size))
+        if not table.uses() and table.name is not None and table.name in graph.initializers:
+            del graph.initializers[table.name]
+
+    def _share(
+        self, model: ir.Model, table: ir.Value, gathers: list[ir.Node], head: ir.Node, q: QuantizedWeight
+    ) -> None:
+        """Look the rows of a table tied to the LM head up in the head's own 8-bit codes (the
+        default mix keeps such a head at 8 bits for this, `mixed_head`): one matrix for both."""
+        graph = model.graph
+        model.opset_imports.setdefault(_MS_DOMAIN, 1)
+        for gather in gathers:
+            replace_node(graph, gather, self._gather_head_codes(graph, gather, head, q))
         if not table.uses() and table.name is not None and table.name in graph.initializers:
             del graph.initializers[table.name]
 
@@ -392,6 +412,19 @@ def _head_reading(graph: ir.Graph, record: QuantizedWeight) -> tuple[ir.Node, Qu
             same = node.attributes.get_int("bits") == held.bits
             if same and node.attributes.get_int("block_size") == held.block_size:
                 return node, held
+    return None
+
+
+def _tied_head(graph: ir.Graph, table: ir.Value) -> tuple[ir.Node, QuantizedWeight] | None:
+    """The MatMulNBits of the LM head tied to `table` whose codes the lookup can read (`TIED_TABLE`
+    on its B: symmetric, in blocks GatherBlockQuantized takes), with the record they hold."""
+    for node in graph:
+        if node.op_type != "MatMulNBits" or node.domain != _MS_DOMAIN or len(node.inputs) != 3:
+            continue
+        codes = node.inputs[1]
+        tied = None if codes is None else codes.meta.get(TIED_TABLE)
+        if tied is not None and tied[0] == table.name and holds_block(tied[1].block_size):
+            return node, tied[1]
     return None
 
 

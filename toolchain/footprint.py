@@ -270,6 +270,9 @@ class QuantLayout:
     # the token-embedding table's block (`table_block`, where GatherBlockQuantized looks it up);
     # None: `block`
     table_block: int | None = None
+    # the lookup can read a tied LM head's codes (GatherBlockQuantized): a mix that keeps such a
+    # head at 8 bits (`mixed_head`) stores one symmetric 8-bit matrix for both
+    tied_lookup: bool = False
 
 
 def quantized_weight_bytes(
@@ -338,8 +341,11 @@ def _bytes_at(precision: str, params: Mapping[str, TensorMeta], spec: DecoderSpe
         return sum(2 * math.prod(shape) for _, shape in params.values())
     bits = _BITS[precision]
     mix = DEFAULT_MIX if bits == 4 else "none"
-    table = table_block(TARGETS[DEFAULT_TARGET].embedding_form, bits, QUANT_BLOCK)
-    layout = QuantLayout(bits, zero_points=bits == 4, mix=mix, table_block=table)
+    form = TARGETS[DEFAULT_TARGET].embedding_form
+    table = table_block(form, bits, QUANT_BLOCK)
+    layout = QuantLayout(
+        bits, zero_points=bits == 4, mix=mix, table_block=table, tied_lookup=form == "gather_block_quantized"
+    )
     return _quantized_total(params, spec, layout, compute_bytes)
 
 
@@ -348,11 +354,15 @@ def _quantized_total(
 ) -> int:
     layers = layer_count(params)
     wider = replace(layout, bits=8, free_min=False) if layout.bits == 4 else layout  # free minimums are 4-bit
-    head = wider if mixed_head(layout.mix) else layout
+    # a tied head the lookup reads: symmetric 8-bit codes, the table's only copy
+    shared = spec.tied_embeddings and mixed_head(layout.mix, layout.tied_lookup)
+    head = replace(wider, zero_points=False) if shared else wider if mixed_head(layout.mix) else layout
     total = 0
     for name, (_, shape) in params.items():
         if len(shape) != 2 or name.endswith(POSITION_EMBEDDINGS):
             total += compute_bytes * math.prod(shape)
+        elif name.endswith(TOKEN_EMBEDDINGS) and shared:
+            total += quantized_bytes((shape[0], shape[1]), _stored(head, layout, shape[1]), compute_bytes)
         elif name.endswith(TOKEN_EMBEDDINGS):
             table = layout if layout.table_block is None else replace(layout, block=layout.table_block)
             total += quantized_bytes((shape[0], shape[1]), table, compute_bytes, SCALE_BYTES)

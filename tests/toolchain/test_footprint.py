@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -193,14 +194,18 @@ def test_precisions_of_a_small_llama_by_hand(tmp_path: Path) -> None:
         "fp16": 2 * 563,
         # tied: the lookup and the head each hold the table's quantized codes
         "int8": 2 * quantized_bytes((10, 40), QuantLayout(8)) + 216 + 160 + 12,
-        # int4, the default recipe: zero points (a row's packed in bytes), the lookup's table in
-        # blocks of 16 (3 a row of 40, padded) and the head's copy in blocks of 32 (2), and the
-        # default mix keeps the down projection (a layer `more_bits` picks) at 8 bits
-        "int4": 10 * (3 * (8 + 4) + 2) + 10 * (2 * (16 + 4) + 1) + 3 * (2 * (32 + 4) + 2) + 160 + 12,
+        # int4, the default recipe: the tied table and head one symmetric 8-bit matrix the lookup
+        # and the head both read (2 blocks of 32 a row of 40, a float32 scale each: too few to
+        # count as float16), and zero points (a row's packed in bytes) elsewhere: the default mix
+        # keeps the down projection (a layer `more_bits` picks) at 8 bits
+        "int4": 10 * 2 * (32 + 4) + 3 * (2 * (32 + 4) + 2) + 160 + 12,
     }
-    # a recipe's own layout: the default's is the table's figure
-    default = QuantLayout(4, zero_points=True, mix="all_attention", table_block=16)
+    # a recipe's own layout: the default's is the table's figure; where the lookup cannot read the
+    # head's codes (a DequantizeLinear target), each holds its own, the table at 4 bits
+    default = QuantLayout(4, zero_points=True, mix="all_attention", table_block=16, tied_lookup=True)
     assert quantized_weight_bytes(checkpoint, spec, default) == fp.weight_bytes_at["int4"]
+    apart = quantized_weight_bytes(checkpoint, spec, replace(default, tied_lookup=False))
+    assert apart == 10 * (3 * (8 + 4) + 2) + 10 * (2 * (16 + 4) + 1) + 3 * (2 * (32 + 4) + 2) + 160 + 12
     # symmetric; a free minimum adds a float per 4-bit block (the table's 2 × 10 rows × 2 blocks;
     # with no mix the projection's 3 × 2 too), 4 bytes each
     symmetric = quantized_weight_bytes(checkpoint, spec, QuantLayout(4, mix="all_attention"))
@@ -213,8 +218,8 @@ def test_precisions_of_a_small_llama_by_hand(tmp_path: Path) -> None:
 
 
 def test_the_head_is_quantized_tied_or_not(tmp_path: Path) -> None:
-    """Untied, the head is a quantized weight of its own beside the quantized table; tied, it
-    is too: the same codes, stored twice (one parameter in the checkpoint)."""
+    """Untied, the head is a 4-bit weight of its own beside the 4-bit table; tied, the default
+    int4 keeps the two as one symmetric 8-bit matrix (one parameter in the checkpoint)."""
     tensors = {"model.embed_tokens.weight": torch.zeros(10, 40), "lm_head.weight": torch.zeros(10, 40)}
     # the default int4: zero points, the lookup's table in blocks of 16, the head in blocks of 32
     lookup = quantized_bytes((10, 40), QuantLayout(4, block=16, zero_points=True))
@@ -225,7 +230,7 @@ def test_the_head_is_quantized_tied_or_not(tmp_path: Path) -> None:
     tied = write_synthetic(tmp_path / "tied", "llama", tensors, tie_word_embeddings=True)
     fp = footprint(*load_with_spec(tied), batch=1, seq=1)
     assert fp.parameters == 400
-    assert fp.weight_bytes_at["int4"] == lookup + head
+    assert fp.weight_bytes_at["int4"] == quantized_bytes((10, 40), QuantLayout(8)) < lookup + head
 
 
 def test_gpt2_conv1d_weights_are_input_first(tmp_path: Path) -> None:
@@ -236,11 +241,10 @@ def test_gpt2_conv1d_weights_are_input_first(tmp_path: Path) -> None:
     }
     directory = write_synthetic(tmp_path / "m", "gpt2", tensors)
     fp = footprint(*load_with_spec(directory), batch=1, seq=1)
-    # gpt2 ties its head to wte: a quantized [10 out, 40 in] table for each
-    table = quantized_bytes((10, 40), QuantLayout(4, block=16, zero_points=True))  # the lookup's (int4's default)
-    head = quantized_bytes((10, 40), QuantLayout(4, zero_points=True))
+    # gpt2 ties its head to wte: one [10 out, 40 in] 8-bit matrix for both (int4's default)
+    shared = quantized_bytes((10, 40), QuantLayout(8))
     c_fc = quantized_bytes((3, 40), QuantLayout(4, zero_points=True))
-    assert fp.weight_bytes_at["int4"] == table + head + 64 * 40 * 4 + c_fc
+    assert fp.weight_bytes_at["int4"] == shared + 64 * 40 * 4 + c_fc
 
 
 def test_unknown_stored_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -115,7 +115,16 @@ def test_quantized_build_passes_the_distribution_gate_and_generates(
     assert len(tables) == (1 if target == "tensorrt" else 0)
     assert after.get("com.microsoft::GatherBlockQuantized", 0) == (1 if target == "ort-cpu" else 0)
     lookup = [r["fusions"] for r in manifest["passes"]["passes"] if r["name"] == "QuantizeEmbedding"]
-    assert lookup == ([] if target == "tensorrt" else [{"quantized": 1}])
+    # a tied table, where the lookup reads MatMulNBits' codes: the head's own 8-bit codes, one
+    # matrix for both (the default mix); else a table of its own
+    shared = target == "ort-cpu" and model_type == "qwen2" and weights.mixed == "all_attention"
+    assert lookup == ([] if target == "tensorrt" else [{"shared": 1} if shared else {"quantized": 1}])
+    if shared:
+        graph_proto = onnx.load(tmp_path / "out" / "model.onnx", load_external_data=False)
+        (gather,) = [n for n in graph_proto.graph.node if n.op_type == "GatherBlockQuantized"]
+        heads = [n for n in graph_proto.graph.node if n.op_type == "MatMulNBits" and n.input[1] == gather.input[0]]
+        assert len(heads) == 1 and {a.name: a.i for a in heads[0].attribute}["bits"] == 8
+        assert len(heads[0].input) == 3  # symmetric: no zero points
     # the weights really are smaller than the checkpoint's float32 ones
     weights_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
     assert (tmp_path / "out" / "model.onnx.data").stat().st_size < 0.7 * weights_bytes
@@ -135,8 +144,9 @@ def test_quantized_build_passes_the_distribution_gate_and_generates(
             mix=recipe.mixed,
             scale_bytes=2 if nbits else 4,
             wide_blocks=nbits,
-            # ort-cpu looks a 4-bit table up in blocks of 16
+            # ort-cpu looks a 4-bit table up in blocks of 16, or in a tied head's codes
             table_block=16 if target == "ort-cpu" and recipe.bits == 4 else None,
+            tied_lookup=target == "ort-cpu",
         )
         expected = quantized_weight_bytes(ckpt, decoder, layout)
         if weights.mix is None and target != "onnx":
@@ -147,12 +157,16 @@ def test_quantized_build_passes_the_distribution_gate_and_generates(
                 blocks = -(-spec["hidden_size"] // QUANT_BLOCK)
                 expected += spec["vocab_size"] * (blocks - -(-blocks // 2))
         assert parameter_bytes(tmp_path / "out" / "model.onnx") == expected
-    # `kvforge bench` counts every weight byte but the lookup's (tied, the quantized lookup has codes of its own)
+    # `kvforge bench` counts every weight byte but the lookup's own (tied, a quantized lookup has
+    # codes of its own, unless it reads the head's, which every step reads)
     data = (tmp_path / "out" / "model.onnx.data").stat().st_size
     graph = tmp_path / "out" / "model.onnx"
     table = parameter_bytes(graph, lookup_only(graph, spec["vocab_size"]))
-    assert table > 0
-    assert weight_bytes_per_step(tmp_path / "out", manifest) == data - table
+    if shared:  # the head reads every code the lookup does (a tiny table's scales are folded into a copy)
+        assert weight_bytes_per_step(tmp_path / "out", manifest) == data
+    else:
+        assert table > 0
+        assert weight_bytes_per_step(tmp_path / "out", manifest) == data - table
     engine = Engine.load(tmp_path / "out")
     tokens = engine.generate_tokens([engine.encode("def main():")], max_new_tokens=6, temperature=0.0)[0]
     assert len(tokens) >= 1
