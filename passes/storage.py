@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 # Mixes of a 4-bit build (`WeightQuantization.mix`): which weights stay at 8 bits, by name and
 # layer (`mixed_to_8_bits`). `all_attention` (the default): the attention's input projections
 # (q/k/v) of every layer and the feed-forward down projection of the layers llama.cpp's Q4_K_M
-# gives more bits (`more_bits`): held-out mean KL against fp32 0.0122 on the 125M reference
+# gives more bits (`more_bits`), and an LM head tied to the token table where the lookup reads
+# its codes (`mixed_head`): held-out mean KL against fp32 0.0122 on the 125M reference
 # (Q4_K_M 0.0128) with a 4-bit table in blocks of 16 (`table_block`), within 1.05× Q4_K_M's
 # bytes, and the lowest of these mixes on the example model and SmolLM2-135M too; `attention_down`
 # (the default before): q/k/v of those layers and the down projection of every layer;

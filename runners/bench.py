@@ -155,7 +155,8 @@ def memory_bandwidth(size_bytes: int = _BANDWIDTH_BYTES, repeats: int = 5, threa
 def weight_bytes_per_step(artifact: Path, manifest: dict[str, Any]) -> int:
     """Weight bytes one decode step reads: every weight, except the rows of embedding
     tables it does not gather (the input embedding, unless the LM head reads it: tied and
-    left in float; learned position tables)."""
+    left in float, or a tied head's quantized codes that the lookup reads too; learned
+    position tables)."""
     spec, flags = manifest["spec"], manifest["flags"]
     itemsize = np.dtype(flags["dtype"]).itemsize
     passes = manifest.get("passes", {}).get("passes", [])

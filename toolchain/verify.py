@@ -377,17 +377,18 @@ class DistributionReport:
         return self.summary() + _ADVICE.get(self.precision, "")
 
 
-# The int4 recipe that passes the gate on the dequantized weights of both real checkpoints in
-# tests/real (SmolLM2-135M: mean KL 0.064, Gemma 3 270M: 0.082) with fewer bytes than int8: the
-# default mix (q/k/v at 8 bits, zero points) and the weights whose error costs most besides.
+# The int4 recipe for a model the default int4 costs too much: the default mix (q/k/v at 8 bits,
+# zero points, a tied head shared with the lookup at 8 bits) and the weights whose error costs
+# most besides, with fewer bytes than int8 (the real checkpoints of tests/real, dequantized:
+# SmolLM2-135M passes it at gate mean KL 0.064, Gemma 3 270M at 0.082; docs/performance.md).
 INT4_PASSING_RECIPE = "--weights int4 --int8 lm_head --int8 '*down_proj*'"
 
 # What to build instead when a quantized build fails its gate (docs/performance.md has the figures).
 _ADVICE = {
     "int4": (
         "; int4 costs too much accuracy on this model: build with --weights int8, or keep the weights whose error "
-        f"costs most at int8: {INT4_PASSING_RECIPE} (SmolLM2-135M and Gemma 3 270M fail the default int4 and "
-        "pass this, in about three quarters of int8's bytes)"
+        f"costs most at int8: {INT4_PASSING_RECIPE} (about three quarters of int8's bytes on SmolLM2-135M "
+        "and Gemma 3 270M)"
     ),
     "int8": "; build without --weights (fp32), or keep the most sensitive weights at full precision (--keep lm_head)",
 }
