@@ -134,6 +134,33 @@ def test_a_tied_table_gets_codes_of_its_own_beside_the_heads(bits: int, symmetri
     assert not quantize(model).modified
 
 
+@pytest.mark.parametrize("hidden", [64, 80])
+def test_the_default_mix_keeps_a_tied_head_at_8_bits_and_the_lookup_reads_its_codes(hidden: int) -> None:
+    """Where the lookup reads MatMulNBits' codes (`tied_lookup`), the default mix keeps an LM head
+    tied to the table at 8 bits, symmetric, and the table is looked up in those codes: one
+    matrix, its rows the head's dequantized ones. Without it, a 4-bit head and a table of its own."""
+    weights = table(hidden)  # 80: a padded last block
+    settings = dict(bits=4, block_size=32, symmetric=False, form="matmul_nbits", int8_form="matmul_nbits")
+    model = lookup_graph(weights, tied_head=True)
+    head = QuantizeWeights(**settings, mix="all_attention", tied_lookup=True)  # type: ignore[arg-type]
+    assert head(model).modified and head.wider == ["embed.weight"]
+    lookup = QuantizeEmbedding(4, 16, False, "gather_block_quantized")
+    assert lookup(model).modified and lookup.counts == {"shared": 1}
+    codes = [v.name for v in model.graph.initializers.values() if v.dtype == ir.DataType.UINT8]
+    assert codes == ["embed.weight.q8"]  # no zero points, no codes of the table's own
+    assert nodes_reading(model, "embed.weight.q8") == ["GatherBlockQuantized", "MatMulNBits"]
+    assert "embed.weight" not in model.graph.initializers
+    logits, rows = ort_outputs(model, {"input_ids": IDS})
+    dequantized = quantize_blockwise(weights, 8, 32, True, scale_dtype=np.float16).dequantize()
+    np.testing.assert_allclose(rows, dequantized[IDS], atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(logits, -rows @ dequantized.T, atol=1e-3, rtol=1e-3)
+    model = lookup_graph(weights, tied_head=True)
+    head = QuantizeWeights(**settings, mix="all_attention")  # type: ignore[arg-type]
+    assert head(model).modified and head.wider == []
+    lookup = QuantizeEmbedding(4, 16, False, "gather_block_quantized")
+    assert lookup(model).modified and lookup.counts == {"quantized": 1}
+
+
 def test_the_portable_lookup_leaves_a_tied_heads_initializers_to_it(tmp_path: Path) -> None:
     """onnxruntime fuses the head's DequantizeLinear + MatMul into MatMulNBits only when nothing
     else reads their initializers, so the 8-bit lookup has codes of its own, even for an int8 head."""
