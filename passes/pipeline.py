@@ -211,7 +211,7 @@ def quantize(
             choose,
             target.quantization_form(8),
             scales,
-            tied_lookup=target.embedding_form == "gather_block_quantized",
+            tied_lookup=target.tied_lookup,
         )
     ]
     if moe and target.expert_quantization is not None:

@@ -669,7 +669,7 @@ class QuantizeWeights(InPlacePass):
         registered = register_quantized(graph, base, tensors)
         if half:
             registered[1] = read_as(graph, registered[1], ir.DataType.FLOAT)
-        if weight.name == self._tied_head and form == "matmul_nbits" and transposed:
+        if weight.name == self._tied_head and transposed:  # a head at 8 bits: MatMulNBits (`_tied_lookup`)
             registered[0].meta[TIED_TABLE] = (weight.name, q)
         return tuple(registered)
 

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import replace
 
 import numpy as np
@@ -85,6 +86,7 @@ from kvforge.passes.quantize import (
     QuantizeWeights,
     WeightQuantization,
     _lm_head,
+    _remove_if_unused,
     holds_block,
     matmul_nbits_inputs,
     quantize_blockwise,
@@ -188,8 +190,9 @@ class QuantizeEmbedding(QuantizeWeights):
                 continue
             tied = None if record is not None or self.form != "gather_block_quantized" else _tied_head(graph, table)
             self.counts["imported" if record is not None else "shared" if tied is not None else "quantized"] += 1
-            if tied is not None:
-                self._share(model, table, gathers, *tied)
+            if tied is not None:  # a head the default mix keeps at 8 bits for this (`mixed_head`)
+                self._look_up_in_head(model, gathers, *tied)
+                _remove_if_unused(graph, table)
             else:
                 self._rewrite(model, table, gathers, record)
             modified = True
@@ -272,9 +275,7 @@ class QuantizeEmbedding(QuantizeWeights):
             if held is not None and held[1] is not record:  # the head's import rounded them again
                 self.imported_forms[name]["regrouped"] = sources
         if head is not None:
-            model.opset_imports.setdefault(_MS_DOMAIN, 1)
-            for gather in gathers:
-                replace_node(graph, gather, self._gather_head_codes(graph, gather, head, q))
+            self._look_up_in_head(model, gathers, head, q)
         elif self.form == "gather_block_quantized":
             b, scales, zero_points = matmul_nbits_inputs(q)
             data, *rest = register_quantized(graph, name, [b.reshape(b.shape[0], -1), scales, zero_points])
@@ -293,20 +294,13 @@ class QuantizeEmbedding(QuantizeWeights):
             values[1] = read_as(graph, values[1], tensor.dtype)
             for gather in gathers:
                 replace_node(graph, gather, self._gather_dequantize(graph, gather, values, q.block_size))
-        if not table.uses() and table.name is not None and table.name in graph.initializers:
-            del graph.initializers[table.name]
+        _remove_if_unused(graph, table)
 
-    def _share(
-        self, model: ir.Model, table: ir.Value, gathers: list[ir.Node], head: ir.Node, q: QuantizedWeight
-    ) -> None:
-        """Look the rows of a table tied to the LM head up in the head's own 8-bit codes (the
-        default mix keeps such a head at 8 bits for this, `mixed_head`): one matrix for both."""
-        graph = model.graph
+    def _look_up_in_head(self, model: ir.Model, gathers: list[ir.Node], head: ir.Node, q: QuantizedWeight) -> None:
+        """Each of `gathers` as a lookup of the codes the LM head's MatMulNBits `head` holds (`q`)."""
         model.opset_imports.setdefault(_MS_DOMAIN, 1)
         for gather in gathers:
-            replace_node(graph, gather, self._gather_head_codes(graph, gather, head, q))
-        if not table.uses() and table.name is not None and table.name in graph.initializers:
-            del graph.initializers[table.name]
+            replace_node(model.graph, gather, self._gather_head_codes(model.graph, gather, head, q))
 
     # --- gather_block_quantized ------------------------------------------------------------------
 
@@ -403,11 +397,8 @@ def _head_reading(graph: ir.Graph, record: QuantizedWeight) -> tuple[ir.Node, Qu
     """The MatMulNBits that holds codes made from `record` (`IMPORTED_SOURCE`: the LM head tied to
     an imported table), with the scales it reads, and the record those codes hold (`record`, or
     the one the import `regrouped` it to); None where no such node is in the graph."""
-    for node in graph:
-        if node.op_type != "MatMulNBits" or node.domain != _MS_DOMAIN or len(node.inputs) != 3:
-            continue
-        codes = node.inputs[1]
-        if codes is not None and codes.meta.get(IMPORTED_SOURCE) is record:
+    for node, codes in _symmetric_codes(graph):
+        if codes.meta.get(IMPORTED_SOURCE) is record:
             held: QuantizedWeight = codes.meta[IMPORTED_RECORD]
             same = node.attributes.get_int("bits") == held.bits
             if same and node.attributes.get_int("block_size") == held.block_size:
@@ -418,14 +409,20 @@ def _head_reading(graph: ir.Graph, record: QuantizedWeight) -> tuple[ir.Node, Qu
 def _tied_head(graph: ir.Graph, table: ir.Value) -> tuple[ir.Node, QuantizedWeight] | None:
     """The MatMulNBits of the LM head tied to `table` whose codes the lookup can read (`TIED_TABLE`
     on its B: symmetric, in blocks GatherBlockQuantized takes), with the record they hold."""
-    for node in graph:
-        if node.op_type != "MatMulNBits" or node.domain != _MS_DOMAIN or len(node.inputs) != 3:
-            continue
-        codes = node.inputs[1]
-        tied = None if codes is None else codes.meta.get(TIED_TABLE)
+    for node, codes in _symmetric_codes(graph):
+        tied = codes.meta.get(TIED_TABLE)
         if tied is not None and tied[0] == table.name and holds_block(tied[1].block_size):
             return node, tied[1]
     return None
+
+
+def _symmetric_codes(graph: ir.Graph) -> Iterator[tuple[ir.Node, ir.Value]]:
+    """Each MatMulNBits without zero points, with the codes B it reads (what a lookup can share)."""
+    for node in graph:
+        if node.op_type == "MatMulNBits" and node.domain == _MS_DOMAIN and len(node.inputs) == 3:
+            codes = node.inputs[1]
+            if codes is not None:
+                yield node, codes
 
 
 def _token_ids(value: ir.Value) -> bool:

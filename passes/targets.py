@@ -79,6 +79,13 @@ class Target:
     def quantization_form(self, bits: int) -> str:
         return self.quantization_forms.get(bits, "dequantize_linear")
 
+    @property
+    def tied_lookup(self) -> bool:
+        """Whether its token lookup can read a tied LM head's 8-bit `MatMulNBits` codes
+        (`GatherBlockQuantized`), so that a mix keeping such a head at 8 bits stores one matrix
+        for both (`kvforge.passes.storage.mixed_head`)."""
+        return self.embedding_form == "gather_block_quantized" and self.quantization_form(8) == "matmul_nbits"
+
 
 _FROZEN_NONE: Mapping[int, str] = MappingProxyType({})
 

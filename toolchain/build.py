@@ -622,7 +622,7 @@ def _check_fits(ckpt: checkpoints.Checkpoint, spec: DecoderSpec, options: BuildO
             scale_bytes=2 if nbits else compute_bytes,
             wide_blocks=nbits,
             table_block=table_block(options.target.embedding_form, quant.bits, quant.block_size, quant.free_min),
-            tied_lookup=nbits and options.target.embedding_form == "gather_block_quantized",
+            tied_lookup=options.target.tied_lookup,
         )
     # the checkpoint's own quantized weights, where the target imports them, as the import writes them
     imported = None

@@ -341,11 +341,9 @@ def _bytes_at(precision: str, params: Mapping[str, TensorMeta], spec: DecoderSpe
         return sum(2 * math.prod(shape) for _, shape in params.values())
     bits = _BITS[precision]
     mix = DEFAULT_MIX if bits == 4 else "none"
-    form = TARGETS[DEFAULT_TARGET].embedding_form
-    table = table_block(form, bits, QUANT_BLOCK)
-    layout = QuantLayout(
-        bits, zero_points=bits == 4, mix=mix, table_block=table, tied_lookup=form == "gather_block_quantized"
-    )
+    target = TARGETS[DEFAULT_TARGET]
+    table = table_block(target.embedding_form, bits, QUANT_BLOCK)
+    layout = QuantLayout(bits, zero_points=bits == 4, mix=mix, table_block=table, tied_lookup=target.tied_lookup)
     return _quantized_total(params, spec, layout, compute_bytes)
 
 
