@@ -57,6 +57,7 @@ from kvforge.passes.storage import (
     mixed_head,
     mixed_to_8_bits,
     regroup_block,
+    shared_head,
     stored_scales,
     wide_block,
 )
@@ -564,7 +565,7 @@ class QuantizeWeights(InPlacePass):
         self._mins = {}
         self._min_terms = MinTerms()
         graph = model.graph
-        tied_wide = self._tied_lookup and mixed_head(self.mix, tied_lookup=True)
+        tied_wide = shared_head(self.bits, self.mix, self._tied_lookup)
         head = _lm_head(graph) if LM_HEAD in self._keep + self._int8 or tied_wide else None
         kept_head = head if LM_HEAD in self._keep else None
         # 8 bits is a property of the weight, whichever MatMul reads it: the LM head's by name
@@ -592,7 +593,7 @@ class QuantizeWeights(InPlacePass):
             bits, form = (8, self._int8_form) if wide else (self.bits, self.form)
             if key not in quantized:
                 quantized[key] = self._quantized_inputs(graph, weight, key[1], bits, form)
-                if wide and name not in self.wider:
+                if wide and self.bits == 4 and name not in self.wider:
                     self.wider.append(name)
             rows, cols = weight.const_value.shape.numpy()  # type: ignore[union-attr]
             self._replace(graph, node, quantized[key], (cols, rows) if key[1] else (rows, cols), bits, form)

@@ -22,6 +22,7 @@ from kvforge.passes.storage import (
     mixed_head,
     mixed_to_8_bits,
     regroup_block,
+    shared_head,
     stored_scales,
     table_block,
     wide_block,
@@ -353,7 +354,7 @@ def _quantized_total(
     layers = layer_count(params)
     wider = replace(layout, bits=8, free_min=False) if layout.bits == 4 else layout  # free minimums are 4-bit
     # a tied head the lookup reads: symmetric 8-bit codes, the table's only copy
-    shared = spec.tied_embeddings and mixed_head(layout.mix, layout.tied_lookup)
+    shared = spec.tied_embeddings and shared_head(layout.bits, layout.mix, layout.tied_lookup)
     head = replace(wider, zero_points=False) if shared else wider if mixed_head(layout.mix) else layout
     total = 0
     for name, (_, shape) in params.items():
@@ -376,7 +377,7 @@ def _quantized_total(
 def _stored(picked: QuantLayout, layout: QuantLayout, in_features: int) -> QuantLayout:
     """`picked` (`layout`, or the 8-bit form its mix keeps a weight in) with the block a weight
     of `in_features` inputs is stored in: a 4-bit build's 8-bit weights in `wide_block`s."""
-    if picked is layout or not layout.wide_blocks:
+    if picked is layout or not layout.wide_blocks or layout.bits != 4:
         return picked
     return replace(picked, block=wide_block(in_features, layout.block))
 

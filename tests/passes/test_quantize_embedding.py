@@ -161,6 +161,29 @@ def test_the_default_mix_keeps_a_tied_head_at_8_bits_and_the_lookup_reads_its_co
     assert lookup(model).modified and lookup.counts == {"quantized": 1}
 
 
+def test_an_8_bit_build_looks_a_tied_table_up_in_the_heads_codes() -> None:
+    """Every weight of an 8-bit build is at 8 bits, the tied head too: where the lookup reads
+    MatMulNBits' codes, the table is the head's codes, in the build's blocks, and has none of its
+    own; without that lookup, codes of its own."""
+    weights = table(80)  # a padded last block
+    model = lookup_graph(weights, tied_head=True)
+    head = QuantizeWeights(8, 32, True, "matmul_nbits", tied_lookup=True)
+    assert head(model).modified and head.wider == []  # `wider`: 8-bit weights of a 4-bit build
+    lookup = QuantizeEmbedding(8, 32, True, "gather_block_quantized")
+    assert lookup(model).modified and lookup.counts == {"shared": 1}
+    codes = [v.name for v in model.graph.initializers.values() if v.dtype == ir.DataType.UINT8]
+    assert codes == ["embed.weight.q8"]
+    assert nodes_reading(model, "embed.weight.q8") == ["GatherBlockQuantized", "MatMulNBits"]
+    logits, rows = ort_outputs(model, {"input_ids": IDS})
+    dequantized = quantize_blockwise(weights, 8, 32, True, scale_dtype=np.float16).dequantize()
+    np.testing.assert_allclose(rows, dequantized[IDS], atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(logits, -rows @ dequantized.T, atol=1e-3, rtol=1e-3)
+    model = lookup_graph(weights, tied_head=True)
+    QuantizeWeights(8, 32, True, "matmul_nbits")(model)
+    lookup = QuantizeEmbedding(8, 32, True, "gather_block_quantized")
+    assert lookup(model).modified and lookup.counts == {"quantized": 1}
+
+
 def test_the_portable_lookup_leaves_a_tied_heads_initializers_to_it(tmp_path: Path) -> None:
     """onnxruntime fuses the head's DequantizeLinear + MatMul into MatMulNBits only when nothing
     else reads their initializers, so the 8-bit lookup has codes of its own, even for an int8 head."""

@@ -192,8 +192,9 @@ def test_precisions_of_a_small_llama_by_hand(tmp_path: Path) -> None:
     assert fp.weight_bytes_at == {
         "fp32": 4 * 563,
         "fp16": 2 * 563,
-        # tied: the lookup and the head each hold the table's quantized codes
-        "int8": 2 * quantized_bytes((10, 40), QuantLayout(8)) + 216 + 160 + 12,
+        # tied: one 8-bit matrix the lookup and the head both read (the default target's lookup
+        # reads the head's codes)
+        "int8": quantized_bytes((10, 40), QuantLayout(8)) + 216 + 160 + 12,
         # int4, the default recipe: the tied table and head one symmetric 8-bit matrix the lookup
         # and the head both read (2 blocks of 32 a row of 40, a float32 scale each: too few to
         # count as float16), and zero points (a row's packed in bytes) elsewhere: the default mix

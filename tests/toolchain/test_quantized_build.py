@@ -77,6 +77,7 @@ def float_tables(model_path: Path, shape: list[int]) -> list[str]:
         ("ort-cpu", "llama", WeightQuantization(4), "com.microsoft::MatMulNBits"),
         ("ort-cpu", "llama", WeightQuantization(4, mix="none"), "com.microsoft::MatMulNBits"),
         ("ort-cpu", "qwen2", WeightQuantization(4), "com.microsoft::MatMulNBits"),  # tied
+        ("ort-cpu", "qwen2", WeightQuantization(8), "com.microsoft::MatMulNBits"),  # tied, every weight 8-bit
         ("onnx", "llama", WeightQuantization(4), "DequantizeLinear"),
         ("onnx", "qwen2", WeightQuantization(8, block_size=64, symmetric=False), "DequantizeLinear"),  # tied
         ("tensorrt", "llama", WeightQuantization(4), "DequantizeLinear"),  # block-wise, through the parser's checker
@@ -116,8 +117,8 @@ def test_quantized_build_passes_the_distribution_gate_and_generates(
     assert after.get("com.microsoft::GatherBlockQuantized", 0) == (1 if target == "ort-cpu" else 0)
     lookup = [r["fusions"] for r in manifest["passes"]["passes"] if r["name"] == "QuantizeEmbedding"]
     # a tied table, where the lookup reads MatMulNBits' codes: the head's own 8-bit codes, one
-    # matrix for both (the default mix); else a table of its own
-    shared = target == "ort-cpu" and model_type == "qwen2" and weights.mixed == "all_attention"
+    # matrix for both (an int8 build, the default int4 mix); else a table of its own
+    shared = target == "ort-cpu" and model_type == "qwen2" and (weights.bits == 8 or weights.mixed == "all_attention")
     assert lookup == ([] if target == "tensorrt" else [{"shared": 1} if shared else {"quantized": 1}])
     if shared:
         graph_proto = onnx.load(tmp_path / "out" / "model.onnx", load_external_data=False)
