@@ -128,8 +128,9 @@ def shared_head(bits: int, mix: str, tied_lookup: bool) -> bool:
     head's symmetric 8-bit `MatMulNBits` codes, which the lookup reads (`tied_lookup`:
     GatherBlockQuantized): in an 8-bit build, and in a 4-bit build whose mix keeps such a head at
     8 bits (`mixed_head`). On Gemma 3 270M (a tied table of 262,144 rows) an int8 build's weights
-    went from 464.0 to 285.7 MB, its codes and held-out mean KL unchanged; onnxruntime keeps the
-    codes beside the head's prepacked copy, 42 MB more resident (docs/performance.md)."""
+    went from 464.0 to 285.7 MB, its codes and held-out mean KL unchanged, its private memory too;
+    the file's pages the head's prepacking read stay mapped beside the prepacked copy, since the
+    lookup reads them (docs/performance.md)."""
     return tied_lookup and (bits == 8 or mixed_head(mix, tied_lookup=True))
 
 
