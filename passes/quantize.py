@@ -531,8 +531,9 @@ class QuantizeWeights(InPlacePass):
         # a mix that keeps the LM head at 8 bits does as an `--int8 lm_head` would
         self._int8 = int8 + ((LM_HEAD,) if mixed_head(mix) and LM_HEAD not in int8 else ())
         self._int8_form = int8_form or form
-        # the token lookup reads a tied LM head's codes (GatherBlockQuantized): the mix may keep
-        # such a head at 8 bits, symmetric, one matrix for both (`mixed_head`)
+        # the token lookup reads a tied LM head's codes (GatherBlockQuantized): where the head is
+        # at 8 bits (an 8-bit build, or a mix that keeps it there), symmetric, one matrix for both
+        # (`shared_head`)
         self._tied_lookup = tied_lookup and form == "matmul_nbits" and self._int8_form == "matmul_nbits"
         self._tied_head: str | None = None
         self.bits = bits
@@ -565,12 +566,12 @@ class QuantizeWeights(InPlacePass):
         self._mins = {}
         self._min_terms = MinTerms()
         graph = model.graph
-        tied_wide = shared_head(self.bits, self.mix, self._tied_lookup)
-        head = _lm_head(graph) if LM_HEAD in self._keep + self._int8 or tied_wide else None
+        shared = shared_head(self.bits, self.mix, self._tied_lookup)
+        head = _lm_head(graph) if LM_HEAD in self._keep + self._int8 or shared else None
         kept_head = head if LM_HEAD in self._keep else None
         # 8 bits is a property of the weight, whichever MatMul reads it: the LM head's by name
         found_head = _constant_weight(head) if head is not None and kept_head is None else None
-        tied = tied_wide and found_head is not None and _looked_up(found_head[0])
+        tied = shared and found_head is not None and _looked_up(found_head[0])
         wide_head = found_head[0].name if found_head is not None and (LM_HEAD in self._int8 or tied) else None
         self._tied_head = wide_head if tied else None
         layers = layer_count(graph.initializers)
@@ -910,7 +911,8 @@ class WeightQuantization:
         tied_lookup: bool = False,
     ) -> QuantizeWeights:
         """The pass for this recipe in `form`; `tied_lookup`: the target's token lookup can read a
-        tied LM head's codes (GatherBlockQuantized), which the default mix then keeps at 8 bits."""
+        tied LM head's codes (GatherBlockQuantized), which an 8-bit build and the default mix then
+        store as one 8-bit matrix (`shared_head`)."""
         return QuantizeWeights(
             self.bits,
             self.block_size,

@@ -21,14 +21,14 @@ and they fit, `half_scales_fit`, else in the table's dtype), and the
   A table quantized here is its own, also when a 4-bit LM head is tied to it: onnxruntime
   holds a B that another op reads beside the head's prepacked copy at run time, which measured
   larger than a table of its own, whose rows are read from the file's memory map only as they
-  are looked up (docs/performance.md, "Kernel choices behind the passes"). Where the default
-  mix keeps a tied head at 8 bits (`kvforge.passes.storage.mixed_head`, `TIED_TABLE` on its
-  codes), the lookup reads the head's codes instead (`shared` in `counts`): one 8-bit matrix
-  in fewer bytes than a 4-bit table and a 4-bit head of their own, as Q4_K_M stores a tied
-  table, for the resident memory of its codes beside the prepacked copy. A table the checkpoint ships
-  quantized (`imported`: a GGUF file's) that the tied head's `MatMulNBits` holds as the same
-  record is read from the head's initializers instead, so the artifact keeps the file's
-  codes once, as the file does:
+  are looked up (docs/performance.md, "Kernel choices behind the passes"). Where a tied head
+  is at 8 bits (an 8-bit build, or the default mix, which keeps it there:
+  `kvforge.passes.storage.shared_head`, `TIED_TABLE` on its codes), the lookup reads the head's
+  codes instead (`shared` in `counts`): one 8-bit matrix, at 4 bits in fewer bytes than a 4-bit
+  table and a 4-bit head of their own, as Q4_K_M stores a tied table, for the resident memory of
+  its codes beside the prepacked copy. A table the checkpoint ships quantized (`imported`: a
+  GGUF file's) that the tied head's `MatMulNBits` holds as the same record is read from the
+  head's initializers instead, so the artifact keeps the file's codes once, as the file does:
 
   ```
   B [V, blocks, block·bits/8] uint8 ───────────────► MatMulNBits (the LM head)
@@ -190,7 +190,7 @@ class QuantizeEmbedding(QuantizeWeights):
                 continue
             tied = None if record is not None or self.form != "gather_block_quantized" else _tied_head(graph, table)
             self.counts["imported" if record is not None else "shared" if tied is not None else "quantized"] += 1
-            if tied is not None:  # a head the default mix keeps at 8 bits for this (`mixed_head`)
+            if tied is not None:  # a head at 8 bits, one matrix for both (`shared_head`)
                 self._look_up_in_head(model, gathers, *tied)
                 _remove_if_unused(graph, table)
             else:

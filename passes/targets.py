@@ -82,8 +82,8 @@ class Target:
     @property
     def tied_lookup(self) -> bool:
         """Whether its token lookup can read a tied LM head's 8-bit `MatMulNBits` codes
-        (`GatherBlockQuantized`), so that a mix keeping such a head at 8 bits stores one matrix
-        for both (`kvforge.passes.storage.mixed_head`)."""
+        (`GatherBlockQuantized`), so that a build whose head is at 8 bits (an 8-bit build, or a mix
+        keeping it there) stores one matrix for both (`kvforge.passes.storage.shared_head`)."""
         return self.embedding_form == "gather_block_quantized" and self.quantization_form(8) == "matmul_nbits"
 
 

@@ -271,8 +271,8 @@ class QuantLayout:
     # the token-embedding table's block (`table_block`, where GatherBlockQuantized looks it up);
     # None: `block`
     table_block: int | None = None
-    # the lookup can read a tied LM head's codes (GatherBlockQuantized): a mix that keeps such a
-    # head at 8 bits (`mixed_head`) stores one symmetric 8-bit matrix for both
+    # the lookup can read a tied LM head's codes (GatherBlockQuantized): an 8-bit layout, or a mix
+    # that keeps such a head at 8 bits, stores one symmetric 8-bit matrix for both (`shared_head`)
     tied_lookup: bool = False
 
 
