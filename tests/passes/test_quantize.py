@@ -516,6 +516,21 @@ def test_the_8b_benchmarks_int4_grid_is_what_int4_reproduces_exactly() -> None:
     assert np.array_equal(q.dequantize(), weight.astype(np.float32))
 
 
+def assert_product(got: np.ndarray, x: np.ndarray, *records: QuantizedWeight) -> None:
+    """`got` is x @ Wᵀ to float32 rounding, W the records' dequantized weights one under the other,
+    whatever order either side sums in: each element within K·ε of Σ|x|·(|code · scale| + |min|),
+    twice the bound of one float32 sum of K products (a graph with a min term sums its parts apart)."""
+    weight = np.concatenate([record.dequantize() for record in records])
+    size = np.concatenate([np.abs(replace(record, mins=None).dequantize()) for record in records])
+    for row, record in zip(np.cumsum([0, *(r.codes.shape[0] for r in records)]), records):
+        if record.mins is not None:
+            no_codes = replace(record, codes=np.zeros_like(record.codes), zero_points=None)
+            size[row : row + record.codes.shape[0]] += np.abs(no_codes.dequantize())
+    bound = x.shape[-1] * np.finfo(np.float32).eps * (np.abs(x) @ size.T)
+    error = np.abs(got - x @ weight.T)
+    assert np.all(error <= bound), f"{float(error.max())} against a bound of {float(bound.min())} at least"
+
+
 def prequantized(n: int, k: int, bits: int, block: int) -> QuantizedWeight:
     """A record as a checkpoint ships it: any codes, fp16 scales, integer zero points per block."""
     top = 2**bits - 1
@@ -553,7 +568,7 @@ def test_imported_weights_keep_their_codes_and_compute_x_times_the_dequantized_r
         codes = codes.astype(np.uint8).T  # [K, N] uint4 / uint8
     assert np.array_equal(codes.reshape(n, k), q.codes)  # unchanged: no quantizer ran
     (got,) = ort_outputs(model, {"x": x})
-    np.testing.assert_allclose(got, x @ q.dequantize().T, atol=2e-5, rtol=1e-5)
+    assert_product(got, x, q)
     assert not imports(model).modified
 
 
@@ -573,8 +588,7 @@ def test_a_packed_weight_imports_its_parts_stacked_and_mixed_parts_stay_float() 
     assert imports.counts == {"imported": 1} and imports.imported_forms["qkv"]["from"] == ["q", "k", "v"]
     x = RNG.standard_normal((2, 3, k)).astype(np.float32)
     (got,) = ort_outputs(model, {"x": x})
-    want = x @ np.concatenate([q.dequantize() for q in parts.values()]).T
-    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    assert_product(got, x, *parts.values())
     # one part not imported, or imported with another block size: the packed weight stays float
     assert packed({"q": parts["q"], "k": parts["k"]})[1].counts == {}
     assert packed(parts | {"v": prequantized(8, k, 4, 16)})[1].counts == {}
@@ -594,7 +608,7 @@ def test_codes_stored_in_another_input_order_read_the_activations_in_that_order(
     assert imports.imported_forms["w"]["input_order"] is True
     x = RNG.standard_normal((2, 3, k)).astype(np.float32)
     (got,) = ort_outputs(model, {"x": x})
-    np.testing.assert_allclose(got, x @ weight.T, atol=2e-5, rtol=1e-5)
+    assert_product(got, x, q)  # its weight, in the features' own order
 
 
 def block_sums(model: ir.Model, op: str = "ReduceSum") -> int:
@@ -678,8 +692,8 @@ def test_packed_parts_stack_their_mins_zeros_for_a_part_without_and_share_one_bl
     assert block_sums(model) == 1
     x = RNG.standard_normal((2, 3, k)).astype(np.float32)
     got, got_down = ort_outputs(model, {"x": x})
-    np.testing.assert_allclose(got, x @ stacked.dequantize().T, atol=2e-5, rtol=1e-5)
-    np.testing.assert_allclose(got_down, x @ down.dequantize().T, atol=2e-5, rtol=1e-5)
+    assert_product(got, x, stacked)
+    assert_product(got_down, x, down)
 
 
 def test_symmetric_parts_of_other_bits_and_blocks_stack_in_the_widest_bits_and_smallest_block() -> None:
@@ -696,7 +710,7 @@ def test_symmetric_parts_of_other_bits_and_blocks_stack_in_the_widest_bits_and_s
     assert ImportQuantizedWeights({"w": stacked})(model).modified
     x = RNG.standard_normal((2, 3, k)).astype(np.float32)
     (got,) = ort_outputs(model, {"x": x})
-    np.testing.assert_allclose(got, x @ stacked.dequantize().T, atol=2e-5, rtol=1e-5)
+    assert_product(got, x, stacked)
     # blocks that do not split into the smallest (48 into 32) do not stack
     assert stack_rows([q, replace(v, block_size=48, scales=v.scales[:, :2])]) is None
 
