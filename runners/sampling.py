@@ -68,7 +68,10 @@ def apply_repetition_penalty(logits: FloatArray, seen: Sequence[npt.ArrayLike], 
     for row, ids in enumerate(seen):
         tokens = _seen_tokens(ids, vocab, row)
         picked = result[row, tokens]
-        result[row, tokens] = np.where(picked > 0, picked / penalty, picked * penalty)
+        # a penalty far from 1 can take a logit past float64's range: ±inf, which sampling and
+        # the argmax take as the most (least) likely token, so the overflow is not an error
+        with np.errstate(over="ignore"):
+            result[row, tokens] = np.where(picked > 0, picked / penalty, picked * penalty)
     return result
 
 
