@@ -169,8 +169,14 @@ def greedy(logits: npt.ArrayLike) -> IdArray:
 
 
 def softmax(logits: FloatArray) -> FloatArray:
-    """Row-wise probabilities; ``-inf`` logits get exactly zero probability."""
-    shifted = logits - logits.max(axis=-1, keepdims=True)
+    """Row-wise probabilities; ``-inf`` logits get exactly zero probability, and a row with
+    ``+inf`` logits (a penalty that overflowed) shares all of it among them, the limit of a
+    logit growing without bound."""
+    top = logits.max(axis=-1, keepdims=True)
+    if np.isposinf(top).any():
+        logits = np.where(np.isposinf(top), np.where(np.isposinf(logits), 0.0, -np.inf), logits)
+        top = logits.max(axis=-1, keepdims=True)
+    shifted = logits - top
     weights = np.exp(shifted)
     probs: FloatArray = weights / weights.sum(axis=-1, keepdims=True)
     return probs

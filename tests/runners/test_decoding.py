@@ -158,7 +158,8 @@ def test_end_of_row_says_why() -> None:
     assert end_of_row(eos=False, stopped=False, finished=False, generated=3, budget=9) is None
 
 
-def test_a_penalty_that_overflows_a_logit_still_chooses_a_token() -> None:
-    decoder = Decoder(SamplingParams(temperature=0.0, repetition_penalty=5e-324), [1])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_penalty_that_overflows_a_logit_still_chooses_a_token(temperature: float) -> None:
+    decoder = Decoder(SamplingParams(temperature=temperature, repetition_penalty=5e-324, seed=0), [1])
     token, _ = decoder.choose(np.array([1.0, 2.0, 0.5]))
-    assert token == 1  # 2 / 5e-324 is +inf: still the argmax, as before the decoder
+    assert token == 1  # 2 / 5e-324 is +inf: the argmax, and the only token a draw can take

@@ -217,6 +217,17 @@ def test_draw_frequencies_match_softmax_of_logits_over_temperature(temperature: 
     assert statistic < CHI2_CRITICAL_0_001[dof]
 
 
+def test_infinite_logits_share_all_the_probability() -> None:
+    """A logit a penalty took past float64's range is the limit of one growing without bound:
+    the +inf tokens share the mass, every finite one gets none (not the NaNs of inf − inf)."""
+    logits = np.array([[1.0, np.inf, 2.0, np.inf, -np.inf], [1.0, 0.0, -1.0, 0.5, -np.inf]])
+    probs = softmax(logits)
+    np.testing.assert_array_equal(probs[0], [0.0, 0.5, 0.0, 0.5, 0.0])
+    np.testing.assert_allclose(probs[1], softmax(logits[1:, :4])[0].tolist() + [0.0])  # a finite row as before
+    tokens = _draws(logits[0], SamplingParams(temperature=0.7), 200, seed=3)
+    assert set(tokens.tolist()) == {1, 3}
+
+
 def test_chi_square_check_detects_the_wrong_temperature() -> None:
     """Guards the statistical tests above: a distribution off by T=1 vs 1.3 must fail."""
     logits = np.array([1.0, 0.2, -0.5, 2.0, 0.0, -3.0])
