@@ -3,7 +3,7 @@
     python benchmarks/op_profile.py ARTIFACT [--prompt 64] [--new-tokens 33] [--top 8]
 
 One greedy generation of `--new-tokens` tokens after a `--prompt`-token prompt of token ids
-(after one unprofiled warm-up generation of the same shape), the artifact loaded as
+(after a warm-up generation of the same shape, whose runs are left out), the artifact loaded as
 `kvforge generate` loads it (`Engine.load`), with onnxruntime's profiler on
 (`SessionOptions.enable_profiling`). The profiler's trace holds each run of the graph
 (`model_run`) and each node's kernel time inside it: the first run of the generation is the

@@ -521,14 +521,18 @@ def assert_product(got: np.ndarray, x: np.ndarray, *records: QuantizedWeight) ->
     whatever order either side sums in: each element within K·ε of Σ|x|·(|code · scale| + |min|),
     twice the bound of one float32 sum of K products (a graph with a min term sums its parts apart)."""
     weight = np.concatenate([record.dequantize() for record in records])
-    size = np.concatenate([np.abs(replace(record, mins=None).dequantize()) for record in records])
-    for row, record in zip(np.cumsum([0, *(r.codes.shape[0] for r in records)]), records):
-        if record.mins is not None:
-            no_codes = replace(record, codes=np.zeros_like(record.codes), zero_points=None)
-            size[row : row + record.codes.shape[0]] += np.abs(no_codes.dequantize())
+    size = np.concatenate([_magnitudes(record) for record in records])
     bound = x.shape[-1] * np.finfo(np.float32).eps * (np.abs(x) @ size.T)
     error = np.abs(got - x @ weight.T)
     assert np.all(error <= bound), f"{float(error.max())} against a bound of {float(bound.min())} at least"
+
+
+def _magnitudes(record: QuantizedWeight) -> np.ndarray:
+    """|code · scale| + |min| of each weight: the sizes of the terms the graph sums."""
+    size = np.abs(replace(record, mins=None).dequantize())
+    if record.mins is not None:  # the mins alone: every code 0, no zero point
+        size += np.abs(replace(record, codes=np.zeros_like(record.codes), zero_points=None).dequantize())
+    return size
 
 
 def prequantized(n: int, k: int, bits: int, block: int) -> QuantizedWeight:
