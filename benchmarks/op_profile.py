@@ -12,8 +12,8 @@ prefill, the others its decode steps. Kernel times are summed per run into group
 - `MatMulNBits` by its bits and block size, with the LM head (the product the logits come
   from, back along first inputs) apart;
 - a GGUF import's min terms (`MinTerms` in `kvforge/passes/quantize.py`): the float MatMuls
-  by the minimums (`*.mins`), their Adds, and the block sums (Reshape and ReduceSum, or a
-  MatMul by a block indicator);
+  by the minimums (those whose input is a block sum), their Adds, and the block sums they
+  read (Reshape and ReduceSum, or a MatMul by a block indicator);
 - every other op by its type.
 
 Prints one JSON object: per phase (`prefill`, `decode`: the median over the decode steps of
@@ -58,14 +58,18 @@ def node_groups(model_path: Path, logits: str) -> dict[str, str]:
             head = node.name
             break
         value = node.input[0]
-    # a min term's block sums: a ReduceSum over a Reshape into blocks, or a MatMul by a block indicator
-    sums = {
-        node.output[0]
+    # a min term: a MatMul by the minimums of the input's block sums, which are a ReduceSum over
+    # a Reshape into blocks or a MatMul by a block indicator; a ReduceSum feeding anything else
+    # keeps its op type
+    candidates = {
+        node.output[0]: node
         for node in nodes
         if node.op_type == "ReduceSum" or (node.op_type == "MatMul" and "kvforge.block_sum" in node.input[1])
     }
-    splits = {node.input[0] for node in nodes if node.op_type == "ReduceSum"}
-    mins = {node.output[0] for node in nodes if node.op_type == "MatMul" and node.input[0] in sums}
+    terms = [node for node in nodes if node.op_type == "MatMul" and node.input[0] in candidates]
+    mins = {node.output[0] for node in terms}
+    sums = {node.input[0] for node in terms}
+    splits = {candidates[s].input[0] for s in sums if candidates[s].op_type == "ReduceSum"}
     groups = {}
     for node in nodes:
         attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}

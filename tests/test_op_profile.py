@@ -31,7 +31,8 @@ def _nbits(name: str, inputs: list[str], output: str, k: int, n: int, bits: int,
 
 def test_a_min_term_and_the_head_are_told_apart_from_the_projections(op_profile: ModuleType, tmp_path: Path) -> None:
     """A projection with a min term (MatMulNBits + block sums × minimums + Add), a residual Add,
-    and an 8-bit head read through a Reshape: each node in its group."""
+    block sums that feed no min term, and an 8-bit head read through a Reshape: each node in its
+    group."""
     k, vocab = 64, 50
     nodes = [
         _nbits("proj", ["x", "codes", "scales"], "product", k, k, bits=4, block=32),
@@ -40,6 +41,8 @@ def test_a_min_term_and_the_head_are_told_apart_from_the_projections(op_profile:
         helper.make_node("MatMul", ["sums", "w.mins"], ["term"], "term"),
         helper.make_node("Add", ["product", "term"], ["projected"], "term_add"),
         helper.make_node("Add", ["projected", "x"], ["residual"], "residual"),
+        helper.make_node("Reshape", ["residual", "blocks"], ["other_split"], "other_split"),
+        helper.make_node("ReduceSum", ["other_split", "axes"], ["other_sums"], "other_sums", keepdims=0),
         _nbits("head", ["residual", "head_codes", "head_scales"], "head_out", k, vocab, bits=8, block=16),
         helper.make_node("Reshape", ["head_out", "logits_shape"], ["logits"], "logits_shape"),
     ]
@@ -68,6 +71,8 @@ def test_a_min_term_and_the_head_are_told_apart_from_the_projections(op_profile:
         "term": "min terms: MatMul by the minimums",
         "term_add": "min terms: their Add",
         "residual": "Add",
+        "other_split": "Reshape",
+        "other_sums": "ReduceSum",
         "head": "LM head (MatMulNBits 8-bit, blocks of 16)",
         "logits_shape": "Reshape",
     }
